@@ -1,0 +1,159 @@
+"""Run many occluded copies of one image through the engine, in batches (shared by every OBE front end)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from incrinf.engine import IncrementalEngine
+from incrinf.geometry import RegionKind, full_flops, incremental_flops, input_region, propagate
+from incrinf.graph import Graph
+from incrinf.kernels.gather import from_rows, gather_windows, to_rows
+from incrinf.plan import box_rows, build_plan, captured_graph
+
+# Packed batches beyond this many positions stop paying on a CPU and only cost memory.
+CPU_BATCH_CAP = 64
+
+
+@dataclass
+class RunStats:
+    """What a run did: positions, batches, time, FLOP ratios, working memory."""
+
+    positions: int = 0
+    batches: int = 0
+    batch_size: int = 0
+    seconds: float = 0.0
+    flops_full: float = 0.0
+    theoretical_speedup: float = 1.0
+    realized_flop_ratio: float = 1.0
+    peak_memory_bytes: int = 0
+    tau: float = 1.0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        out.update(self.extra)
+        return out
+
+
+def estimate_batch_size(graph: Graph, window: tuple[int, int], max_memory: int, tau: float,
+                        cap: int = CPU_BATCH_CAP) -> int:
+    """Positions per batch so that the working tensors stay under ``max_memory`` bytes."""
+    hw = graph.input_shape[-2:]
+    centre = np.array([[(hw[0] - window[0]) // 2, (hw[1] - window[1]) // 2]])
+    prop = propagate(graph, input_region(centre, window, hw), tau=tau, uniform=True)
+    largest = 0
+    for node in graph.nodes:
+        region = prop.regions[node.name]
+        if node.shape is None or region.kind == RegionKind.NONE:
+            continue
+        step = prop.steps.get(node.name)
+        if region.kind == RegionKind.FULL:
+            elems = int(np.prod(node.shape[1:]))
+        else:
+            elems = node.shape[1] * int(region.h[0]) * int(region.w[0]) if len(node.shape) == 4 else 0
+        if step is not None:
+            elems += graph.by_name[node.inputs[0]].shape[1] * step.read_h * step.read_w
+        largest = max(largest, elems)
+    per_position = 4 * 4 * max(largest, 1)  # float32; window, output, projection and slack
+    return int(max(1, min(cap, max_memory // per_position)))
+
+
+class OcclusionRunner:
+    """Outputs of a model for many occlusions of one image, by batched incremental inference.
+
+    Args:
+        model: a ``torch.fx``-traceable model (eval mode is set).
+        image: (1, C, H, W) float tensor.
+        tau: projective field threshold (1 = exact).
+    """
+
+    def __init__(self, model: nn.Module | Graph, image: torch.Tensor, tau: float = 1.0) -> None:
+        self.graph = model if isinstance(model, Graph) else captured_graph(model, tuple(image.shape))
+        self.image = image
+        self.tau = tau
+        self.engine = IncrementalEngine(self.graph, image)
+        self.image_rows = to_rows(image).contiguous()
+
+    @property
+    def base_output(self) -> torch.Tensor:
+        return self.engine.base_output
+
+    def run(self, positions: np.ndarray, window: tuple[int, int], baseline: torch.Tensor | float = 0.0,
+            channels: torch.Tensor | None = None, batch_size: int = 16, progress: bool = False,
+            desc: str = "occlusion") -> tuple[torch.Tensor, RunStats]:
+        """Model outputs with each window replaced by the baseline.
+
+        Args:
+            positions: (N, 2) top-left corners (y, x); windows reaching past the edge are cropped.
+            window: (h, w) window size.
+            baseline: scalar or a tensor broadcastable to (1, C, H, W): the occluding values.
+            channels: optional (N, C) bool mask of occluded channels per position (all when ``None``).
+            batch_size: positions per packed batch.
+            progress: show a progress bar.
+            desc: progress bar label.
+
+        Returns:
+            ``(outputs, stats)``: outputs with a leading dimension N.
+        """
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1, 2)
+        n = len(positions)
+        stats = RunStats(positions=n, batch_size=batch_size, tau=self.tau)
+        stats.flops_full = float(full_flops(self.graph))
+        exact = incremental_flops(self.graph, propagate(
+            self.graph, input_region(positions, window, self.graph.input_shape[-2:]), self.tau, uniform=False))
+        stats.theoretical_speedup = stats.flops_full / max(float(exact.mean()), 1.0)
+        baseline_rows = self._baseline_rows(baseline)
+        outputs: list[torch.Tensor] = []
+        realized = 0.0
+        start = time.perf_counter()
+        bar = tqdm(total=n, desc=desc, unit="pos", disable=not progress, leave=False)
+        for lo in range(0, n, batch_size):
+            chunk = positions[lo:lo + batch_size]
+            plan = build_plan(self.graph, chunk, window, self.tau, self.image.device)
+            region = plan.prop.regions[self.graph.input.name]
+            values = self._occluded_region(chunk, window, region, baseline_rows,
+                                           None if channels is None else channels[lo:lo + batch_size])
+            out = self.engine.run(plan, values)
+            outputs.append(out)
+            realized += plan.flops_incremental * len(chunk)
+            stats.batches += 1
+            stats.peak_memory_bytes = max(stats.peak_memory_bytes, self.engine.last_peak_bytes)
+            bar.update(len(chunk))
+        bar.close()
+        stats.seconds = time.perf_counter() - start
+        stats.realized_flop_ratio = stats.flops_full * n / max(realized, 1.0)
+        return torch.cat(outputs, 0), stats
+
+    def _baseline_rows(self, baseline: torch.Tensor | float) -> torch.Tensor | float:
+        if isinstance(baseline, torch.Tensor) and baseline.numel() > 1:
+            full = torch.broadcast_to(baseline.to(self.image), self.image.shape)
+            return to_rows(full).contiguous()
+        return float(baseline)
+
+    def _occluded_region(self, chunk: np.ndarray, window: tuple[int, int], region, baseline_rows,
+                         channels: torch.Tensor | None) -> torch.Tensor:
+        """(N, C, h, w) values of each position's input box: the image with its window occluded."""
+        n = len(chunk)
+        h, w = int(region.h[0]), int(region.w[0])
+        width = self.graph.input_shape[-1]
+        index = torch.from_numpy(box_rows(region.y, region.x, h, w, width)).to(self.image.device)
+        patch = from_rows(gather_windows(self.image_rows, index, n, h, w), n, h, w)
+        if isinstance(baseline_rows, torch.Tensor):
+            fill = from_rows(gather_windows(baseline_rows, index, n, h, w), n, h, w)
+        else:
+            fill = torch.full_like(patch, baseline_rows)
+        dev = self.image.device
+        oy = torch.from_numpy(chunk[:, 0] - region.y).to(dev).view(n, 1, 1, 1)
+        ox = torch.from_numpy(chunk[:, 1] - region.x).to(dev).view(n, 1, 1, 1)
+        ii = torch.arange(h, device=dev).view(1, 1, h, 1)
+        jj = torch.arange(w, device=dev).view(1, 1, 1, w)
+        mask = (ii >= oy) & (ii < oy + window[0]) & (jj >= ox) & (jj < ox + window[1])
+        if channels is not None:
+            mask = mask & channels.to(dev).view(n, -1, 1, 1)
+        return torch.where(mask, fill, patch)

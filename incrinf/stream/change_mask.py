@@ -1,0 +1,189 @@
+"""Which parts of the current frame the warped previous frame does not explain (CacheInf's change mask).
+
+The frame is cut into a grid of ``cell`` x ``cell`` pixel cells (the last row/column may be smaller). A
+cell is *changed* when the mean over its pixels and channels of ``|curr - warped_prev|`` reaches
+``threshold``, or when any of its pixels comes from outside the previous frame. Changed cells are
+recomputed; the rest are read from the warped cache.
+
+Threshold: CacheInf defaults to 100 on 0-255 pixels, which tolerates a cell whose *average* error is 40% of
+the range, so a moderate-contrast object covering half a cell goes unnoticed and stale features are reused.
+For reuse that stays close to full inference we default to 25: above the residue of bilinear resampling
+and sub-pixel homography error on textured content (typically < 10), well below real content changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# 32 px divides common input sizes (224 = 7 x 32) and equals the total stride of typical CNN backbones, so a
+# cell maps onto whole positions of every feature map; CacheInf uses ~40 px cells.
+DEFAULT_CELL = 32
+DEFAULT_THRESHOLD = 25.0
+
+Box = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class ChangeMask:
+    """Cells of a frame that must be recomputed.
+
+    Attributes:
+        cells: (gh, gw) bool, True = changed; ``gh = ceil(H / cell)``, ``gw = ceil(W / cell)``.
+        cell: cell side in pixels.
+        image_size: (H, W) of the frame.
+        cell_diff: (gh, gw) float32 mean absolute difference per cell (in input units; NaN-free).
+    """
+
+    cells: np.ndarray
+    cell: int
+    image_size: tuple[int, int]
+    cell_diff: np.ndarray
+
+    @property
+    def pixel_mask(self) -> np.ndarray:
+        """(H, W) bool, the cell mask upsampled to pixels (True = recompute)."""
+        h, w = self.image_size
+        up = np.repeat(np.repeat(self.cells, self.cell, axis=0), self.cell, axis=1)
+        return up[:h, :w]
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Changed pixels / all pixels (edge cells count only their pixels inside the frame)."""
+        return float(self.pixel_mask.mean())
+
+    @property
+    def cache_ratio(self) -> float:
+        """1 - :attr:`recompute_fraction`: the share of the frame served from the cache."""
+        return 1.0 - self.recompute_fraction
+
+    @property
+    def changed_cell_fraction(self) -> float:
+        """Changed cells / all cells (CacheInf falls back to full inference at >= 0.6)."""
+        return float(self.cells.mean())
+
+    def boxes(self) -> list[Box]:
+        """Changed cells merged into disjoint rectangles, in pixel coords.
+
+        Each grid row is split into runs of changed cells; a run extends the rectangle above it when that
+        rectangle spans exactly the same columns, so blocks of cells become one box.
+
+        Returns:
+            ``(y0, y1, x0, x1)`` boxes, end-exclusive, clipped to the frame, ordered by (y0, x0).
+        """
+        return [self._to_pixels(box) for box in merge_cell_boxes(self.cells)]
+
+    def _to_pixels(self, box: Box) -> Box:
+        r0, r1, c0, c1 = box
+        h, w = self.image_size
+        c = self.cell
+        return (r0 * c, min(r1 * c, h), c0 * c, min(c1 * c, w))
+
+
+def merge_cell_boxes(cells: np.ndarray) -> list[Box]:
+    """Cover the True entries of a bool grid with disjoint rectangles (row runs merged vertically).
+
+    Args:
+        cells: (gh, gw) bool.
+
+    Returns:
+        ``(r0, r1, c0, c1)`` boxes in grid units, end-exclusive, ordered by (r0, c0).
+    """
+    done: list[Box] = []
+    open_boxes: dict[tuple[int, int], int] = {}  # (c0, c1) -> first row of a box still growing
+    for r, row in enumerate(np.asarray(cells, dtype=bool)):
+        padded = np.concatenate([[False], row, [False]])
+        edges = np.flatnonzero(padded[1:] != padded[:-1])
+        runs = set(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
+        for span in list(open_boxes):
+            if span not in runs:
+                done.append((open_boxes.pop(span), r, *span))
+        for span in runs:
+            open_boxes.setdefault(span, r)
+    done.extend((r0, len(cells), *span) for span, r0 in open_boxes.items())
+    return sorted(done, key=lambda b: (b[0], b[2]))
+
+
+def _as_hwc(x: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """(H, W, C) float64 tensor from a numpy (H, W) / (H, W, C) array or a tensor (H, W) / (C, H, W) /
+    (1, C, H, W) (tensors are channel-first, as in PyTorch)."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach().to("cpu", torch.float64)
+        if t.ndim == 4:
+            if t.shape[0] != 1:
+                raise ValueError(f"expected a single frame, got batch of {t.shape[0]}")
+            t = t[0]
+        if t.ndim == 3:
+            t = t.permute(1, 2, 0)
+    else:
+        # float64 so means of integer pixels compare exactly against thresholds like 25.
+        t = torch.from_numpy(np.asarray(x, dtype=np.float64))
+    if t.ndim == 2:
+        t = t[:, :, None]
+    if t.ndim != 3:
+        raise ValueError(f"expected a (H, W) or (H, W, C) frame, got shape {tuple(x.shape)}")
+    return t
+
+
+def _cell_sums(values: torch.Tensor, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum and pixel count of (H, W) values over each ``cell`` x ``cell`` block (edge blocks may be
+    smaller; unlike AdaptiveAvgPool's overlapping bins, blocks never overlap)."""
+    h, w = values.shape
+    gh, gw = -(-h // cell), -(-w // cell)
+    padded = torch.zeros(gh * cell, gw * cell, dtype=torch.float64)
+    counts = torch.zeros_like(padded)
+    padded[:h, :w] = values
+    counts[:h, :w] = 1.0
+    return padded.view(gh, cell, gw, cell).sum(dim=(1, 3)), counts.view(gh, cell, gw, cell).sum(dim=(1, 3))
+
+
+def change_mask(
+    curr: np.ndarray | torch.Tensor,
+    warped_prev: np.ndarray | torch.Tensor,
+    cell: int = DEFAULT_CELL,
+    threshold: float = DEFAULT_THRESHOLD,
+    valid: np.ndarray | torch.Tensor | None = None,
+) -> ChangeMask:
+    """Mark the cells where the warped previous frame differs from the current one.
+
+    ``diff[cell] = mean over the cell's pixels and channels of |curr - warped_prev|``; a cell is changed
+    when ``diff >= threshold`` (so ``threshold=0`` marks every cell), or when it holds any pixel with
+    ``valid == False``.
+
+    Args:
+        curr: current frame, numpy (H, W) / (H, W, C) or tensor (H, W) / (C, H, W) / (1, C, H, W); uint8 or
+            float.
+        warped_prev: previous frame warped into the current view (e.g. :func:`~incrinf.stream.warp.
+            warp_image`), same layout and size as ``curr``.
+        cell: cell side in pixels.
+        threshold: in the inputs' units (0-255 for uint8 frames; divide by 255 for [0, 1] floats).
+        valid: optional (H, W) bool, False where the warp read from outside the previous frame
+            (:func:`~incrinf.stream.warp.warp_valid_mask`).
+
+    Returns:
+        A :class:`ChangeMask`.
+    """
+    if cell < 1:
+        raise ValueError(f"cell must be >= 1, got {cell}")
+    a, b = _as_hwc(curr), _as_hwc(warped_prev)
+    if a.shape != b.shape:
+        raise ValueError(f"frames differ in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
+    h, w = a.shape[:2]
+    n_channels = a.shape[2]
+    sums, counts = _cell_sums((a - b).abs().sum(dim=2), cell)
+    # Compare sums, not means: integer pixel sums are exact in float64, so ties with the threshold are exact.
+    cells = sums >= threshold * counts * n_channels
+    diff = sums / (counts * n_channels)
+    if valid is not None:
+        valid_t = torch.as_tensor(np.asarray(valid) if not isinstance(valid, torch.Tensor) else valid.cpu())
+        if tuple(valid_t.shape) != (h, w):
+            raise ValueError(f"valid mask has shape {tuple(valid_t.shape)}, frame is {(h, w)}")
+        cells |= _cell_sums((~valid_t.bool()).double(), cell)[0] > 0
+    return ChangeMask(
+        cells=cells.numpy(),
+        cell=cell,
+        image_size=(h, w),
+        cell_diff=diff.float().numpy(),
+    )
