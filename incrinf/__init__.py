@@ -1,6 +1,27 @@
-"""incrinf: incremental CNN inference for occlusion explanations and camera streams."""
+"""incrinf: incremental CNN inference for occlusion explanations and camera streams.
 
+Public API: :func:`analyze` (theoretical speedup), :func:`occlusion` (heat maps), ``incrinf.captum.Occlusion``
+(Captum drop-in), :class:`RuntimeCache` / :func:`runtime_cache` (plan cache), ``incrinf.models`` (zoo).
+"""
+
+from incrinf.analysis import AnalysisReport, analyze
+from incrinf.cache import LookupStatus, RuntimeCache, make_key, runtime_cache
 from incrinf.errors import CaptureError
+from incrinf.explain.occlusion import OcclusionResult, occlusion
+from incrinf.graph import Graph, NodeKind, capture
 
-__all__ = ["CaptureError"]
+__all__ = [
+    "AnalysisReport",
+    "CaptureError",
+    "Graph",
+    "LookupStatus",
+    "NodeKind",
+    "OcclusionResult",
+    "RuntimeCache",
+    "analyze",
+    "capture",
+    "make_key",
+    "occlusion",
+    "runtime_cache",
+]
 __version__ = "0.1.0"

@@ -9,7 +9,7 @@ import numpy as np
 import torch.nn as nn
 
 from incrinf.geometry import Region, RegionKind, full_flops, incremental_flops, input_region, propagate
-from incrinf.graph import Graph, NodeKind, capture, parse_input_shape
+from incrinf.graph import Graph, NodeKind, parse_input_shape
 from incrinf.validation import check_patch, check_stride, check_tau
 
 

@@ -107,16 +107,19 @@ def sample_image() -> np.ndarray:
     return skimage.data.chelsea()
 
 
-def preprocess(image: np.ndarray, name: str = "efficientnet_lite0", size: int | None = None) -> torch.Tensor:
-    """Resize (shorter side, centre crop) and normalise an RGB uint8 image for a zoo model.
+def preprocess(image: np.ndarray, name: str = "efficientnet_lite0", size: int | None = None,
+               crop: bool = True) -> torch.Tensor:
+    """Resize (shorter side to ``size``, then centre crop) and normalise an RGB image for a zoo model.
 
     Args:
-        image: HxWx3 uint8 RGB array.
+        image: HxWx3 RGB array (uint8, or float in [0, 1]).
         name: zoo model whose normalisation to use.
-        size: square output size (default: the model's input size).
+        size: shorter-side size (default: the model's input size).
+        crop: centre-crop to a square; without it the whole image is kept (models with global pooling
+            accept any size).
 
     Returns:
-        (3, size, size) float32 tensor.
+        (3, size, size) float32 tensor, or (3, H', W') without ``crop``.
     """
     if not isinstance(image, np.ndarray) or image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(f"image must be an HxWx3 array, got {getattr(image, 'shape', type(image))}")
@@ -129,8 +132,9 @@ def preprocess(image: np.ndarray, name: str = "efficientnet_lite0", size: int | 
     scale = size / min(h, w)
     nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
     x = F.interpolate(x[None], size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)[0]
-    top, left = (nh - size) // 2, (nw - size) // 2
-    x = x[:, top:top + size, left:left + size]
+    if crop:
+        top, left = (nh - size) // 2, (nw - size) // 2
+        x = x[:, top:top + size, left:left + size]
     mean = torch.tensor(meta.mean).view(3, 1, 1)
     std = torch.tensor(meta.std).view(3, 1, 1)
     return ((x - mean) / std).contiguous()

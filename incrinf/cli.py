@@ -1,0 +1,144 @@
+"""Command line: ``incrinf analyze | explain | ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _input_shape(text: str) -> tuple[int, ...]:
+    from incrinf.graph import parse_input_shape
+
+    try:
+        return parse_input_shape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _model_name(text: str) -> str:
+    from incrinf import models
+
+    if text not in models.available():
+        raise argparse.ArgumentTypeError(f"unknown model {text!r}; try one of: {', '.join(models.ZOO)}")
+    return text
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from incrinf import models
+    from incrinf.analysis import analyze
+
+    shape = args.input or (3, models.info(args.model).input_size, models.info(args.model).input_size)
+    model = models.load(args.model, args.weights)
+    report = analyze(model, shape, args.patch, stride=args.stride, tau=args.tau, position=args.position)
+    print(report.table())
+    return 0
+
+
+def _read_image(path: str | None) -> np.ndarray:
+    from incrinf import models
+
+    if path is None:
+        return models.sample_image()
+    import skimage.io
+
+    if not Path(path).is_file():
+        raise SystemExit(f"incrinf explain: image not found: {path}")
+    try:
+        image = skimage.io.imread(path)
+    except Exception as exc:
+        raise SystemExit(f"incrinf explain: cannot read image {path}: {exc}") from None
+    if image.ndim == 2:
+        image = np.stack([image] * 3, axis=-1)
+    if image.ndim != 3 or image.shape[2] not in (3, 4):
+        raise SystemExit(f"incrinf explain: {path} is not an RGB image (shape {image.shape})")
+    image = image[..., :3]
+    if image.dtype != np.uint8:
+        image = (255 * (image.astype(np.float64) / max(float(image.max()), 1e-12))).astype(np.uint8)
+    return image
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from incrinf import models
+    from incrinf.explain.occlusion import occlusion
+
+    image = _read_image(args.image)
+    model = models.load(args.model, args.weights)
+    x = models.preprocess(image, args.model)
+    start = time.perf_counter()
+    result = occlusion(model, x, target=args.target, patch=args.patch, stride=args.stride,
+                       batch_size=args.batch_size if args.batch_size else "auto", tau=args.tau,
+                       output=args.output, progress=not args.quiet)
+    elapsed = time.perf_counter() - start
+    out = result.save(args.out, image=models.unnormalize(x, args.model),
+                      title=f"{args.model}: class {result.target}")
+    s = result.stats
+    print(f"explained class {result.target} with {s['positions']} positions in {elapsed:.1f} s "
+          f"({s['batches']} batches of {s['batch_size']}); theoretical speedup {s['theoretical_speedup']:.2f}x, "
+          f"realized FLOP ratio {s['realized_flop_ratio']:.2f}x")
+    y, x_ = np.unravel_index(np.argmax(result.heatmap), result.heatmap.shape)
+    py, px = result.positions[y * result.heatmap.shape[1] + x_]
+    print(f"largest drop {result.heatmap.max():.3f} at window y={py}..{py + result.patch[0]}, "
+          f"x={px}..{px + result.patch[1]}")
+    print(f"heat map written to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="incrinf", description="Incremental CNN inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("analyze", help="theoretical speedup of incremental inference, per layer")
+    p.add_argument("--model", type=_model_name, default="resnet18")
+    p.add_argument("--weights", help="state-dict file for a torchvision architecture")
+    p.add_argument("--patch", type=_positive_int, default=16)
+    p.add_argument("--stride", type=_positive_int, default=4, help="used with --position all")
+    p.add_argument("--tau", type=float, default=1.0, help="projective field threshold in (0, 1]")
+    p.add_argument("--input", type=_input_shape, help="input shape, e.g. 3x224x224")
+    p.add_argument("--position", default="center", choices=["center", "all"])
+    p.set_defaults(func=cmd_analyze)
+
+    p = sub.add_parser("explain", help="occlusion heat map by incremental inference")
+    p.add_argument("image", nargs="?", help="image file (default: a shipped photo of a cat)")
+    p.add_argument("--model", type=_model_name, default="efficientnet_lite0")
+    p.add_argument("--weights", help="state-dict file for a torchvision architecture")
+    p.add_argument("--patch", type=_positive_int, default=16)
+    p.add_argument("--stride", type=_positive_int, default=4)
+    p.add_argument("--target", type=int, help="class to explain (default: predicted)")
+    p.add_argument("--tau", type=float, default=1.0, help="projective field threshold (1 = exact)")
+    p.add_argument("--output", choices=["logit", "prob"], default="prob")
+    p.add_argument("--batch-size", type=_positive_int)
+    p.add_argument("--out", default="heatmap.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_explain)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``incrinf`` command."""
+    from incrinf.errors import CaptureError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, CaptureError, FileNotFoundError, RuntimeError) as exc:
+        print(f"incrinf {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
