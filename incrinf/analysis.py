@@ -166,6 +166,7 @@ def _row(graph: Graph, node, region: Region) -> NodeRow:
 def _reuse_stop(graph: Graph, regions: dict[str, Region]) -> str:
     for node in graph.nodes:
         region = regions[node.name]
-        if region.kind == RegionKind.FULL and node.shape is not None:
-            return f"{node.name} ({region.reason})"
+        is_map = node.shape is not None and len(node.shape) >= 3 and node.shape[-2] * node.shape[-1] > 1
+        if region.kind == RegionKind.FULL and is_map:
+            return f"{node.name}: {region.reason}"
     return "never (the output itself is a map)"

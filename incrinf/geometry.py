@@ -201,7 +201,7 @@ def _node_region(graph: Graph, node: Node, start: Region, regions: dict[str, Reg
     if node.kind in (NodeKind.GLOBAL, NodeKind.OUTPUT):
         if full:
             return Region.full(full[0].reason)
-        return Region.full(f"{node.name}: {node.reason}" if node.reason else node.name)
+        return Region.full(node.reason or "an operator that mixes all positions")
     if full:
         return Region.full(full[0].reason)
     shape = node.shape

@@ -578,7 +578,9 @@ def capture(model: nn.Module, input_shape: Any) -> Graph:
         ValueError: malformed ``input_shape``.
     """
     shape = parse_input_shape(input_shape)
-    model.eval()
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    model.eval()  # before tracing: some ops (stochastic depth) bake the training flag into the graph
     gm = trace(model)
     gm.eval()
     param = next(iter(gm.parameters()), None)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from incrinf.kernels.depthwise_int8 import depthwise_conv2d_int8, resolve_padding
+from incrinf.kernels.depthwise_int8 import depthwise_conv2d_int8_packed, pack_depthwise_int8, resolve_padding
 from incrinf.kernels.quantize import (
     activation_range,
     dequantize,
@@ -70,8 +70,7 @@ class QuantizedDepthwiseConv2d(nn.Module):
         input_scale, input_zero_point: input quantization.
         output_scale, output_zero_point: output quantization.
         stride, dilation: ``(h, w)``.
-        padding: ``(top, bottom, left, right)``, "same" or "valid" (resolved for the input size
-            only when a string; use explicit padding for a fixed geometry).
+        padding: explicit zero padding ``(top, bottom, left, right)``.
         activation: ``None``, ``"relu"`` or ``"relu6"`` (fused as TFLite's activation clamp).
 
     Attributes:
@@ -112,9 +111,8 @@ class QuantizedDepthwiseConv2d(nn.Module):
         if len(self.stride) != 2 or len(self.dilation) != 2:
             raise ValueError("stride and dilation must be (h, w) pairs")
         if isinstance(padding, str):
-            self.padding: tuple[int, int, int, int] | str = padding
-        else:
-            self.padding = resolve_padding(tuple(padding), (0, 0), self.kernel_size, self.stride, self.dilation)
+            raise TypeError("padding must be explicit (top, bottom, left, right): 'same' depends on the input size")
+        self.padding = resolve_padding(tuple(padding), (0, 0), self.kernel_size, self.stride, self.dilation)
         self.activation = activation
         self.input_scale = float(np.float32(input_scale))
         self.input_zero_point = int(input_zero_point)
@@ -128,6 +126,14 @@ class QuantizedDepthwiseConv2d(nn.Module):
         self.register_buffer("weight_scales", torch.from_numpy(w_scales.copy()))
         self.register_buffer("output_multiplier", torch.from_numpy(mult))
         self.register_buffer("output_shift", torch.from_numpy(shift))
+        self._packed = pack_depthwise_int8(
+            weight,
+            self.bias.numpy(),
+            input_offset=-self.input_zero_point,
+            output_multiplier=mult,
+            output_shift=shift,
+            in_channels=self.in_channels,
+        )
 
     @classmethod
     def from_float(
@@ -213,18 +219,13 @@ class QuantizedDepthwiseConv2d(nn.Module):
 
     def forward_int8(self, x_q: torch.Tensor | np.ndarray, region: tuple[int, int, int, int] | None = None):
         """Integer path: int8 NHWC ``(N, H, W, C)`` in, int8 NHWC ``(N, OH, OW, C*M)`` out."""
-        return depthwise_conv2d_int8(
+        return depthwise_conv2d_int8_packed(
             x_q,
-            self.weight.numpy(),
-            self.bias.numpy(),
+            self._packed,
             stride=self.stride,
             padding=self.padding,
             dilation=self.dilation,
-            depth_multiplier=self.depth_multiplier,
-            input_offset=-self.input_zero_point,
             output_offset=self.output_zero_point,
-            output_multiplier=self.output_multiplier.numpy(),
-            output_shift=self.output_shift.numpy(),
             act_min=self.act_min,
             act_max=self.act_max,
             region=region,

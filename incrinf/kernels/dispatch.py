@@ -1,0 +1,159 @@
+"""Pick the window-preparation kernels for a device: Triton on CUDA, plain PyTorch index ops elsewhere.
+
+``INCRINF_FORCE_TRITON=1`` takes the Triton path for every tensor (CPU tensors then run in Triton's
+interpreter, which is how CI checks the kernels); ``INCRINF_FORCE_TRITON=0`` takes the PyTorch path even on
+CUDA (the baseline the GPU benchmark compares against). Unset: Triton exactly when the tensors are on CUDA
+and Triton imports.
+
+The first three functions keep the signatures of :mod:`incrinf.kernels.gather`; :func:`prepare_windows` and
+:func:`project` are the fused entry points the engine calls with a plan's combined index.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from incrinf.kernels import gather as _torch_path
+
+FORCE_ENV = "INCRINF_FORCE_TRITON"
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether Triton imports (it ships with CUDA builds of torch on Linux)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # an absent or broken install both mean "use PyTorch"
+        return False
+    return True
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether tensors like ``t`` go through the Triton kernels (see the module docstring)."""
+    force = os.environ.get(FORCE_ENV, "").strip()
+    if force == "0":
+        return False
+    if force:
+        if not triton_available():
+            raise RuntimeError(f"{FORCE_ENV}={force} but triton cannot be imported")
+        return True
+    return t.device.type == "cuda" and triton_available()
+
+
+def _triton():
+    from incrinf.kernels import triton_gather
+
+    return triton_gather
+
+
+# --- same signatures as incrinf.kernels.gather -------------------------------------------------------------
+
+
+def gather_windows(base_rows: torch.Tensor, index: torch.Tensor, n: int, h: int, w: int) -> torch.Tensor:
+    """Gather N windows from one map: (Hp*Wp, C) rows, (N*h*w,) index -> (N*h*w, C) fresh rows."""
+    if use_triton(base_rows):
+        return _triton().gather_rows(base_rows, index)
+    return _torch_path.gather_windows(base_rows, index, n, h, w)
+
+
+def overlay_rows(window_rows: torch.Tensor, dest: torch.Tensor, region_rows: torch.Tensor,
+                 source: torch.Tensor | None = None) -> torch.Tensor:
+    """Write region rows ``source`` (all when ``None``) into rows ``dest`` of ``window_rows``, in place."""
+    if use_triton(window_rows):
+        return _triton().scatter_rows(window_rows, dest, region_rows, source)
+    return _torch_path.overlay_rows(window_rows, dest, region_rows, source)
+
+
+def project_full(base_rows: torch.Tensor, n: int, dest: torch.Tensor, region_rows: torch.Tensor,
+                 source: torch.Tensor | None = None) -> torch.Tensor:
+    """N copies of the (H*W, C) base rows with each position's region written in: (N*H*W, C)."""
+    if use_triton(base_rows):
+        tg = _triton()
+        combined = tg.fuse_scatter_index(dest, source, n, base_rows.shape[0])
+        return tg.gather_rows(base_rows, combined, region_rows)
+    return _torch_path.project_full(base_rows, n, dest, region_rows, source)
+
+
+# --- fused entry points -------------------------------------------------------------------------------------
+
+
+def prepare_windows(base_rows: torch.Tensor, read_index: torch.Tensor, dest: torch.Tensor | None,
+                    region_rows: torch.Tensor | None, source: torch.Tensor | None = None,
+                    combined: torch.Tensor | None = None) -> torch.Tensor:
+    """All read-in windows of a batch with the incoming regions overlaid.
+
+    Args:
+        base_rows: (B, C) the (padded) base map as rows.
+        read_index: (R,) base row of every window row.
+        dest: (K,) window rows receiving region values (``None``: no overlay).
+        region_rows: (M, C) incoming region values (``None``: no overlay).
+        source: (K,) region row of each ``dest`` (``None``: 0..K-1 in order).
+        combined: optional precomputed ``fuse_window_index(read_index, dest, source, B)``.
+
+    Returns:
+        (R, C) rows, a fresh tensor.
+    """
+    overlay = dest is not None and region_rows is not None
+    if use_triton(base_rows):
+        tg = _triton()
+        if not overlay:
+            return tg.gather_rows(base_rows, read_index)
+        if combined is None:
+            combined = tg.fuse_window_index(read_index, dest, source, base_rows.shape[0])
+        return tg.gather_rows(base_rows, combined, region_rows)
+    rows = base_rows.index_select(0, read_index)
+    if overlay:
+        _torch_path.overlay_rows(rows, dest, region_rows, source)
+    return rows
+
+
+def project(base_rows: torch.Tensor, n: int, dest: torch.Tensor, region_rows: torch.Tensor,
+            source: torch.Tensor | None = None, combined: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`project_full` with an optional precomputed ``fuse_scatter_index(dest, source, n, B)``."""
+    if use_triton(base_rows):
+        tg = _triton()
+        if combined is None:
+            combined = tg.fuse_scatter_index(dest, source, n, base_rows.shape[0])
+        return tg.gather_rows(base_rows, combined, region_rows)
+    return _torch_path.project_full(base_rows, n, dest, region_rows, source)
+
+
+# --- device memory -----------------------------------------------------------------------------------------
+
+
+def _cuda(device: torch.device | str | None) -> torch.device | None:
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return device
+
+
+def free_device_memory(device: torch.device | str | None) -> int | None:
+    """Free bytes on a CUDA device (plus what PyTorch's caching allocator holds but does not use), or
+    ``None`` for CPU devices."""
+    dev = _cuda(device)
+    if dev is None:
+        return None
+    free, _total = torch.cuda.mem_get_info(dev)
+    cached_unused = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    return int(free + max(cached_unused, 0))
+
+
+def reset_peak_device_memory(device: torch.device | str | None) -> None:
+    """Start a new peak-memory measurement on a CUDA device (no-op elsewhere)."""
+    dev = _cuda(device)
+    if dev is not None:
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def peak_device_memory(device: torch.device | str | None) -> int | None:
+    """Peak bytes allocated by tensors on a CUDA device since the last reset, or ``None`` for CPU."""
+    dev = _cuda(device)
+    if dev is None:
+        return None
+    return int(torch.cuda.max_memory_allocated(dev))

@@ -1,0 +1,45 @@
+"""Shared test helpers: every RNG seeded, small zoo models cached per session."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything() -> None:
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def zoo_model(name: str) -> torch.nn.Module:
+    """A zoo model, built once per test process."""
+    from incrinf import models
+
+    if name not in _MODELS:
+        _MODELS[name] = models.load(name)
+    return _MODELS[name]
+
+
+def naive_occlusion(model: torch.nn.Module, image: torch.Tensor, positions: np.ndarray, window: tuple[int, int],
+                    baseline: float = 0.0) -> torch.Tensor:
+    """Reference: re-run the model on every occluded copy (what Captum does)."""
+    outs = []
+    for lo in range(0, len(positions), 32):
+        chunk = positions[lo:lo + 32]
+        batch = image.repeat(len(chunk), 1, 1, 1)
+        for i, (y, x) in enumerate(chunk):
+            batch[i, :, y:y + window[0], x:x + window[1]] = baseline
+        with torch.no_grad():
+            outs.append(model(batch))
+    return torch.cat(outs)
