@@ -130,7 +130,12 @@ def local_axis(
     lo = np.maximum(_ceil_div(start + pad - kernel + 1, stride), 0)
     if uniform:
         out_size = np.full_like(out_size, out_size.max())
-    lo = np.minimum(lo, out_dim - out_size)
+        lo = np.minimum(lo, out_dim - out_size)
+    else:
+        # the exact reach: fewer outputs at the edges (corners cost less than the centre)
+        hi = np.minimum((start + size - 1 + pad) // stride, out_dim - 1)
+        lo = np.minimum(lo, hi)
+        out_size = np.maximum(hi - lo + 1, 1)
     return lo, out_size, crop, start, size
 
 

@@ -67,7 +67,7 @@ def load(name: str, weights: str | os.PathLike | None = None) -> nn.Module:
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(available())}")
     kwargs: dict = {"weights": None}
     if name in ("inception_v3", "googlenet"):
-        kwargs.update(aux_logits=False, init_weights=False)
+        kwargs.update(aux_logits=False, init_weights=True)
     torch.manual_seed(0)  # random-init models are reproducible
     model = torchvision.models.get_model(name, **kwargs)
     if weights is not None:
