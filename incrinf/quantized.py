@@ -101,7 +101,9 @@ class QuantizedDepthwiseConv2d(nn.Module):
         out_channels = weight.shape[3]
         self.in_channels = out_channels if in_channels is None else int(in_channels)
         if out_channels % self.in_channels:
-            raise ValueError(f"{out_channels} output channels is not a multiple of in_channels={self.in_channels}")
+            raise ValueError(
+                f"{out_channels} output channels is not a multiple of in_channels={self.in_channels}"
+            )
         self.out_channels = out_channels
         self.groups = self.in_channels
         self.depth_multiplier = out_channels // self.in_channels
@@ -111,7 +113,9 @@ class QuantizedDepthwiseConv2d(nn.Module):
         if len(self.stride) != 2 or len(self.dilation) != 2:
             raise ValueError("stride and dilation must be (h, w) pairs")
         if isinstance(padding, str):
-            raise TypeError("padding must be explicit (top, bottom, left, right): 'same' depends on the input size")
+            raise TypeError(
+                "padding must be explicit (top, bottom, left, right): 'same' depends on the input size"
+            )
         self.padding = resolve_padding(tuple(padding), (0, 0), self.kernel_size, self.stride, self.dilation)
         self.activation = activation
         self.input_scale = float(np.float32(input_scale))
@@ -126,14 +130,20 @@ class QuantizedDepthwiseConv2d(nn.Module):
         self.register_buffer("weight_scales", torch.from_numpy(w_scales.copy()))
         self.register_buffer("output_multiplier", torch.from_numpy(mult))
         self.register_buffer("output_shift", torch.from_numpy(shift))
+        self._repack()
+        # The kernel reads packed copies of the buffers: refresh them when a state_dict is loaded.
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._repack())
+
+    def _repack(self) -> None:
         self._packed = pack_depthwise_int8(
-            weight,
+            self.weight.numpy(),
             self.bias.numpy(),
             input_offset=-self.input_zero_point,
-            output_multiplier=mult,
-            output_shift=shift,
+            output_multiplier=self.output_multiplier.numpy(),
+            output_shift=self.output_shift.numpy(),
             in_channels=self.in_channels,
         )
+        self._unpadded: QuantizedDepthwiseConv2d | None = None
 
     @classmethod
     def from_float(
@@ -174,7 +184,9 @@ class QuantizedDepthwiseConv2d(nn.Module):
         if conv.bias is not None:
             b = conv.bias.detach().cpu().to(torch.float64).numpy()
             b_scale = np.float32(input_scale) * scales.astype(np.float32)
-            b_q = np.clip(_round_half_away(b / b_scale.astype(np.float64)), -(2**31), 2**31 - 1).astype(np.int32)
+            b_q = np.clip(_round_half_away(b / b_scale.astype(np.float64)), -(2**31), 2**31 - 1).astype(
+                np.int32
+            )
         else:
             b_q = np.zeros(conv.out_channels, np.int32)
         return cls(
@@ -197,7 +209,15 @@ class QuantizedDepthwiseConv2d(nn.Module):
 
         Padding a float input with 0.0 quantizes to the zero point, whose contribution
         ``w * (zero_point + input_offset)`` is 0: identical to the kernel skipping those taps.
+        The clone is built once and cached.
         """
+        if self.padding == (0, 0, 0, 0):
+            return self
+        if self._unpadded is None:
+            self._unpadded = self._clone_unpadded()
+        return self._unpadded
+
+    def _clone_unpadded(self) -> QuantizedDepthwiseConv2d:
         return type(self)(
             self.weight.numpy(),
             self.bias.numpy(),
@@ -215,10 +235,16 @@ class QuantizedDepthwiseConv2d(nn.Module):
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """Float NCHW -> int8 NHWC (contiguous), TFLite rounding."""
-        return quantize(x.detach().cpu(), self.input_scale, self.input_zero_point).permute(0, 2, 3, 1).contiguous()
+        return (
+            quantize(x.detach().cpu(), self.input_scale, self.input_zero_point)
+            .permute(0, 2, 3, 1)
+            .contiguous()
+        )
 
-    def forward_int8(self, x_q: torch.Tensor | np.ndarray, region: tuple[int, int, int, int] | None = None):
-        """Integer path: int8 NHWC ``(N, H, W, C)`` in, int8 NHWC ``(N, OH, OW, C*M)`` out."""
+    def forward_int8(
+        self, x_q: torch.Tensor | np.ndarray, region: tuple[int, int, int, int] | None = None
+    ) -> torch.Tensor | np.ndarray:
+        """Integer path: int8 NHWC ``(N, H, W, C)`` in, int8 NHWC ``(N, OH, OW, C*M)`` out (same type)."""
         return depthwise_conv2d_int8_packed(
             x_q,
             self._packed,

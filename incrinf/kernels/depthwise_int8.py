@@ -22,6 +22,8 @@ constants prepared once per layer, as an interpreter does at ``allocate_tensors`
 
 Threads: the kernels are numba ``prange`` loops over output rows; they use
 ``numba.get_num_threads()`` threads (set with ``numba.set_num_threads``) or ``threads=`` per call.
+On an oversubscribed machine (more busy threads than cores) GNU OpenMP's spin-waiting can stall a
+multi-threaded call for a whole scheduler slice; use one thread there, or ``OMP_WAIT_POLICY=PASSIVE``.
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ def resolve_padding(
         if mode == "valid":
             return (0, 0, 0, 0)
         if mode != "same":
-            raise ValueError(f"padding must be 'same', 'valid' or (top, bottom, left, right), got {padding!r}")
+            raise ValueError(
+                f"padding must be 'same', 'valid' or (top, bottom, left, right), got {padding!r}"
+            )
         pads = []
         for size, k, s, d in zip(in_hw, kernel, stride, dilation, strict=True):
             out = (size + s - 1) // s
@@ -169,18 +173,25 @@ def _accumulate(acc, init, xf, wf, tap_x, tap_w, n_valid, x_base, w_base, p_base
 
 @njit(parallel=True, cache=True)
 def _dw_channels_inner(
-    xf, n_batch, in_h, in_w, in_c, wf, dm, kh, kw, bias, base, mult, left, right,
-    sh, sw, dh, dw, pad_t, pad_l, in_off, out_off, act_min, act_max,
-    y0, x0, out_h, out_w, chunk, out,
-):  # fmt: skip
+    xf, x_shape, wf, kernel, bias, base, mult, left, right, geometry, quant, box, chunk, out
+):
     """Channel-innermost kernel on flat arrays, parallel over output rows.
 
-    Shapes: ``xf`` int8 ``(N*H*W*C,)`` (NHWC); ``wf`` int8 ``(M*KH*KW*C,)``: filter planes
+    Arrays: ``xf`` int8 ``(N*H*W*C,)`` (NHWC); ``wf`` int8 ``(M*KH*KW*C,)``: filter planes
     ``(M, KH*KW, C)``, one per depth-multiplier index, so the channel loop reads the filter
     contiguously; ``bias``, ``base``, ``mult``, ``left``, ``right``: ``(M*C,)`` planes; ``out``
     int8 ``(N*OHr*OWr*C*M,)``. Offsets are unsigned: numba then emits no negative-index
-    wraparound and the channel loops vectorize.
+    wraparound and the channel loops vectorize. Scalars come in tuples: ``x_shape``
+    ``(N, H, W, C)``, ``kernel`` ``(M, KH, KW)``, ``geometry`` ``(sh, sw, dh, dw, pad_top,
+    pad_left)``, ``quant`` ``(input_offset, output_offset, act_min, act_max)``, ``box``
+    ``(y0, x0, OHr, OWr)``. (Arrays stay separate arguments: numba's alias analysis would count
+    arrays unpacked from a tuple as aliases and drop the noalias flag.)
     """
+    n_batch, in_h, in_w, in_c = x_shape
+    dm, kh, kw = kernel
+    sh, sw, dh, dw, pad_t, pad_l = geometry
+    in_off, out_off, act_min, act_max = quant
+    y0, x0, out_h, out_w = box
     oc = in_c * dm
     n_taps = kh * kw
     # Interior windows: every tap, offsets relative to the window origin.
@@ -227,37 +238,61 @@ def _dw_channels_inner(
                     w_base = m * n_taps * in_c + c0  # filter plane m, channel c0
                     if inside:
                         # input_offset * sum(filter) is already in `base`: add the raw input.
-                        _accumulate(acc, base, xf, wf, all_x, all_w, n_taps, origin + c0, w_base, p_base, cn, 0)
+                        _accumulate(
+                            acc, base, xf, wf, all_x, all_w, n_taps, origin + c0, w_base, p_base, cn, 0
+                        )
                     else:
                         _accumulate(
-                            acc, bias, xf, wf, border_x, border_w, n_valid, origin + c0, w_base, p_base, cn, in_off
+                            acc,
+                            bias,
+                            xf,
+                            wf,
+                            border_x,
+                            border_w,
+                            n_valid,
+                            origin + c0,
+                            w_base,
+                            p_base,
+                            cn,
+                            in_off,
                         )
                     if dm == 1:
                         ob = np.uint64(out_base + c0)
                         for j in range(cn):
                             out[ob + j] = _requantize(
-                                acc[j], mult[p_base + j], left[p_base + j], right[p_base + j], out_off, act_min,
+                                acc[j],
+                                mult[p_base + j],
+                                left[p_base + j],
+                                right[p_base + j],
+                                out_off,
+                                act_min,
                                 act_max,
-                            )  # fmt: skip
+                            )
                     else:  # output channel ic*M + m: stride M
                         ob = np.uint64(out_base + c0 * dm + m)
                         step = np.uint64(dm)
                         for j in range(cn):
                             out[ob + j * step] = _requantize(
-                                acc[j], mult[p_base + j], left[p_base + j], right[p_base + j], out_off, act_min,
+                                acc[j],
+                                mult[p_base + j],
+                                left[p_base + j],
+                                right[p_base + j],
+                                out_off,
+                                act_min,
                                 act_max,
-                            )  # fmt: skip
+                            )
 
 
 @njit(parallel=True, cache=True)
-def _dw_reference_order(
-    x, w, bias, mult, left, right, sh, sw, dh, dw, pad_t, pad_l, dm,
-    in_off, out_off, act_min, act_max, y0, x0, out,
-):  # fmt: skip
+def _dw_reference_order(x, w, bias, mult, left, right, dm, geometry, quant, origin, out):
     """TFLite's reference loop order (channel outer, taps inner), parallel over output rows.
 
-    ``x`` (N,H,W,C), ``w`` (KH,KW,C*M), ``out`` (N,OHr,OWr,C*M); per-channel params ``(C*M,)``.
+    ``x`` (N,H,W,C), ``w`` (KH,KW,C*M), ``out`` (N,OHr,OWr,C*M); per-channel params ``(C*M,)``;
+    scalar tuples as in :func:`_dw_channels_inner`, ``origin`` = ``(y0, x0)``.
     """
+    sh, sw, dh, dw, pad_t, pad_l = geometry
+    in_off, out_off, act_min, act_max = quant
+    y0, x0 = origin
     n_batch, in_h, in_w, in_c = x.shape
     kh, kw, oc = w.shape
     _, out_h, out_w, _ = out.shape
@@ -278,7 +313,9 @@ def _dw_reference_order(
                             if iy >= 0 and iy < in_h and ix >= 0 and ix < in_w:
                                 acc += np.int32(w[ky, kx, c]) * (np.int32(x[n, iy, ix, ic]) + in_off)
                     acc += bias[c]
-                    out[n, r, col, c] = _requantize(acc, mult[c], left[c], right[c], out_off, act_min, act_max)
+                    out[n, r, col, c] = _requantize(
+                        acc, mult[c], left[c], right[c], out_off, act_min, act_max
+                    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,7 +327,9 @@ def _as_numpy(value, name: str, dtype: type, dtype_name: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     if not isinstance(value, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array or torch tensor of {dtype_name}, got {type(value).__name__}")
+        raise TypeError(
+            f"{name} must be a numpy array or torch tensor of {dtype_name}, got {type(value).__name__}"
+        )
     if value.dtype != dtype:
         raise TypeError(f"{name} must have dtype {dtype_name}, got {value.dtype}")
     return np.ascontiguousarray(value)
@@ -340,8 +379,7 @@ def _check_x(x, in_channels: int | None = None) -> np.ndarray:
         raise ValueError(f"x must be 4-D NHWC (N, H, W, C), got shape {x.shape}")
     if in_channels is not None and x.shape[3] != in_channels:
         raise ValueError(
-            f"x has {x.shape[3]} channels (last axis, NHWC) but the filter expects {in_channels};"
-            " is x NCHW?"
+            f"x has {x.shape[3]} channels (last axis, NHWC) but the filter expects {in_channels}; is x NCHW?"
         )
     return x
 
@@ -440,10 +478,14 @@ def pack_depthwise_int8(
     else:
         in_channels = _check_int(in_channels, "in_channels", 1, oc)
         if oc % in_channels:
-            raise ValueError(f"w has {oc} output channels, not a multiple of the input's {in_channels} channels")
+            raise ValueError(
+                f"w has {oc} output channels, not a multiple of the input's {in_channels} channels"
+            )
         dm = oc // in_channels
         if depth_multiplier is not None and _check_int(depth_multiplier, "depth_multiplier", 1, oc) != dm:
-            raise ValueError(f"depth_multiplier={depth_multiplier} but w has {oc} = {in_channels} x {dm} channels")
+            raise ValueError(
+                f"depth_multiplier={depth_multiplier} but w has {oc} = {in_channels} x {dm} channels"
+            )
     bias = np.zeros(oc, np.int32) if bias is None else _as_numpy(bias, "bias", np.int32, "int32")
     if bias.shape != (oc,):
         raise ValueError(f"bias must have shape ({oc},) (one per output channel), got {bias.shape}")
@@ -509,16 +551,36 @@ def depthwise_conv2d_int8_packed(
     if not isinstance(packed, PackedDepthwiseInt8):
         raise TypeError(f"packed must come from pack_depthwise_int8, got {type(packed).__name__}")
     return _wrap_like(
-        _run_packed(_check_x(x, packed.in_channels), packed, stride, padding, dilation, output_offset,
-                    act_min, act_max, region, chunk, threads),
+        _run_packed(
+            _check_x(x, packed.in_channels),
+            packed,
+            stride,
+            padding,
+            dilation,
+            output_offset,
+            act_min,
+            act_max,
+            region,
+            chunk,
+            threads,
+        ),
         x,
-    )  # fmt: skip
+    )
 
 
 def _run_packed(
-    xa: np.ndarray, packed: PackedDepthwiseInt8, stride, padding, dilation, output_offset, act_min, act_max,
-    region, chunk, threads,
-) -> np.ndarray:  # fmt: skip
+    xa: np.ndarray,
+    packed: PackedDepthwiseInt8,
+    stride,
+    padding,
+    dilation,
+    output_offset,
+    act_min,
+    act_max,
+    region,
+    chunk,
+    threads,
+) -> np.ndarray:
     (sh, sw), (dh, dw), pads, (y0, y1, x0, x1) = _geometry(xa, packed, stride, padding, dilation, region)
     out_off, lo, hi = _check_output_quant(output_offset, act_min, act_max)
     chunk = _check_int(chunk, "chunk", 1, 1 << 16)
@@ -528,11 +590,21 @@ def _run_packed(
     if out.size:
         with _num_threads(threads):
             _dw_channels_inner(
-                xa.reshape(-1), n, in_h, in_w, in_c, packed.weight_planes, packed.depth_multiplier, kh, kw,
-                packed.bias_planes, packed.base_planes, packed.mult_planes, packed.left_planes,
-                packed.right_planes, sh, sw, dh, dw, pads[0], pads[2], packed.input_offset, out_off, lo, hi,
-                y0, x0, y1 - y0, x1 - x0, chunk, out.reshape(-1),
-            )  # fmt: skip
+                xa.reshape(-1),
+                (n, in_h, in_w, in_c),
+                packed.weight_planes,
+                (packed.depth_multiplier, kh, kw),
+                packed.bias_planes,
+                packed.base_planes,
+                packed.mult_planes,
+                packed.left_planes,
+                packed.right_planes,
+                (sh, sw, dh, dw, pads[0], pads[2]),
+                (packed.input_offset, out_off, lo, hi),
+                (y0, x0, y1 - y0, x1 - x0),
+                chunk,
+                out.reshape(-1),
+            )
     return out
 
 
@@ -593,7 +665,9 @@ def depthwise_conv2d_int8(
         depth_multiplier=depth_multiplier,
         in_channels=xa.shape[3],
     )
-    out = _run_packed(xa, packed, stride, padding, dilation, output_offset, act_min, act_max, region, chunk, threads)
+    out = _run_packed(
+        xa, packed, stride, padding, dilation, output_offset, act_min, act_max, region, chunk, threads
+    )
     return _wrap_like(out, x)
 
 
@@ -644,8 +718,16 @@ def depthwise_conv2d_int8_reference_order(
     if out.size:
         with _num_threads(threads):
             _dw_reference_order(
-                xa, packed.weight, packed.bias, packed.multiplier, np.maximum(packed.shift, 0),
-                np.maximum(-packed.shift, 0), sh, sw, dh, dw, pads[0], pads[2], packed.depth_multiplier,
-                packed.input_offset, out_off, lo, hi, y0, x0, out,
-            )  # fmt: skip
+                xa,
+                packed.weight,
+                packed.bias,
+                packed.multiplier,
+                np.maximum(packed.shift, 0),
+                np.maximum(-packed.shift, 0),
+                packed.depth_multiplier,
+                (sh, sw, dh, dw, pads[0], pads[2]),
+                (packed.input_offset, out_off, lo, hi),
+                (y0, x0),
+                out,
+            )
     return _wrap_like(out, x)

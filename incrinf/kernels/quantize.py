@@ -132,7 +132,9 @@ def validate_multipliers(multiplier: np.ndarray, shift: np.ndarray, channels: in
     """
     for name, arr in (("output_multiplier", multiplier), ("output_shift", shift)):
         if arr.shape != (channels,):
-            raise ValueError(f"{name} must have shape ({channels},) (one per output channel), got {arr.shape}")
+            raise ValueError(
+                f"{name} must have shape ({channels},) (one per output channel), got {arr.shape}"
+            )
     bad = (multiplier != 0) & ((multiplier < 2**30) | (multiplier > INT32_MAX))
     if np.any(bad):
         raise ValueError(
@@ -140,7 +142,9 @@ def validate_multipliers(multiplier: np.ndarray, shift: np.ndarray, channels: in
             " (use quantize_multiplier to build it)"
         )
     if np.any((shift < -31) | (shift > 30)):
-        raise ValueError(f"output_shift must be in [-31, 30], got {int(shift[(shift < -31) | (shift > 30)][0])}")
+        raise ValueError(
+            f"output_shift must be in [-31, 30], got {int(shift[(shift < -31) | (shift > 30)][0])}"
+        )
 
 
 @njit(cache=True, inline="always")
@@ -165,7 +169,9 @@ def multiply_by_quantized_multiplier(x: int, multiplier: int, shift: int) -> int
     return np.int32((high >> right) + (1 if remainder > threshold else 0))
 
 
-def multiply_by_quantized_multiplier_np(x: np.ndarray, multiplier: np.ndarray, shift: np.ndarray) -> np.ndarray:
+def multiply_by_quantized_multiplier_np(
+    x: np.ndarray, multiplier: np.ndarray, shift: np.ndarray
+) -> np.ndarray:
     """Vectorized numpy :func:`multiply_by_quantized_multiplier` (broadcasting), returns int32."""
     x = np.asarray(x, dtype=np.int64)
     multiplier = np.asarray(multiplier, dtype=np.int64)

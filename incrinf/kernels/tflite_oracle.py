@@ -41,7 +41,9 @@ def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
     return (int(v), int(v)) if np.isscalar(v) else (int(v[0]), int(v[1]))
 
 
-def _tensor(shape, tensor_type: int, buffer: int, name: str, scale, zero_point, dim: int = 0) -> schema.TensorT:
+def _tensor(
+    shape, tensor_type: int, buffer: int, name: str, scale, zero_point, dim: int = 0
+) -> schema.TensorT:
     quant = schema.QuantizationParametersT()
     quant.scale = np.asarray(scale, dtype=np.float32).reshape(-1)
     quant.zeroPoint = np.asarray(zero_point, dtype=np.int64).reshape(-1)
