@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from incrinf.kernels.depthwise_int8 import (
+    _requantize,
     depthwise_conv2d_int8,
     depthwise_conv2d_int8_packed,
     depthwise_conv2d_int8_reference_order,
@@ -231,6 +232,39 @@ def test_multiplier_corner_cases_vs_tflite(regime):
         problem.tflite(),
         case,
     )
+
+
+@numba.njit(cache=True)
+def _requantize_all(acc, mult, shift, out_off):
+    out = np.empty(acc.size, np.int8)
+    for i in range(acc.size):
+        out[i] = _requantize(acc[i], mult[i], max(shift[i], 0), max(-shift[i], 0), out_off[i], -128, 127)
+    return out
+
+
+def test_fast_requantize_matches_tflite_arithmetic():
+    """The kernel's simplified requantization equals the literal gemmlowp transcription everywhere.
+
+    The output offset is chosen so that the expected value lands inside [-128, 127]: no clamping
+    can hide a difference.
+    """
+    rng = np.random.default_rng(11)
+    n = 100_000
+    acc = np.concatenate(
+        [
+            rng.integers(-(2**31), 2**31, n),
+            rng.integers(-5000, 5000, n),
+            rng.integers(-(2**22), 2**22, n),
+            np.array([-(2**31), 2**31 - 1, 0, -1, 1]),
+        ]
+    )
+    mult = np.where(rng.random(acc.size) < 0.05, 0, rng.integers(2**30, 2**31, acc.size))
+    mult[:5] = 2**31 - 1
+    shift = rng.integers(-31, 31, acc.size)
+    expected = multiply_by_quantized_multiplier_np(acc, mult, shift).astype(np.int64)
+    target = rng.integers(-128, 128, acc.size)
+    got = _requantize_all(acc, mult, shift, target - expected)
+    assert int((got.astype(np.int64) != target).sum()) == 0
 
 
 # ------------------------------------------------------------------------------------------------

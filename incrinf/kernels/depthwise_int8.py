@@ -126,16 +126,20 @@ def depthwise_output_size(
 def _requantize(acc, mult, left, right, out_off, act_min, act_max):
     """Branch-free ``MultiplyByQuantizedMultiplier`` + offset + clamp, so chunk loops vectorize.
 
-    Same integer results as :func:`incrinf.kernels.quantize.multiply_by_quantized_multiplier`:
-    ``left``/``right`` are ``max(shift, 0)``/``max(-shift, 0)``.
+    Same integer results as :func:`incrinf.kernels.quantize.multiply_by_quantized_multiplier`
+    (``left``/``right`` are ``max(shift, 0)``/``max(-shift, 0)``), in fewer operations:
+
+    - ``SaturatingRoundingDoublingHighMul(a, b)`` adds a nudge of ``2**30`` (``1 - 2**30`` when
+      ``a*b < 0``) and divides by ``2**31`` truncating toward zero. For ``a*b < 0`` truncation is
+      ``floor((v + 2**31 - 1) / 2**31)``, and the two corrections cancel: both signs reduce to
+      ``(a*b + 2**30) >> 31`` (round half up). ``b`` is never INT32_MIN, so it never saturates.
+    - ``RoundingDivideByPOT(h, e)`` rounds half away from zero: ``(h + 2**(e-1) - (h < 0)) >> e``
+      for ``e > 0``, and ``h`` for ``e == 0``.
     """
     xs = np.int64(np.int32(np.int64(acc) << left))  # int32 wrap, as in C++
-    ab = xs * mult
-    v = ab + ((1 << 30) - ((ab >> 63) & 0x7FFFFFFF))  # nudge: 2**30, or 1 - 2**30 if ab < 0
-    high = (v + ((v >> 63) & 0x7FFFFFFF)) >> 31  # divide by 2**31 truncating toward zero
-    mask = (np.int64(1) << right) - 1
-    threshold = (mask >> 1) + ((high >> 63) & 1)
-    q = (high >> right) + np.int64((high & mask) > threshold) + out_off
+    high = (xs * mult + (1 << 30)) >> 31
+    half = (np.int64(1) << right) >> 1
+    q = ((high + half - ((high >> 63) & np.int64(right > 0))) >> right) + out_off
     return np.int8(min(max(q, act_min), act_max))
 
 
