@@ -2,10 +2,11 @@
 
 Run: ``python benchmarks/depthwise_int8.py`` (about a minute). For every depthwise layer of MobileNetV2
 (torchvision, random weights) and EfficientNet-Lite0 at a 224x224 input, batch 1, with random int8
-data and per-channel quantization, it times (median of ``--repeats`` warm calls, at 1 and 2 threads):
+data and per-channel quantization, it times (median of ``--repeats`` warm calls, methods taking
+turns call by call so that load changes hit them alike, at 1 and 2 threads):
 
 - ``ours``: :func:`incrinf.kernels.depthwise_conv2d_int8_packed` (weights packed once per layer, as
-  LiteRT does in ``allocate_tensors``; the functional API adds the per-call overhead printed below);
+  LiteRT does in ``allocate_tensors``; the functional API's extra per-call cost is printed first);
 - ``ref-order``: the same arithmetic in TFLite's reference loop order (channel outer), numba;
 - ``REF``: LiteRT ``BUILTIN_REF`` (TFLite's reference kernels; single-threaded whatever num_threads);
 - ``opt``: LiteRT optimized builtin kernels without delegates (``BUILTIN_WITHOUT_DEFAULT_DELEGATES``);
@@ -113,6 +114,19 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds per function, timing them in turn each round so load changes hit all alike."""
+    for fn in fns.values():
+        fn()  # warm up (and compile)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], seed: int = 0) -> Timing:
     rng = np.random.default_rng(seed)
     c, oc = layer.channels, layer.channels * layer.depth_multiplier
@@ -146,30 +160,37 @@ def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], seed: int =
     timing = Timing(layer)
     for t in threads:
         numba.set_num_threads(t)
-        timing.seconds["ours", t] = _median_seconds(ours, repeats)
-        timing.seconds["ref-order", t] = _median_seconds(ref_order, repeats)
-        for method, resolver in (("REF", True), ("opt", "builtin"), ("xnnpack", False)):
-            runner = TfliteRunner(model, reference=resolver, num_threads=t)
+        runners = {
+            method: TfliteRunner(model, reference=resolver, num_threads=t)
+            for method, resolver in (("REF", True), ("opt", "builtin"), ("xnnpack", False))
+        }
+        for runner in runners.values():
             runner.set_input(x)
-            timing.seconds[method, t] = _median_seconds(runner.invoke, repeats)
-            if method == "REF" and t == threads[0]:
-                mismatches = int((runner.output() != ours()).sum())
-                if mismatches:
-                    raise AssertionError(f"{layer.name}: {mismatches} mismatches against BUILTIN_REF")
+        fns = {"ours": ours, "ref-order": ref_order, **{m: r.invoke for m, r in runners.items()}}
+        for method, seconds in _interleaved_medians(fns, repeats).items():
+            timing.seconds[method, t] = seconds
+        mismatches = int((runners["REF"].output() != ours()).sum())
+        if mismatches:
+            raise AssertionError(f"{layer.name}: {mismatches} mismatches against BUILTIN_REF")
     return timing
 
 
-def functional_overhead_us(repeats: int) -> float:
-    """Extra time of the all-in-one functional call over the packed call, on a tiny layer."""
+def call_overheads_us(repeats: int) -> tuple[float, float]:
+    """Microseconds per call on a tiny layer (1x4x4x32, 3x3): packed call, and functional minus packed."""
     x = np.zeros((1, 4, 4, 32), np.int8)
     w = np.zeros((1, 3, 3, 32), np.int8)
     args = dict(output_multiplier=2**30, output_shift=0)
     packed = dw.pack_depthwise_int8(w, None, input_offset=0, **args)
-    full = _median_seconds(
-        lambda: dw.depthwise_conv2d_int8(x, w, None, input_offset=0, output_offset=0, **args), repeats * 10
+    medians = _interleaved_medians(
+        {
+            "functional": lambda: dw.depthwise_conv2d_int8(
+                x, w, None, input_offset=0, output_offset=0, **args
+            ),
+            "packed": lambda: dw.depthwise_conv2d_int8_packed(x, packed, output_offset=0),
+        },
+        repeats * 20,
     )
-    fast = _median_seconds(lambda: dw.depthwise_conv2d_int8_packed(x, packed, output_offset=0), repeats * 10)
-    return (full - fast) * 1e6
+    return medians["packed"] * 1e6, (medians["functional"] - medians["packed"]) * 1e6
 
 
 def print_machine() -> None:
@@ -227,9 +248,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     args = parser.parse_args(argv)
     threads = tuple(int(t) for t in args.threads.split(","))
-    overhead = functional_overhead_us(args.repeats)  # also starts numba's threading layer
+    packed_us, extra_us = call_overheads_us(args.repeats)  # also starts numba's threading layer
     print_machine()
-    print(f"functional-API overhead per call: {overhead:.1f} us (packing + checks)")
+    print(
+        f"per-call cost on a tiny layer: packed {packed_us:.1f} us; the functional API adds {extra_us:.1f} us"
+        " (validation + packing)"
+    )
     for model in args.models.split(","):
         timings = [time_layer(layer, args.repeats, threads) for layer in depthwise_layers(model)]
         for t in threads:

@@ -29,7 +29,6 @@ multi-threaded call for a whole scheduler slice; use one thread there, or ``OMP_
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import numba
@@ -59,14 +58,28 @@ Box = tuple[int, int, int, int]
 # ----------------------------------------------------------------------------------------------
 
 
+# Validation runs on every call, region calls included: plain ints and tuples take fast paths.
+
+
 def _is_int(value) -> bool:
+    if type(value) is int:
+        return True
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _int_tuple(value, length: int) -> bool:
+    if type(value) is tuple and len(value) == length:
+        for v in value:
+            if type(v) is not int and not _is_int(v):
+                return False
+        return True
+    return isinstance(value, Sequence) and len(value) == length and all(_is_int(v) for v in value)
 
 
 def _pair(value: Pair, name: str) -> tuple[int, int]:
     if _is_int(value):
         pair = (int(value), int(value))
-    elif isinstance(value, Sequence) and len(value) == 2 and all(_is_int(v) for v in value):
+    elif _int_tuple(value, 2):
         pair = (int(value[0]), int(value[1]))
     else:
         raise TypeError(f"{name} must be an int or an (h, w) pair of ints, got {value!r}")
@@ -102,7 +115,7 @@ def resolve_padding(
             total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
             pads += [total // 2, total - total // 2]
         return (pads[0], pads[1], pads[2], pads[3])
-    if isinstance(padding, Sequence) and len(padding) == 4 and all(_is_int(p) for p in padding):
+    if _int_tuple(padding, 4):
         if min(padding) < 0:
             raise ValueError(f"padding must be non-negative, got {padding!r}")
         return (int(padding[0]), int(padding[1]), int(padding[2]), int(padding[3]))
@@ -356,6 +369,8 @@ def _per_channel(value, name: str, channels: int) -> np.ndarray:
 
 
 def _check_int(value, name: str, lo: int, hi: int) -> int:
+    if type(value) is int and lo <= value <= hi:
+        return value
     if not _is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not lo <= int(value) <= hi:
@@ -366,9 +381,9 @@ def _check_int(value, name: str, lo: int, hi: int) -> int:
 def _check_region(region, out_h: int, out_w: int) -> Box:
     if region is None:
         return (0, out_h, 0, out_w)
-    if not (isinstance(region, Sequence) and len(region) == 4 and all(_is_int(v) for v in region)):
+    if not _int_tuple(region, 4):
         raise TypeError(f"region must be (y0, y1, x0, x1) ints (a half-open output box), got {region!r}")
-    y0, y1, x0, x1 = (int(v) for v in region)
+    y0, y1, x0, x1 = int(region[0]), int(region[1]), int(region[2]), int(region[3])
     if not (0 <= y0 <= y1 <= out_h and 0 <= x0 <= x1 <= out_w):
         raise ValueError(
             f"region {tuple(region)!r} must satisfy 0 <= y0 <= y1 <= {out_h} and 0 <= x0 <= x1 <= {out_w}"
@@ -397,16 +412,16 @@ def _check_output_quant(output_offset, act_min, act_max) -> tuple[int, int, int]
     return out_off, lo, hi
 
 
-@contextmanager
-def _num_threads(threads: int | None):
+def _run_with_threads(threads: int | None, kernel, *args) -> None:
+    """``kernel(*args)`` with ``threads`` numba threads (``None``: the current setting)."""
     if threads is None:
-        yield
+        kernel(*args)
         return
     threads = _check_int(threads, "threads", 1, numba.config.NUMBA_NUM_THREADS)
     previous = numba.get_num_threads()
     numba.set_num_threads(threads)
     try:
-        yield
+        kernel(*args)
     finally:
         numba.set_num_threads(previous)
 
@@ -592,23 +607,24 @@ def _run_packed(
     kh, kw = packed.kernel_size
     out = np.empty((n, y1 - y0, x1 - x0, in_c * packed.depth_multiplier), np.int8)
     if out.size:
-        with _num_threads(threads):
-            _dw_channels_inner(
-                xa.reshape(-1),
-                (n, in_h, in_w, in_c),
-                packed.weight_planes,
-                (packed.depth_multiplier, kh, kw),
-                packed.bias_planes,
-                packed.base_planes,
-                packed.mult_planes,
-                packed.left_planes,
-                packed.right_planes,
-                (sh, sw, dh, dw, pads[0], pads[2]),
-                (packed.input_offset, out_off, lo, hi),
-                (y0, x0, y1 - y0, x1 - x0),
-                chunk,
-                out.reshape(-1),
-            )
+        _run_with_threads(
+            threads,
+            _dw_channels_inner,
+            xa.reshape(-1),
+            (n, in_h, in_w, in_c),
+            packed.weight_planes,
+            (packed.depth_multiplier, kh, kw),
+            packed.bias_planes,
+            packed.base_planes,
+            packed.mult_planes,
+            packed.left_planes,
+            packed.right_planes,
+            (sh, sw, dh, dw, pads[0], pads[2]),
+            (packed.input_offset, out_off, lo, hi),
+            (y0, x0, y1 - y0, x1 - x0),
+            chunk,
+            out.reshape(-1),
+        )
     return out
 
 
@@ -720,18 +736,19 @@ def depthwise_conv2d_int8_reference_order(
     out_off, lo, hi = _check_output_quant(output_offset, act_min, act_max)
     out = np.empty((xa.shape[0], y1 - y0, x1 - x0, packed.weight.shape[2]), np.int8)
     if out.size:
-        with _num_threads(threads):
-            _dw_reference_order(
-                xa,
-                packed.weight,
-                packed.bias,
-                packed.multiplier,
-                np.maximum(packed.shift, 0),
-                np.maximum(-packed.shift, 0),
-                packed.depth_multiplier,
-                (sh, sw, dh, dw, pads[0], pads[2]),
-                (packed.input_offset, out_off, lo, hi),
-                (y0, x0),
-                out,
-            )
+        _run_with_threads(
+            threads,
+            _dw_reference_order,
+            xa,
+            packed.weight,
+            packed.bias,
+            packed.multiplier,
+            np.maximum(packed.shift, 0),
+            np.maximum(-packed.shift, 0),
+            packed.depth_multiplier,
+            (sh, sw, dh, dw, pads[0], pads[2]),
+            (packed.input_offset, out_off, lo, hi),
+            (y0, x0),
+            out,
+        )
     return _wrap_like(out, x)
