@@ -134,6 +134,22 @@ class QuantizedDepthwiseConv2d(nn.Module):
         # The kernel reads packed copies of the buffers: refresh them when a state_dict is loaded.
         self.register_load_state_dict_post_hook(lambda module, _keys: module._repack())
 
+    def get_extra_state(self) -> dict:
+        """Activation quantization travels with the state_dict (the integer tensors are buffers)."""
+        return {
+            "input": (self.input_scale, self.input_zero_point),
+            "output": (self.output_scale, self.output_zero_point),
+            "activation": self.activation,
+        }
+
+    def set_extra_state(self, state: dict) -> None:
+        self.input_scale, self.input_zero_point = state["input"]
+        self.output_scale, self.output_zero_point = state["output"]
+        self.activation = state["activation"]
+        self.act_min, self.act_max = activation_range(
+            self.activation, self.output_scale, self.output_zero_point
+        )
+
     def _repack(self) -> None:
         self._packed = pack_depthwise_int8(
             self.weight.numpy(),

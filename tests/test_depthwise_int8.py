@@ -471,12 +471,17 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("fn", [depthwise_conv2d_int8, depthwise_conv2d_int8_reference_order])
-@pytest.mark.parametrize("name, mutate, error, pattern", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+BAD_CASES = [
+    pytest.param(fn, *case, id=f"{fn.__name__}-{case[0]}")
+    for fn in (depthwise_conv2d_int8, depthwise_conv2d_int8_reference_order)
+    for case in BAD_INPUTS
+    if not (fn is depthwise_conv2d_int8_reference_order and case[0] == "chunk")  # it has no chunk
+]
+
+
+@pytest.mark.parametrize("fn, name, mutate, error, pattern", BAD_CASES)
 def test_bad_inputs_raise_clear_errors(fn, name, mutate, error, pattern):
     x, w, bias, kwargs = mutate(*_good_args())
-    if fn is depthwise_conv2d_int8_reference_order and name == "chunk":
-        pytest.skip("the reference-order kernel has no chunk")
     with pytest.raises(error, match=pattern):
         fn(x, w, bias, **kwargs)
 
@@ -587,6 +592,19 @@ def test_module_region_and_int8_path():
     assert torch.equal(q(x, region=(2, 9, 1, 5)), full[:, :, 2:9, 1:5])
     x_q = q.quantize_input(x)
     assert x_q.dtype == torch.int8 and x_q.shape == (2, 13, 11, 6)
+
+
+def test_module_state_dict_round_trip_repacks():
+    q, _, x, _ = _random_module(5, dm=2)
+    other, *_ = _random_module(6, dm=2, activation="relu6")
+    other.load_state_dict(q.state_dict())  # quantization and the kernel's packed weights must follow
+    assert (other.input_scale, other.output_zero_point, other.activation) == (
+        q.input_scale,
+        q.output_zero_point,
+        q.activation,
+    )
+    assert torch.equal(other(x), q(x))
+    assert q.without_padding() is q.without_padding()  # built once
 
 
 def test_module_rejects_non_depthwise_and_strings():
