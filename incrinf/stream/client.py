@@ -1,0 +1,343 @@
+"""HTTP client of the offload server, online link estimation, and retry back-off.
+
+- :class:`OffloadClient`: one persistent HTTP/1.1 connection (stdlib ``http.client``, TCP_NODELAY), a
+  timeout per request taken from the frame's budget, one transparent reconnect when a kept-alive connection
+  turns out to be stale. Every transfer is timed and fed to a :class:`LinkEstimator`.
+- :class:`LinkEstimator`: round-trip time and bandwidth from real transfers. Each request gives one sample
+  ``(bytes moved, seconds on the wire)`` (the server's compute time, reported in ``X-Server-Seconds``, is
+  subtracted); a weighted least-squares fit of ``seconds = rtt + bytes / bandwidth`` over recent samples,
+  with exponential forgetting, predicts the time of any payload.
+- :class:`Backoff`: exponential, capped delays between retries of a server that failed.
+
+Payloads are :mod:`incrinf.stream.wire` messages; the server's endpoints are listed in
+:mod:`incrinf.stream.server`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from incrinf.stream import wire
+
+SESSION_HEADER = "X-Incrinf-Session"
+# Request line, headers and their response counterparts: counted as bytes on the wire.
+HTTP_OVERHEAD_BYTES = 400
+
+
+class OffloadError(Exception):
+    """Offloading this frame failed; the caller computes it locally."""
+
+
+class ServerUnavailable(OffloadError):
+    """Connection refused, reset or timed out: the server is down, unreachable or too slow."""
+
+
+class RemoteError(OffloadError):
+    """The server answered with an error status.
+
+    Attributes:
+        status: HTTP status.
+        message: the server's explanation.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class SessionLost(RemoteError):
+    """404: the server does not know our session (restart, expiry): open a new one and send a full frame."""
+
+
+class ReferenceMismatch(RemoteError):
+    """409: the server's reference frame is not ours: send a full frame."""
+
+
+@dataclass
+class Reply:
+    """One completed request.
+
+    Attributes:
+        output: the decoded ``output`` tensor, or None for non-tensor replies.
+        json: the decoded JSON body for JSON replies.
+        seconds: wall time of the request (send, server, receive).
+        server_seconds: the server's compute time (0 if not reported).
+        bytes_up: request bytes including an HTTP overhead estimate.
+        bytes_down: response bytes including an HTTP overhead estimate.
+        digest: ``X-Frame-Digest`` (cached streams) or None.
+    """
+
+    output: np.ndarray | None
+    json: dict | None
+    seconds: float
+    server_seconds: float
+    bytes_up: int
+    bytes_down: int
+    digest: str | None = None
+
+
+class LinkEstimator:
+    """Online estimate of the link's round-trip time and bandwidth from timed transfers.
+
+    Fits ``seconds = rtt + bytes / bandwidth`` by least squares over the last ``window`` samples, sample
+    ``i`` (0 = newest) weighted ``forget ** i``. When recent samples all have about the same size the slope
+    is not identifiable; then the previous RTT is kept and the bandwidth comes from the newest samples.
+    Thread-safe (the session's background prober feeds it too).
+
+    Args:
+        window: samples kept.
+        forget: weight decay per older sample, in (0, 1].
+        rtt: prior round-trip time in seconds.
+        bandwidth: prior bandwidth in bytes per second.
+    """
+
+    def __init__(self, window: int = 12, forget: float = 0.75, rtt: float = 0.005,
+                 bandwidth: float = 1.25e6) -> None:
+        self.window = window
+        self.forget = forget
+        self.rtt = rtt
+        self.bandwidth = bandwidth
+        self.samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._lock = threading.Lock()
+        self.updated_at = -math.inf
+
+    def add(self, nbytes: float, seconds: float) -> None:
+        """Record one transfer of ``nbytes`` (up + down) that spent ``seconds`` on the network."""
+        if not (nbytes > 0 and seconds > 0 and math.isfinite(seconds)):
+            return
+        with self._lock:
+            self.samples.appendleft((float(nbytes), float(seconds), time.monotonic()))
+            self.updated_at = time.monotonic()
+            self._fit()
+
+    def _fit(self) -> None:
+        b = np.array([s[0] for s in self.samples])
+        t = np.array([s[1] for s in self.samples])
+        w = self.forget ** np.arange(len(b))
+        spread = b.max() / max(b.min(), 1.0)
+        if len(b) >= 3 and spread >= 1.5:
+            wb, wt = np.average(b, weights=w), np.average(t, weights=w)
+            var = np.average((b - wb) ** 2, weights=w)
+            slope = np.average((b - wb) * (t - wt), weights=w) / var
+            if slope > 0:
+                rtt = wt - slope * wb
+                if rtt >= 0:
+                    self.rtt, self.bandwidth = float(rtt), float(1.0 / slope)
+                    return
+                # The line through the data crosses below zero: pin rtt at the fastest small transfer.
+                self.rtt = float(max(0.0, min(t)))
+        # Not identifiable: keep rtt, take bandwidth from the newest samples' excess over it (a ratio of
+        # weighted sums, so one slow transfer weighs as much as the time it took).
+        head = min(len(b), 3)
+        excess = np.maximum(t[:head] - self.rtt, 1e-5)
+        if b[:head].mean() > 2000:
+            self.bandwidth = float(np.sum(w[:head] * b[:head]) / np.sum(w[:head] * excess))
+        elif t[0] < self.rtt:  # a small, fast transfer: the rtt is at most this
+            self.rtt = float(t[0])
+
+    def predict(self, nbytes: float) -> float:
+        """Seconds on the network for a request moving ``nbytes`` in total."""
+        with self._lock:
+            return self.rtt + nbytes / self.bandwidth
+
+    def age(self) -> float:
+        """Seconds since the last sample."""
+        return time.monotonic() - self.updated_at
+
+
+class Backoff:
+    """Exponential, capped retry delays: ``initial, initial*factor, ...`` up to ``cap``.
+
+    Args:
+        initial: first delay in seconds.
+        cap: largest delay.
+        factor: growth per consecutive failure.
+    """
+
+    def __init__(self, initial: float = 0.25, cap: float = 8.0, factor: float = 2.0) -> None:
+        self.initial, self.cap, self.factor = initial, cap, factor
+        self.failures = 0
+        self.retry_at = -math.inf
+        self._lock = threading.Lock()
+
+    def failure(self, now: float | None = None) -> float:
+        """Record a failure; returns the delay before the next attempt."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            delay = min(self.cap, self.initial * self.factor ** self.failures)
+            self.failures += 1
+            self.retry_at = now + delay
+            return delay
+
+    def success(self) -> None:
+        with self._lock:
+            self.failures = 0
+            self.retry_at = -math.inf
+
+    @property
+    def healthy(self) -> bool:
+        return self.failures == 0
+
+    def due(self, now: float | None = None) -> bool:
+        """Whether the next attempt may go out now."""
+        return (time.monotonic() if now is None else now) >= self.retry_at
+
+
+class _Connection(http.client.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        # Small request/response exchanges must not wait for Nagle + delayed ACK.
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class OffloadClient:
+    """Synchronous client of one offload server over a persistent connection. Not thread-safe: give each
+    thread its own client (they may share a :class:`LinkEstimator`).
+
+    Args:
+        url: ``http://host:port``.
+        token: bearer token, if the server wants one.
+        timeout: default per-request timeout in seconds.
+        link: estimator fed with every transfer (a new one if None).
+    """
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 2.0,
+                 link: LinkEstimator | None = None) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"offload URL must look like http://host:port, got {url!r}")
+        self.url = url
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.token = token
+        self.timeout = timeout
+        self.link = link if link is not None else LinkEstimator()
+        self._conn: _Connection | None = None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _headers(self, session: str | None, has_body: bool) -> dict[str, str]:
+        headers = {"Connection": "keep-alive"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        if session:
+            headers[SESSION_HEADER] = session
+        if has_body:
+            headers["Content-Type"] = wire.CONTENT_TYPE
+        return headers
+
+    def request(self, method: str, path: str, body: bytes | None = None, session: str | None = None,
+                timeout: float | None = None, measure: bool = True) -> Reply:
+        """Send one request and decode the reply.
+
+        Raises:
+            ServerUnavailable: network failure or timeout. SessionLost: 404. ReferenceMismatch: 409.
+            RemoteError: any other error status.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        headers = self._headers(session, body is not None)
+        for attempt in (0, 1):
+            reused = self._conn is not None
+            t0 = time.perf_counter()
+            try:
+                if self._conn is None:
+                    self._conn = _Connection(self.host, self.port, timeout=timeout)
+                    self._conn.connect()
+                else:
+                    self._conn.sock.settimeout(timeout)
+                self._conn.request(method, path, body=body, headers=headers)
+                response = self._conn.getresponse()
+                data = response.read()
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                if measure and isinstance(exc, TimeoutError):  # censored sample: the link is at least this slow
+                    self.link.add(len(body or b"") + HTTP_OVERHEAD_BYTES, time.perf_counter() - t0)
+                # A kept-alive connection the server has closed fails at once: retry once on a fresh one.
+                stale = reused and not isinstance(exc, TimeoutError)
+                if attempt == 0 and stale and time.perf_counter() - t0 < timeout / 2:
+                    continue
+                raise ServerUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+            seconds = time.perf_counter() - t0
+            if response.getheader("Connection", "").lower() == "close":
+                self.close()
+            break
+        server_seconds = float(response.getheader("X-Server-Seconds", "0") or 0)
+        up = len(body or b"") + HTTP_OVERHEAD_BYTES // 2
+        down = len(data) + HTTP_OVERHEAD_BYTES // 2
+        if measure:
+            self.link.add(up + down, max(seconds - server_seconds, 1e-6))
+        if response.status >= 400:
+            message = _error_message(data)
+            cls = {404: SessionLost, 409: ReferenceMismatch}.get(response.status, RemoteError)
+            raise cls(response.status, message)
+        content_type = response.getheader("Content-Type", "")
+        output = js = None
+        if content_type.startswith(wire.CONTENT_TYPE):
+            try:
+                output = wire.decode(data).tensor("output")
+            except wire.PayloadError as exc:
+                raise RemoteError(response.status, f"undecodable reply: {exc}") from None
+        elif content_type.startswith("application/json"):
+            js = json.loads(data)
+        return Reply(output, js, seconds, server_seconds, up, down, response.getheader("X-Frame-Digest"))
+
+    # --- endpoints -------------------------------------------------------------------------------------
+
+    def health(self, timeout: float | None = None) -> dict:
+        return self.request("GET", "/health", timeout=timeout).json or {}
+
+    def profile(self, timeout: float | None = None) -> dict:
+        return self.request("GET", "/profile", timeout=timeout, measure=False).json or {}
+
+    def open_session(self, timeout: float | None = None) -> str:
+        reply = self.request("POST", "/session", body=b"", timeout=timeout)
+        return str((reply.json or {})["session"])
+
+    def close_session(self, session: str, timeout: float | None = None) -> None:
+        self.request("DELETE", "/session", session=session, timeout=timeout)
+
+    def infer_full(self, frame: np.ndarray, session: str | None = None, frame_id: int | None = None,
+                   timeout: float | None = None) -> Reply:
+        """Full inference of a (H, W, C) uint8 frame (or a (1, C, H, W) float32 ``input``); with a session
+        the frame becomes the server's reference ``frame_id``."""
+        name = "frame" if frame.dtype == np.uint8 else "input"
+        meta = {"frame_id": int(frame_id)} if session is not None and frame_id is not None else {}
+        return self.request("POST", "/infer/full", wire.encode({name: frame}, meta), session, timeout)
+
+    def infer_cached(self, session: str, base_id: int, frame_id: int, matrix: np.ndarray | None,
+                     boxes: np.ndarray, tiles: np.ndarray, timeout: float | None = None) -> Reply:
+        """Cached inference: reference ``base_id`` warped by ``matrix`` plus ``tiles`` in ``boxes``."""
+        tensors = {"boxes": boxes.astype(np.int32), "tiles": tiles}
+        if matrix is not None:
+            tensors["matrix"] = np.asarray(matrix, dtype=np.float64)
+        body = wire.encode(tensors, {"base_id": int(base_id), "frame_id": int(frame_id)})
+        return self.request("POST", "/infer/cached", body, session, timeout)
+
+    def infer_suffix(self, split: str, tensor: np.ndarray, timeout: float | None = None) -> Reply:
+        """Hybrid split: the server runs the graph after node ``split`` from ``tensor``."""
+        body = wire.encode({"tensor": np.asarray(tensor, dtype=np.float32)})
+        return self.request("POST", f"/infer/suffix?k={split}", body, None, timeout)
+
+    def probe(self, nbytes: int, timeout: float | None = None) -> Reply:
+        """Send ``nbytes`` of filler to measure the uplink (the server discards them)."""
+        return self.request("POST", "/probe", bytes(nbytes), None, timeout)
+
+
+def _error_message(data: bytes) -> str:
+    try:
+        return str(json.loads(data).get("error", data[:200]))
+    except (ValueError, AttributeError):
+        return data[:200].decode("utf-8", "replace")

@@ -1,0 +1,741 @@
+"""Offloading stream session: per frame, run locally, on the offload server, or split, with or without cache.
+
+:class:`OffloadingSession` is what ``StreamSession(model, offload=URL, policy=...)`` delegates to. Per frame
+it asks the :class:`~incrinf.stream.scheduler.Scheduler` for an option (cost model over profiles, the link
+measured online, the predicted change fraction, cache-rebuild costs, hysteresis), runs it, and records what
+was chosen, why, and predicted vs actual time in :attr:`OffloadingSession.stats`.
+
+Faults: an offload that fails (refused, reset, timed out, server error) is completed locally within the same
+call: no frame is dropped or duplicated, outputs come back in order. The server is then in back-off
+(exponential, capped); a background worker re-checks ``/health`` (and that the model's weights still match)
+when the back-off expires, and offloading resumes once it answers. While the client computes locally, the same
+worker times small probe transfers so the link estimate stays fresh without delaying frames.
+
+Local cached inference is delegated to the incremental :class:`~incrinf.stream.session.StreamSession` (reset
+whenever another option ran, so its next frame rebuilds the cache); for models it cannot cache,
+:class:`FullInferenceStandIn` (full inference, reported as recompute fraction 1, so the scheduler predicts
+it honestly as no faster than ``local_full``).
+
+A slower robot CPU can be emulated with ``local_slowdown``: every local computation sleeps ``slowdown - 1``
+times its measured duration (:class:`SlowDevice`), and the local profile is scaled by the same factor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from incrinf.graph import NodeKind, capture
+from incrinf.stream import wire
+from incrinf.stream.change_mask import DEFAULT_CELL, DEFAULT_THRESHOLD, change_mask
+from incrinf.stream.client import (
+    Backoff,
+    LinkEstimator,
+    OffloadClient,
+    OffloadError,
+    ReferenceMismatch,
+    ServerUnavailable,
+    SessionLost,
+)
+from incrinf.stream.matching import HomographyEstimator
+from incrinf.stream.profile import NodeProfile, SplitRunner, model_digest, profile_graph, split_points
+from incrinf.stream.scheduler import (
+    HYBRID,
+    LOCAL_CACHED,
+    LOCAL_FULL,
+    OFFLOAD_CACHED,
+    OFFLOAD_FULL,
+    CostModel,
+    Decision,
+    Payloads,
+    Scheduler,
+    is_offload,
+    split_of,
+)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class SlowDevice:
+    """Emulates a device ``slowdown`` times slower than this one: after each computation, sleep
+    ``(slowdown - 1)`` times its measured duration.
+
+    Args:
+        slowdown: >= 1.
+    """
+
+    def __init__(self, slowdown: float = 1.0) -> None:
+        if slowdown < 1:
+            raise ValueError(f"slowdown must be >= 1, got {slowdown}")
+        self.slowdown = slowdown
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.slowdown > 1:
+                time.sleep((time.perf_counter() - t0) * (self.slowdown - 1))
+
+
+class LocalCachedBackend(Protocol):
+    """What the session needs from a local cached stream engine."""
+
+    def __call__(self, frame: np.ndarray) -> torch.Tensor: ...
+
+    def reset(self) -> None: ...
+
+    @property
+    def last_recompute_fraction(self) -> float: ...
+
+    @property
+    def last_flops_ratio(self) -> float: ...
+
+
+class FullInferenceStandIn:
+    """Stand-in for the local incremental session: plain full inference, recompute fraction 1.
+
+    Args:
+        model: the model.
+        mean: normalisation mean.
+        std: normalisation std.
+    """
+
+    def __init__(self, model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        self.model, self.mean, self.std = model, mean, std
+
+    @torch.no_grad()
+    def __call__(self, frame: np.ndarray) -> torch.Tensor:
+        return self.model(wire.to_model_input(frame, self.mean, self.std))
+
+    def reset(self) -> None:
+        pass
+
+    @property
+    def last_recompute_fraction(self) -> float:
+        return 1.0
+
+    @property
+    def last_flops_ratio(self) -> float:
+        return 1.0
+
+
+class StreamSessionBackend:
+    """Adapter over :class:`incrinf.stream.session.StreamSession` (the incremental local engine).
+
+    Args:
+        factory: builds a fresh ``StreamSession`` (called again on :meth:`reset`).
+    """
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.factory = factory
+        self.session = factory()
+
+    def __call__(self, frame: np.ndarray) -> torch.Tensor:
+        return self.session(frame)
+
+    def reset(self) -> None:
+        reset = getattr(self.session, "reset", None)
+        if callable(reset):
+            reset()
+        else:
+            self.session = self.factory()
+
+    def _last(self, field_name: str) -> float:
+        stats = getattr(self.session, "stats", None)
+        value = getattr(stats[-1], field_name, None) if stats else None
+        return 1.0 if value is None else float(value)
+
+    @property
+    def last_recompute_fraction(self) -> float:
+        return self._last("recompute_fraction")
+
+    @property
+    def last_flops_ratio(self) -> float:
+        """Full FLOPs / computed FLOPs of the last frame (StreamSession's convention)."""
+        return self._last("flops_ratio")
+
+
+@dataclass
+class Update:
+    """What the client sends for one offload_cached frame.
+
+    Attributes:
+        full: send the whole frame (first frame, failed matching, too much change, keyframe).
+        reason: why a full frame, or ``"delta"``.
+        matrix: (3, 3) homography reference -> frame (delta only).
+        boxes: (n, 4) int32 changed tiles (delta only).
+        tiles: flat uint8 pixels of the tiles (delta only).
+        reference: the reference both ends hold after this frame.
+        recompute_fraction: share of the frame's pixels sent (1 for full).
+    """
+
+    full: bool
+    reason: str
+    reference: np.ndarray
+    recompute_fraction: float
+    matrix: np.ndarray | None = None
+    boxes: np.ndarray | None = None
+    tiles: np.ndarray | None = None
+
+
+class CachedUplink:
+    """Client half of the cached offload protocol: the server's reference frame mirrored, the homography
+    estimator, the change mask and the tile packing (see :mod:`incrinf.stream.wire`).
+
+    Args:
+        cell: change-mask cell side in pixels.
+        threshold: change threshold (0-255 units).
+        max_ratio: changed-cell fraction at or above which a full frame is sent.
+        matcher: keypoint matcher for the homography.
+        keyframe_interval: send a full frame every this many frames (None: only when needed).
+    """
+
+    def __init__(self, cell: int = DEFAULT_CELL, threshold: float = DEFAULT_THRESHOLD, max_ratio: float = 0.6,
+                 matcher: str = "orb", keyframe_interval: int | None = None) -> None:
+        self.cell, self.threshold, self.max_ratio = cell, threshold, max_ratio
+        self.keyframe_interval = keyframe_interval
+        # ECC refinement costs ~10x the keypoint fit at these sizes; the mask catches what the fit misses.
+        self.estimator = HomographyEstimator(matcher=matcher, refine=False)
+        self.reference: np.ndarray | None = None
+        self.reference_id: int | None = None
+        self._last_seen: int | None = None
+        self._since_full = 0
+
+    def reset(self) -> None:
+        """Forget the reference: the next frame goes out full."""
+        self.reference = self.reference_id = self._last_seen = None
+        self.estimator.reset()
+
+    def prepare(self, frame: np.ndarray, frame_id: int) -> Update:
+        """Build the update for ``frame``; the caller sends it and then calls :meth:`commit` or :meth:`reset`."""
+        contiguous = self._last_seen is not None and frame_id == self._last_seen + 1
+        self._last_seen = frame_id
+        result = self.estimator.update(frame)
+        if self.reference is None or not contiguous:
+            return Update(True, "no reference", frame.copy(), 1.0)
+        if not result.ok:
+            return Update(True, f"matching failed: {result.reason}", frame.copy(), 1.0)
+        if self.keyframe_interval and self._since_full >= self.keyframe_interval:
+            return Update(True, "keyframe", frame.copy(), 1.0)
+        warped, valid = wire.warp_frame_nearest(self.reference, result.matrix)
+        mask = change_mask(frame, warped, self.cell, self.threshold, valid)
+        if mask.changed_cell_fraction >= self.max_ratio:
+            return Update(True, f"changed cells {mask.changed_cell_fraction:.2f} >= {self.max_ratio}", frame.copy(),
+                          1.0)
+        boxes = np.array(mask.boxes(), dtype=np.int32).reshape(-1, 4)
+        tiles = wire.pack_tiles(frame, boxes)
+        for y0, y1, x0, x1 in boxes.tolist():
+            warped[y0:y1, x0:x1] = frame[y0:y1, x0:x1]
+        return Update(False, "delta", warped, mask.recompute_fraction, result.matrix, boxes, tiles)
+
+    def commit(self, update: Update, frame_id: int) -> None:
+        self.reference, self.reference_id = update.reference, frame_id
+        self._since_full = 0 if update.full else self._since_full + 1
+
+
+@dataclass
+class OffloadFrameStats:
+    """What happened to one frame.
+
+    Attributes:
+        index: frame number (0-based).
+        mode: the option that produced the output (``local_full`` after a failed offload).
+        chosen: the option the scheduler chose.
+        reason: why it was chosen (and why it fell back, if it did).
+        predictions: predicted seconds of every option considered.
+        predicted_seconds: the prediction for ``chosen``.
+        seconds: actual wall time of the frame.
+        fallback: an offload failed and the frame was computed locally.
+        error: the offload error, if any.
+        recompute_fraction: changed share of the frame (cached options; 1 for full work).
+        flops_ratio: full FLOPs / computed FLOPs reported by the local cached session (None otherwise).
+        bytes_up: request bytes (0 for local).
+        bytes_down: response bytes.
+        server_seconds: server compute time reported.
+        full_upload: an offload_cached frame that had to send the whole frame (cache rebuild).
+    """
+
+    index: int
+    mode: str
+    chosen: str
+    reason: str
+    predictions: dict[str, float]
+    predicted_seconds: float
+    seconds: float
+    fallback: bool = False
+    error: str | None = None
+    recompute_fraction: float | None = None
+    flops_ratio: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    server_seconds: float = 0.0
+    full_upload: bool = False
+
+
+@dataclass
+class _Outcome:
+    output: torch.Tensor
+    recompute_fraction: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    server_seconds: float = 0.0
+    full_upload: bool = False
+    warm: bool = False
+    notes: list[str] = field(default_factory=list)
+    flops_ratio: float | None = None
+
+
+class _NetworkWorker:
+    """Background thread for health checks during back-off and link probes while computing locally."""
+
+    def __init__(self, session: OffloadingSession) -> None:
+        self.session = session
+        self.tasks: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=4)
+        self.busy = threading.Lock()  # held by a probe; an offloading frame waits for it
+        self.thread = threading.Thread(target=self._run, name="incrinf-offload-net", daemon=True)
+        self.thread.start()
+
+    def submit(self, task: Callable[[], None]) -> bool:
+        try:
+            self.tasks.put_nowait(task)
+            return True
+        except queue.Full:
+            return False
+
+    def _run(self) -> None:
+        while True:
+            task = self.tasks.get()
+            if task is None:
+                return
+            with self.busy:
+                try:
+                    task()
+                except Exception:  # a failed probe only means no sample
+                    pass
+
+    def close(self) -> None:
+        with contextlib.suppress(queue.Full):
+            self.tasks.put(None, timeout=1.0)
+        self.thread.join(2.0)
+
+
+class OffloadingSession:
+    """A camera-stream session that schedules every frame among local, offloaded and hybrid execution.
+
+    Example:
+        >>> session = OffloadingSession(model, offload="http://127.0.0.1:8765", policy="auto")  # doctest: +SKIP
+        >>> outputs = [session(frame) for frame in frames]  # frames: (H, W, 3) uint8
+        >>> session.stats[-1].mode, session.stats[-1].reason
+
+    Args:
+        model: the model (eval mode), or a zoo name (``incrinf.models``).
+        offload: server URL ``http://host:port``, or None for local only.
+        policy: ``"auto"``, ``"local_full"``, ``"local_cached"``, ``"offload_full"``, ``"offload_cached"``,
+            ``"hybrid"`` (best split) or ``"hybrid:<node>"``.
+        input_size: (H, W) of the frames; default: from the server, or the model's zoo input size.
+        mean: normalisation mean of uint8 frames (default: the zoo model's, else ImageNet).
+        std: normalisation std.
+        token: bearer token of the server.
+        threshold: change threshold (0-255) of cached options.
+        cell: change-mask cell in pixels.
+        max_ratio: changed-cell fraction from which a cached option sends / computes the full frame.
+        matcher: keypoint matcher for homographies.
+        keyframe_interval: full frame (local inference or upload) every this many cached frames (None: only
+            when needed).
+        local_session: factory of the local cached engine (a ``StreamSession``-like callable); default: the
+            incremental :class:`~incrinf.stream.session.StreamSession` with the settings above, or
+            :class:`FullInferenceStandIn` for models it cannot cache.
+        local_options: extra ``StreamSession`` arguments (``matcher_options``, ``feature_threshold``, ...).
+        budget: seconds a frame may take; offload timeouts are chosen so a failed offload can still finish
+            locally within it (None: ``max_timeout``).
+        max_timeout: longest offload timeout in seconds.
+        local_slowdown: emulate a local device this many times slower (see :class:`SlowDevice`).
+        lookahead: frames a switch must pay off over (hysteresis).
+        margin: relative saving required to switch.
+        backoff_initial: first retry delay after a failure (seconds).
+        backoff_cap: longest retry delay.
+        probe_interval: seconds between link probes while not offloading (0 disables probes).
+        max_splits: hybrid split points considered by ``auto`` (the smallest tensors).
+        profile_repeats: timed passes of the local profile.
+    """
+
+    def __init__(self, model: nn.Module | str, offload: str | None = None, policy: str = "auto", *,
+                 input_size: tuple[int, int] | None = None, mean: tuple[float, ...] | None = None,
+                 std: tuple[float, ...] | None = None, token: str | None = None,
+                 threshold: float = DEFAULT_THRESHOLD, cell: int = DEFAULT_CELL, max_ratio: float = 0.6,
+                 matcher: str = "orb", keyframe_interval: int | None = 30,
+                 local_session: Callable[[], Any] | None = None, local_options: dict[str, Any] | None = None,
+                 budget: float | None = None,
+                 max_timeout: float = 2.0, local_slowdown: float = 1.0, lookahead: int = 10,
+                 margin: float = 0.1, backoff_initial: float = 0.25, backoff_cap: float = 8.0,
+                 probe_interval: float = 0.25, max_splits: int = 3, profile_repeats: int = 5) -> None:
+        self.model, self.model_name, mean, std = _resolve_model(model, mean, std)
+        self.offload_url = offload
+        self.budget, self.max_timeout = budget, max_timeout
+        self.device = SlowDevice(local_slowdown)
+        self.probe_interval = probe_interval
+        self.link = LinkEstimator()
+        self.backoff = Backoff(backoff_initial, backoff_cap)
+        self.client = OffloadClient(offload, token, max_timeout, self.link) if offload else None
+        self._probe_client = OffloadClient(offload, token, max_timeout, self.link) if offload else None
+        self.digest = model_digest(self.model)
+        server_info = self._connect() if self.client is not None else None
+        if input_size is None:
+            input_size = tuple(server_info["input_shape"][2:]) if server_info else _zoo_size(self.model_name)
+        self.input_size = (int(input_size[0]), int(input_size[1]))
+        self.mean = tuple(float(v) for v in mean or (server_info or {}).get("mean") or IMAGENET_MEAN)
+        self.std = tuple(float(v) for v in std or (server_info or {}).get("std") or IMAGENET_STD)
+        channels = len(self.mean)
+        self.graph = capture(self.model, (channels, *self.input_size))
+        if server_info is not None:
+            problem = self._incompatibility(server_info)
+            if problem:
+                raise ValueError(problem)
+        self.runner = SplitRunner(self.graph)
+        with torch.no_grad():
+            local_profile = profile_graph(self.graph, torch.zeros(self.graph.input_shape),
+                                          repeats=profile_repeats).scaled(local_slowdown)
+        server_profile = NodeProfile.from_json(server_info["profile"]) if server_info else None
+        splits = sorted(split_points(self.graph), key=lambda s: (s.nbytes, -s.index))[:max_splits]
+        pinned = split_of(policy)
+        if pinned is not None:
+            splits = [self.runner.split(pinned)] + [s for s in splits if s.name != pinned]
+        frame_bytes = channels * self.input_size[0] * self.input_size[1]
+        out_shape = self.graph.output.shape or self.graph.nodes[-2].shape or (1,)
+        payloads = Payloads(frame_bytes, int(np.prod(out_shape)) * 4, splits={s.name: s.nbytes for s in splits})
+        cost = CostModel(local_profile, server_profile, payloads, splits, _cache_point(self.graph))
+        self.scheduler = Scheduler(cost, policy, lookahead, margin)
+        if policy != "auto" and is_offload(policy) and self.client is None:
+            raise ValueError(f"policy {policy!r} needs an offload URL")
+        self.local_cached = _local_backend(local_session, self.model, self.input_size, self.mean, self.std,
+                                           threshold, cell, max_ratio, matcher, keyframe_interval, local_options)
+        self.uplink = CachedUplink(cell, threshold, max_ratio, matcher, keyframe_interval)
+        cost.overhead[OFFLOAD_CACHED].value = self._time_uplink()
+        self.session_id: str | None = None
+        self.incompatible: str | None = None
+        self.stats: list[OffloadFrameStats] = []
+        self._index = 0
+        self._server_up = server_info is not None
+        self._last_network = -float("inf")
+        self._health_pending = False
+        self._worker = _NetworkWorker(self) if self.client is not None else None
+        if self._worker is not None and self._server_up:
+            self._worker.submit(self._probe)
+
+    @classmethod
+    def from_stream_args(cls, model: nn.Module | str, offload: str | None, policy: str | None = None,
+                         **kwargs: Any) -> OffloadingSession:
+        """Build from ``StreamSession``-style arguments: those this class takes are used directly, the rest
+        (``preprocess``, ``device``, ``matcher_options``, ``feature_threshold``, ...) go to the local
+        ``StreamSession`` through ``local_options``."""
+        import inspect
+
+        own = set(inspect.signature(cls.__init__).parameters) - {"self", "model", "offload", "policy"}
+        direct = {k: v for k, v in kwargs.items() if k in own}
+        rest = {k: v for k, v in kwargs.items() if k not in own}
+        if rest:
+            direct["local_options"] = {**(direct.get("local_options") or {}), **rest}
+        return cls(model, offload=offload, policy=policy or "auto", **direct)
+
+    def _time_uplink(self) -> float:
+        """Prior for offload_cached's client overhead: matching + mask + packing on a shifted photo pair."""
+        import cv2
+
+        from incrinf import models
+
+        h, w = self.input_size
+        photo = cv2.resize(models.sample_image(), (w + 8, h + 8), interpolation=cv2.INTER_AREA)
+        channels = len(self.mean)
+        first = np.ascontiguousarray(np.resize(photo[:h, :w], (h, w, channels)))
+        second = np.ascontiguousarray(np.resize(photo[3:h + 3, 2:w + 2], (h, w, channels)))
+        self.uplink.commit(self.uplink.prepare(first, 0), 0)
+        t0 = time.perf_counter()
+        with self.device.compute():
+            self.uplink.prepare(second, 1)
+        self.uplink.reset()
+        return time.perf_counter() - t0
+
+    # --- connection --------------------------------------------------------------------------------------
+
+    def _connect(self) -> dict | None:
+        """Health + identity check + profile; None (and back-off) if the server cannot be used now."""
+        try:
+            health = self.client.health(timeout=min(1.0, self.max_timeout))
+            if health.get("digest") != self.digest:
+                raise ValueError("the offload server runs different weights (digest mismatch)")
+            info = self.client.profile()
+            self.backoff.success()
+            return info
+        except OffloadError:
+            self.backoff.failure()
+            return None
+
+    def _incompatibility(self, info: dict) -> str | None:
+        """Why the server's model cannot stand in for ours, or None."""
+        if info.get("digest") != self.digest:
+            return "the offload server runs different weights (digest mismatch)"
+        if info.get("signature") != self.graph.signature:
+            return "the server's model graph differs from the local one (architecture or input size)"
+        if tuple(info.get("mean", ())) != self.mean or tuple(info.get("std", ())) != self.std:
+            return "the server normalises frames differently (mean/std): outputs would differ"
+        return None
+
+    def _health_check(self) -> None:
+        """Background: is the server back (and still the same model)?"""
+        try:
+            health = self._probe_client.health(timeout=min(0.5, self.max_timeout))
+            ok = health.get("digest") == self.digest
+            if ok and self.scheduler.cost.server is None:  # first contact: adopt its profile
+                info = self._probe_client.profile(timeout=min(2.0, self.max_timeout))
+                problem = self._incompatibility(info)
+                self.incompatible = problem
+                if problem is None:
+                    self.scheduler.cost.server = NodeProfile.from_json(info["profile"])
+                ok = problem is None
+        except OffloadError:
+            ok = False
+        if ok:
+            self.backoff.success()
+            self._server_up = True
+        else:
+            self.backoff.failure()
+        self._health_pending = False
+
+    def _probe(self) -> None:
+        """Background: time a tiny and a sized transfer (sized to finish within the local compute)."""
+        self._probe_client.health(timeout=0.5)
+        budget = max(0.002, 0.5 * self.scheduler.cost.local.full_seconds - self.link.rtt)
+        nbytes = int(min(65536, max(2048, self.link.bandwidth * budget)))
+        self._probe_client.probe(nbytes, timeout=max(0.5, 4 * self.link.predict(nbytes)))
+
+    def _server_usable(self) -> bool:
+        if self.client is None:
+            return False
+        if self._server_up:
+            return True
+        if self.backoff.due() and not self._health_pending:
+            self._health_pending = self._worker.submit(self._health_check)
+        return False
+
+    def _server_failed(self, exc: Exception) -> None:
+        self._server_up = False
+        self.session_id = None if isinstance(exc, ServerUnavailable) else self.session_id
+        self.client.close()
+        self.backoff.failure()
+
+    # --- per frame ---------------------------------------------------------------------------------------
+
+    def __call__(self, frame: np.ndarray) -> torch.Tensor:
+        """Process the next frame.
+
+        Args:
+            frame: (H, W, C) uint8 camera frame of ``input_size``.
+
+        Returns:
+            The model output for the frame, (1, ...) float32.
+        """
+        frame = np.ascontiguousarray(frame)
+        expected = (*self.input_size, len(self.mean))
+        if frame.shape != expected or frame.dtype != np.uint8:
+            raise ValueError(f"frame must be {expected} uint8, got {frame.shape} {frame.dtype}")
+        t0 = time.perf_counter()
+        index = self._index
+        self._index += 1
+        decision = self.scheduler.decide(self.link, self._server_usable())
+        error = None
+        try:
+            outcome = self._run(decision, frame, index, t0)
+            mode = decision.option
+        except OffloadError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self._server_failed(exc)
+            self.uplink.reset()
+            outcome = self._local(LOCAL_FULL, frame)
+            mode = LOCAL_FULL
+        seconds = time.perf_counter() - t0
+        self.scheduler.committed(mode, outcome.warm)
+        if outcome.recompute_fraction is not None:
+            self.scheduler.observe_x(mode, outcome.recompute_fraction)
+        reason = decision.reason + ("".join(f"; {n}" for n in outcome.notes))
+        if error:
+            reason += f"; offload failed, computed locally ({error})"
+        self.stats.append(OffloadFrameStats(
+            index, mode, decision.option, reason, decision.predictions, decision.predicted, seconds,
+            error is not None, error, outcome.recompute_fraction, outcome.flops_ratio, outcome.bytes_up,
+            outcome.bytes_down,
+            outcome.server_seconds, outcome.full_upload))
+        if not is_offload(mode) and self._worker is not None and self._server_up and self.probe_interval > 0:
+            if time.monotonic() - self._last_network > self.probe_interval and self.link.age() > self.probe_interval:
+                self._last_network = time.monotonic()
+                self._worker.submit(self._probe)
+        return outcome.output
+
+    def _run(self, decision: Decision, frame: np.ndarray, index: int, t0: float) -> _Outcome:
+        option = decision.option
+        if not is_offload(option):
+            return self._local(option, frame)
+        local_fallback = self.scheduler.cost.predict(LOCAL_FULL, 1.0, self.link).total
+        timeout = self.max_timeout
+        if self.budget is not None:
+            timeout = max(0.01, min(timeout, self.budget - local_fallback - (time.perf_counter() - t0)))
+        with self._worker.busy:  # never share the link with a probe
+            deadline = time.perf_counter() + timeout
+            self._last_network = time.monotonic()
+            if option == OFFLOAD_FULL:
+                return self._offload_full(frame, deadline)
+            if option == OFFLOAD_CACHED:
+                return self._offload_cached(frame, index, deadline)
+            return self._hybrid(split_of(option), frame, deadline)
+
+    def _remaining(self, deadline: float) -> float:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise ServerUnavailable("frame budget spent before the request")
+        return left
+
+    def _local(self, option: str, frame: np.ndarray) -> _Outcome:
+        t0 = time.perf_counter()
+        with self.device.compute(), torch.no_grad():
+            if option == LOCAL_CACHED:
+                output = self.local_cached(frame)
+            else:
+                output = self.model(wire.to_model_input(frame, self.mean, self.std))
+        seconds = time.perf_counter() - t0
+        cost = self.scheduler.cost
+        if option == LOCAL_CACHED:
+            x = self.local_cached.last_recompute_fraction
+            cost.observe_local_cached(seconds, x)
+            return _Outcome(output, x, warm=True, flops_ratio=self.local_cached.last_flops_ratio)
+        self.local_cached.reset()  # the local cache does not hold this frame
+        cost.observe_local_full(seconds)
+        return _Outcome(output, 1.0)
+
+    def _learn_remote(self, option: str, reply, overhead: float) -> None:
+        cost = self.scheduler.cost
+        cost.observe_server(reply.server_seconds, option)
+        cost.observe_overhead(option, overhead)
+
+    def _offload_full(self, frame: np.ndarray, deadline: float) -> _Outcome:
+        reply = self.client.infer_full(frame, timeout=self._remaining(deadline))
+        self._learn_remote(OFFLOAD_FULL, reply, 0.0)
+        self.local_cached.reset()
+        return _Outcome(torch.from_numpy(reply.output), 1.0, reply.bytes_up, reply.bytes_down, reply.server_seconds)
+
+    def _offload_cached(self, frame: np.ndarray, index: int, deadline: float) -> _Outcome:
+        self.local_cached.reset()
+        notes: list[str] = []
+        t0 = time.perf_counter()
+        with self.device.compute():
+            update = self.uplink.prepare(frame, index)
+        overhead = time.perf_counter() - t0
+        for attempt in (0, 1):
+            try:
+                if self.session_id is None:
+                    self.session_id = self.client.open_session(timeout=self._remaining(deadline))
+                if update.full:
+                    reply = self.client.infer_full(frame, self.session_id, index, timeout=self._remaining(deadline))
+                else:
+                    reply = self.client.infer_cached(self.session_id, self.uplink.reference_id, index,
+                                                     update.matrix, update.boxes, update.tiles,
+                                                     timeout=self._remaining(deadline))
+                break
+            except (SessionLost, ReferenceMismatch) as exc:
+                if attempt == 1:
+                    raise
+                notes.append(f"server cache lost ({exc.status}): resent the full frame")
+                if isinstance(exc, SessionLost):
+                    self.session_id = None
+                update = Update(True, "server cache lost", frame.copy(), 1.0)
+        if reply.digest is not None and reply.digest != wire.frame_digest(update.reference):
+            notes.append("reference digests differ: next frame goes out full")
+            self.uplink.reset()
+        else:
+            self.uplink.commit(update, index)
+        if update.full:
+            notes.append(f"full upload ({update.reason})")
+        else:
+            self._learn_remote(OFFLOAD_CACHED, reply, overhead)
+        return _Outcome(torch.from_numpy(reply.output), update.recompute_fraction if not update.full else None,
+                        reply.bytes_up, reply.bytes_down, reply.server_seconds, update.full, warm=True, notes=notes)
+
+    def _hybrid(self, split: str, frame: np.ndarray, deadline: float) -> _Outcome:
+        self.local_cached.reset()
+        with self.device.compute():
+            tensor = self.runner.prefix(wire.to_model_input(frame, self.mean, self.std), split)
+        reply = self.client.infer_suffix(split, tensor.numpy(), timeout=self._remaining(deadline))
+        self._learn_remote(f"{HYBRID}:{split}", reply, 0.0)
+        return _Outcome(torch.from_numpy(reply.output), 1.0, reply.bytes_up, reply.bytes_down, reply.server_seconds)
+
+    def close(self) -> None:
+        """Stop the background worker and close connections (the server drops the cache on expiry)."""
+        if self._worker is not None:
+            self._worker.close()
+        for client in (self.client, self._probe_client):
+            if client is not None:
+                client.close()
+
+    def __enter__(self) -> OffloadingSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _resolve_model(model: nn.Module | str, mean, std) -> tuple[nn.Module, str | None, Any, Any]:
+    if isinstance(model, str):
+        from incrinf import models
+
+        meta = models.info(model)
+        return models.load(model), model, mean or meta.mean, std or meta.std
+    return model.eval(), None, mean, std
+
+
+def _zoo_size(name: str | None) -> tuple[int, int]:
+    if name is None:
+        raise ValueError("input_size is required for a model that is not a zoo name (or give a server)")
+    from incrinf import models
+
+    size = models.info(name).input_size
+    return (size, size)
+
+
+def _cache_point(graph) -> int:
+    """Index of the last node before the first global one (CacheInf's cache point)."""
+    for i, node in enumerate(graph.nodes):
+        if node.kind == NodeKind.GLOBAL:
+            return max(0, i - 1)
+    return len(graph.nodes) - 1
+
+
+def _local_backend(factory, model, input_size, mean, std, threshold, cell, max_ratio, matcher, keyframe_interval,
+                   options):
+    """The local cached engine: ``factory()`` if given, else the incremental ``StreamSession``, else the
+    full-inference stand-in (models ``StreamSession`` cannot cache, e.g. without convolutions)."""
+    if factory is not None:
+        return StreamSessionBackend(factory)
+    try:
+        from incrinf.stream.session import StreamSession
+    except ImportError:
+        return FullInferenceStandIn(model, mean, std)
+
+    def build() -> Any:
+        return StreamSession(model, threshold=threshold, cell=cell, max_ratio=max_ratio, matcher=matcher,
+                             keyframe_interval=keyframe_interval, input_size=input_size, mean=mean, std=std,
+                             **(options or {}))
+
+    try:
+        return StreamSessionBackend(build)
+    except (ValueError, TypeError):
+        return FullInferenceStandIn(model, mean, std)

@@ -1,0 +1,254 @@
+"""Per-node timing of a captured graph and split execution (prefix on one machine, suffix on another).
+
+The scheduler's cost model needs, on each end, how long every node of the model takes (CacheInf profiles
+every operator on robot and server). :func:`profile_graph` runs the captured graph node by node with a
+``torch.fx`` Interpreter and takes each node's median over a few repeats; the per-node times are then
+rescaled so they add up to the measured time of one plain forward pass (the interpreter's per-node overhead
+is not part of the model's cost).
+
+A *split point* is a node after which exactly one tensor is still needed by the rest of the graph: the
+prefix runs up to it on the client, that tensor crosses the network, the suffix runs on the server
+(:class:`SplitRunner`). Nodes that do not depend on the input (parameters, constants) are re-evaluated on
+each side and never cross.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.fx
+
+from incrinf.graph import Graph, NodeKind
+
+
+@dataclass(frozen=True)
+class SplitPoint:
+    """A cut after node ``name`` (``index`` in the graph's topological order) where one tensor is live.
+
+    Attributes:
+        name: fx node name whose output crosses the network.
+        index: position of the node in ``Graph.nodes``.
+        shape: shape of that tensor (batch 1).
+        nbytes: its size in float32 bytes.
+    """
+
+    name: str
+    index: int
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class NodeProfile:
+    """Per-node times of one graph on one machine.
+
+    Attributes:
+        names: node names in topological order (all nodes of the graph).
+        seconds: (n_nodes,) per-node seconds, scaled so that their sum equals ``full_seconds``.
+        full_seconds: median time of one plain forward pass.
+        raw_seconds: (n_nodes,) per-node medians before scaling (include interpreter overhead).
+    """
+
+    names: list[str]
+    seconds: np.ndarray
+    full_seconds: float
+    raw_seconds: np.ndarray
+
+    def prefix(self, index: int) -> float:
+        """Seconds of nodes ``0..index`` inclusive."""
+        return float(self.seconds[: index + 1].sum())
+
+    def suffix(self, index: int) -> float:
+        """Seconds of nodes after ``index``."""
+        return float(self.seconds[index + 1:].sum())
+
+    def scaled(self, factor: float) -> NodeProfile:
+        """The same profile on a device ``factor`` times slower."""
+        return NodeProfile(self.names, self.seconds * factor, self.full_seconds * factor, self.raw_seconds * factor)
+
+    def to_json(self) -> dict:
+        return {"names": self.names, "seconds": self.seconds.tolist(), "full_seconds": self.full_seconds,
+                "raw_seconds": self.raw_seconds.tolist()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> NodeProfile:
+        names = [str(n) for n in data["names"]]
+        seconds = np.asarray(data["seconds"], dtype=np.float64)
+        raw = np.asarray(data.get("raw_seconds", data["seconds"]), dtype=np.float64)
+        if seconds.shape != (len(names),) or raw.shape != seconds.shape or not np.all(np.isfinite(seconds)):
+            raise ValueError("malformed profile: names and seconds disagree")
+        return cls(names, seconds, float(data["full_seconds"]), raw)
+
+
+def _input_dependent(graph: Graph) -> set[str]:
+    """Names of nodes whose value depends on the model input (the rest are constants)."""
+    dependent = {graph.input.name}
+    for node in graph.nodes[1:]:
+        if node.kind != NodeKind.CONSTANT and any(i in dependent for i in node.inputs):
+            dependent.add(node.name)
+    return dependent
+
+
+def _fx_users_index(graph: Graph) -> dict[str, int]:
+    """For each node, the index of its last user (itself if unused)."""
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    last: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        fx_node = node.fx_node
+        users = [index[u.name] for u in fx_node.users] if fx_node is not None else []
+        last[node.name] = max(users, default=i)
+    return last
+
+
+def split_points(graph: Graph) -> list[SplitPoint]:
+    """All cuts where exactly one input-dependent tensor is live, in graph order.
+
+    The cut after the last computing node (whose tensor is the output) is not listed: it is plain local
+    inference.
+    """
+    dependent = _input_dependent(graph)
+    last_use = _fx_users_index(graph)
+    out: list[SplitPoint] = []
+    live: set[str] = set()
+    output_index = len(graph.nodes) - 1
+    for i, node in enumerate(graph.nodes[:-1]):
+        if node.name in dependent:
+            live.add(node.name)
+        live = {n for n in live if last_use[n] > i}
+        if i == 0 or len(live) != 1:
+            continue
+        (name,) = live
+        if name != node.name or last_use[name] == output_index:
+            continue
+        shape = graph.by_name[name].shape
+        if shape is None or node.kind in (NodeKind.META,):
+            continue
+        out.append(SplitPoint(name, i, tuple(shape), int(np.prod(shape)) * 4))
+    return out
+
+
+class SplitRunner:
+    """Runs a captured graph in two halves around a :class:`SplitPoint`.
+
+    Each half is a generated ``torch.fx.GraphModule`` (built once per split and kept), so it runs as plain
+    Python code without interpreter overhead, like the full model.
+
+    Args:
+        graph: the captured graph (both ends must capture the same architecture at the same input shape:
+            compare ``graph.signature``).
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.module = graph.module
+        self.fx_nodes = list(self.module.graph.nodes)
+        self.splits = {s.name: s for s in split_points(graph)}
+        self._halves: dict[str, tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = {}
+
+    def split(self, name: str) -> SplitPoint:
+        if name not in self.splits:
+            raise KeyError(f"{name!r} is not a split point; choose one of {list(self.splits)}")
+        return self.splits[name]
+
+    def halves(self, name: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        """(prefix, suffix) modules of split ``name``: ``suffix(prefix(x)) == model(x)``."""
+        if name not in self._halves:
+            index = self.split(name).index
+            prefix, env = torch.fx.Graph(), {}
+            for node in self.fx_nodes[: index + 1]:
+                env[node] = prefix.node_copy(node, lambda n: env[n])
+            prefix.output(env[self.fx_nodes[index]])
+            suffix = torch.fx.Graph()
+            env = {self.fx_nodes[index]: suffix.placeholder("split_input")}
+
+            def arg(n: torch.fx.Node) -> torch.fx.Node:
+                if n not in env:  # a constant defined before the cut: re-create it on this side
+                    if n.op != "get_attr":
+                        raise RuntimeError(f"{n.name} crosses the split but is not the split tensor")
+                    env[n] = suffix.node_copy(n, arg)
+                return env[n]
+
+            for node in self.fx_nodes[index + 1:]:
+                env[node] = suffix.node_copy(node, arg)
+            self._halves[name] = (torch.fx.GraphModule(self.module, prefix), torch.fx.GraphModule(self.module, suffix))
+        return self._halves[name]
+
+    @torch.no_grad()
+    def prefix(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Run the graph up to and including split node ``name``.
+
+        Args:
+            x: (1, C, H, W) model input.
+            name: a split point.
+
+        Returns:
+            The tensor live at the split (shape ``split(name).shape``).
+        """
+        return self.halves(name)[0](x)
+
+    @torch.no_grad()
+    def suffix(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Run the rest of the graph after split node ``name``, starting from its tensor.
+
+        Raises:
+            ValueError: ``tensor`` does not have the split's shape.
+        """
+        split = self.split(name)
+        if tuple(tensor.shape) != split.shape:
+            raise ValueError(f"split {name!r} expects a tensor of shape {split.shape}, got {tuple(tensor.shape)}")
+        return self.halves(name)[1](tensor)
+
+
+@torch.no_grad()
+def profile_graph(graph: Graph, example: torch.Tensor, repeats: int = 5, warmup: int = 1) -> NodeProfile:
+    """Time every node of ``graph`` on this machine.
+
+    Args:
+        graph: captured graph.
+        example: (1, C, H, W) input of the captured shape.
+        repeats: timed passes (median per node).
+        warmup: untimed passes first.
+
+    Returns:
+        The :class:`NodeProfile`.
+    """
+    module = graph.module
+    fx_nodes = list(module.graph.nodes)
+    samples = np.zeros((repeats, len(fx_nodes)))
+    full = []
+    for rep in range(warmup + repeats):
+        interp = torch.fx.Interpreter(module)
+        interp.env = {fx_nodes[0]: example}
+        for i, node in enumerate(fx_nodes[1:], start=1):
+            t0 = time.perf_counter()
+            interp.env[node] = interp.run_node(node)
+            if rep >= warmup:
+                samples[rep - warmup, i] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        module(example)
+        if rep >= warmup:
+            full.append(time.perf_counter() - t0)
+    raw = np.median(samples, axis=0)
+    full_seconds = statistics.median(full)
+    scale = full_seconds / raw.sum() if raw.sum() > 0 else 1.0
+    return NodeProfile([n.name for n in fx_nodes], raw * scale, full_seconds, raw)
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """Hash of a model's parameters and buffers (names, shapes, values).
+
+    Client and server compare it before offloading: the same architecture with different weights would
+    silently give different outputs.
+    """
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=12)
+    for name, tensor in list(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

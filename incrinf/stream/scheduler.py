@@ -1,0 +1,319 @@
+"""Cache-aware scheduling: per frame, local or offloaded or split execution, with or without cache.
+
+Options (CacheInf, ``seeds/000`` and ANCHORS.md):
+
+- ``local_full``: the whole model on the client.
+- ``local_cached``: the client's incremental stream session (recomputes the changed fraction ``x``).
+- ``offload_full``: send the frame, the server runs the model.
+- ``offload_cached``: send only the changed tiles + homography; the server rebuilds the frame from its
+  reference copy (uplink bytes ~ ``x`` x frame bytes).
+- ``hybrid:<node>``: the client runs the graph up to a split node, the server the rest.
+
+Cost model, per option, in seconds (every term is measured, none is a constant of the code):
+
+- local compute: the client's per-node profile (``NodeProfile``, times the emulated slowdown), times an
+  online correction (EWMA of actual / profiled); cached local compute is CacheInf's
+  ``x * T(before cache point) + T(after)``, times its own learned correction;
+- server compute: the server's ``GET /profile`` numbers, corrected by the compute times it reports;
+- network: :class:`~incrinf.stream.client.LinkEstimator` (RTT and bandwidth from real transfers) applied to
+  the option's payload: frame bytes, ``x`` x frame bytes + boxes, or the split tensor's bytes, plus output;
+- client overheads of offloading (encoding, matching + change mask for ``offload_cached``): EWMA of
+  measured values;
+- ``x``: the predicted recompute fraction, an EWMA of the fractions recently measured on the chosen side.
+
+Switching into a cached option costs one cache rebuild: its first frame is a full one (full local inference,
+or a full frame upload). Hysteresis (:meth:`Scheduler.decide`): leave the current option only when the
+predicted saving over a look-ahead window of ``lookahead`` frames exceeds the switching cost plus a margin;
+if the current option becomes unavailable (server down) the best available one is taken at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from incrinf.stream.profile import NodeProfile, SplitPoint
+
+LOCAL_FULL = "local_full"
+LOCAL_CACHED = "local_cached"
+OFFLOAD_FULL = "offload_full"
+OFFLOAD_CACHED = "offload_cached"
+HYBRID = "hybrid"
+BASE_OPTIONS = (LOCAL_FULL, LOCAL_CACHED, OFFLOAD_FULL, OFFLOAD_CACHED)
+
+
+def is_offload(option: str) -> bool:
+    """Whether ``option`` needs the server."""
+    return option in (OFFLOAD_FULL, OFFLOAD_CACHED) or option.startswith(HYBRID)
+
+
+def split_of(option: str) -> str | None:
+    """The split node of a ``hybrid:<node>`` option."""
+    return option.split(":", 1)[1] if option.startswith(HYBRID + ":") else None
+
+
+def full_variant(option: str) -> str:
+    """The option that rebuilds ``option``'s cache (its own name for cache-free options)."""
+    return {LOCAL_CACHED: LOCAL_FULL, OFFLOAD_CACHED: OFFLOAD_FULL}.get(option, option)
+
+
+class Ewma:
+    """Exponentially weighted moving average with a prior value.
+
+    Args:
+        value: prior.
+        alpha: weight of each new sample.
+        lo: lower clamp of samples.
+        hi: upper clamp of samples.
+    """
+
+    def __init__(self, value: float, alpha: float = 0.3, lo: float = -math.inf, hi: float = math.inf) -> None:
+        self.value, self.alpha, self.lo, self.hi = value, alpha, lo, hi
+        self.count = 0
+
+    def add(self, sample: float) -> float:
+        if math.isfinite(sample):
+            sample = min(self.hi, max(self.lo, sample))
+            self.value = sample if self.count == 0 and self.alpha >= 1 else \
+                (1 - self.alpha) * self.value + self.alpha * sample
+            self.count += 1
+        return self.value
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted time of one option for the next frame, by part (seconds)."""
+
+    local: float
+    network: float
+    server: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.local + self.network + self.server + self.overhead
+
+
+@dataclass
+class Decision:
+    """The scheduler's choice for one frame.
+
+    Attributes:
+        option: the chosen option.
+        reason: why, in words.
+        predictions: option -> predicted seconds of every option considered (available ones).
+        switch_cost: predicted extra seconds of switching into ``option`` (cache rebuild), 0 if staying.
+    """
+
+    option: str
+    reason: str
+    predictions: dict[str, float] = field(default_factory=dict)
+    switch_cost: float = 0.0
+
+    @property
+    def predicted(self) -> float:
+        return self.predictions.get(self.option, math.nan)
+
+
+@dataclass
+class Payloads:
+    """Bytes each option moves (request + response, without HTTP overhead).
+
+    Attributes:
+        frame: bytes of one uint8 frame (H * W * C).
+        output: bytes of the model output (float32).
+        header: fixed per-request message overhead (headers, metadata, boxes).
+        splits: split name -> float32 bytes of the tensor live there.
+    """
+
+    frame: int
+    output: int
+    header: int = 600
+    splits: dict[str, int] = field(default_factory=dict)
+
+    def of(self, option: str, x: float) -> float:
+        if option == OFFLOAD_FULL:
+            return self.frame + self.output + self.header
+        if option == OFFLOAD_CACHED:
+            return x * self.frame + self.output + self.header + 64  # + boxes and the homography
+        split = split_of(option)
+        if split is not None:
+            return self.splits[split] + self.output + self.header
+        return 0.0
+
+
+class CostModel:
+    """Predicts each option's time from profiles, link estimates and online corrections.
+
+    Args:
+        local: the client's node profile (already scaled by any emulated slowdown).
+        server: the server's node profile (from ``GET /profile``), or None without a server.
+        payloads: bytes per option.
+        splits: the hybrid split points considered.
+        cache_point: index of the first node after which local caching stops paying (CacheInf's cache point:
+            the first global node); ``x`` scales only the nodes up to it.
+    """
+
+    def __init__(self, local: NodeProfile, server: NodeProfile | None, payloads: Payloads,
+                 splits: Iterable[SplitPoint] = (), cache_point: int | None = None) -> None:
+        self.local = local
+        self.server = server
+        self.payloads = payloads
+        self.splits = {s.name: s for s in splits}
+        n = len(local.names)
+        self.cache_point = n - 1 if cache_point is None else cache_point
+        self.before = local.prefix(self.cache_point)
+        self.after = local.suffix(self.cache_point)
+        # Online corrections, actual / modelled, and measured client overheads.
+        self.local_scale = Ewma(1.0, 0.3, 0.2, 5.0)
+        self.cached_scale = Ewma(1.0, 0.3, 0.2, 10.0)
+        self.server_scale = Ewma(1.0, 0.3, 0.05, 20.0)
+        self.overhead = {OFFLOAD_FULL: Ewma(0.0005, 0.3, 0.0), OFFLOAD_CACHED: Ewma(0.0, 0.3, 0.0),
+                         HYBRID: Ewma(0.0005, 0.3, 0.0), LOCAL_CACHED: Ewma(0.0, 0.3, 0.0)}
+
+    def options(self) -> list[str]:
+        out = list(BASE_OPTIONS)
+        out += [f"{HYBRID}:{name}" for name in self.splits]
+        return out
+
+    def local_cached_model(self, x: float) -> float:
+        """Uncorrected local cached compute for change fraction ``x``."""
+        return min(1.0, max(0.0, x)) * self.before + self.after
+
+    def predict(self, option: str, x: float, link) -> Prediction:
+        """Predicted time of ``option`` with change fraction ``x`` on ``link`` (a ``LinkEstimator``)."""
+        from incrinf.stream.client import HTTP_OVERHEAD_BYTES
+
+        if option == LOCAL_FULL:
+            return Prediction(self.local.full_seconds * self.local_scale.value, 0.0, 0.0, 0.0)
+        if option == LOCAL_CACHED:
+            local = self.local_cached_model(x) * self.local_scale.value * self.cached_scale.value
+            return Prediction(local, 0.0, 0.0, self.overhead[LOCAL_CACHED].value)
+        if self.server is None:
+            raise ValueError(f"option {option} needs a server profile")
+        network = link.predict(self.payloads.of(option, x) + HTTP_OVERHEAD_BYTES)
+        split = split_of(option)
+        if split is not None:
+            index = self.splits[split].index
+            return Prediction(self.local.prefix(index) * self.local_scale.value, network,
+                              self.server.suffix(index) * self.server_scale.value, self.overhead[HYBRID].value)
+        return Prediction(0.0, network, self.server.full_seconds * self.server_scale.value,
+                          self.overhead[option].value)
+
+    # --- learning ---------------------------------------------------------------------------------------
+
+    def observe_local_full(self, seconds: float) -> None:
+        self.local_scale.add(seconds / self.local.full_seconds)
+
+    def observe_local_cached(self, seconds: float, x: float) -> None:
+        modelled = self.local_cached_model(x) * self.local_scale.value
+        if modelled > 0:
+            self.cached_scale.add(seconds / modelled)
+
+    def observe_server(self, seconds: float, option: str) -> None:
+        if self.server is None or seconds <= 0:
+            return
+        split = split_of(option)
+        modelled = self.server.suffix(self.splits[split].index) if split else self.server.full_seconds
+        if modelled > 0:
+            self.server_scale.add(seconds / modelled)
+
+    def observe_overhead(self, option: str, seconds: float) -> None:
+        key = HYBRID if option.startswith(HYBRID) else option
+        if key in self.overhead:
+            self.overhead[key].add(seconds)
+
+
+class Scheduler:
+    """Chooses an option per frame from a :class:`CostModel`, with switching costs and hysteresis.
+
+    Args:
+        cost: the cost model.
+        policy: ``"auto"``, one option name (``"local_full"``, ``"local_cached"``, ``"offload_full"``,
+            ``"offload_cached"``, ``"hybrid:<node>"``), or ``"hybrid"`` (the best split each frame).
+        lookahead: frames over which a switch must pay off.
+        margin: extra relative saving required to switch (fraction of the current option's time).
+        x_alpha: EWMA weight of the change-fraction predictor.
+        x_prior: predicted change fraction before any measurement.
+    """
+
+    def __init__(self, cost: CostModel, policy: str = "auto", lookahead: int = 10, margin: float = 0.1,
+                 x_alpha: float = 0.3, x_prior: float = 0.5) -> None:
+        options = cost.options()
+        if policy not in ("auto", HYBRID) and policy not in options:
+            raise ValueError(f"unknown policy {policy!r}; choose auto, hybrid or one of {options}")
+        self.cost = cost
+        self.policy = policy
+        self.lookahead = lookahead
+        self.margin = margin
+        self.x = {LOCAL_CACHED: Ewma(x_prior, x_alpha, 0.0, 1.0), OFFLOAD_CACHED: Ewma(x_prior, x_alpha, 0.0, 1.0)}
+        self.current: str | None = None
+        self.warm: set[str] = set()  # cached options whose cache holds the previous frame
+
+    def predicted_x(self, option: str) -> float:
+        return self.x[option].value if option in self.x else 1.0
+
+    def predictions(self, link, server_up: bool) -> dict[str, float]:
+        out = {}
+        for option in self._candidates(server_up):
+            out[option] = self.cost.predict(option, self.predicted_x(option), link).total
+        return out
+
+    def _candidates(self, server_up: bool) -> list[str]:
+        options = self.cost.options()
+        if self.policy == HYBRID:
+            options = [o for o in options if o.startswith(HYBRID + ":")]
+        elif self.policy != "auto":
+            options = [self.policy]
+        if not server_up or self.cost.server is None:
+            options = [o for o in options if not is_offload(o)]
+        return options
+
+    def switch_cost(self, option: str, predictions: dict[str, float], link) -> float:
+        """Extra seconds of entering ``option`` now: a cache rebuild when its cache is cold."""
+        if option in self.warm or full_variant(option) == option:
+            return 0.0
+        full = predictions.get(full_variant(option))
+        if full is None:
+            full = self.cost.predict(full_variant(option), 1.0, link).total
+        return max(0.0, full - predictions[option])
+
+    def decide(self, link, server_up: bool) -> Decision:
+        """Choose the option for the next frame.
+
+        Args:
+            link: the client's ``LinkEstimator``.
+            server_up: whether offloading may be tried now (the server is not in back-off).
+        """
+        predictions = self.predictions(link, server_up)
+        if not predictions:  # pinned to an offload option while the server is down
+            predictions = {LOCAL_FULL: self.cost.predict(LOCAL_FULL, 1.0, link).total}
+            return Decision(LOCAL_FULL, f"{self.policy} unavailable (server down): local fallback", predictions)
+        if self.policy not in ("auto", HYBRID):
+            return Decision(self.policy, "pinned by policy", predictions)
+        w = self.lookahead
+        costs = {o: self.switch_cost(o, predictions, link) if o != self.current else 0.0 for o in predictions}
+        best = min(predictions, key=lambda o: w * predictions[o] + costs[o])
+        if self.current not in predictions:
+            why = "start" if self.current is None else f"{self.current} unavailable"
+            return Decision(best, f"{why}: best over {w} frames", predictions, costs[best])
+        if best == self.current:
+            return Decision(best, "stay: best predicted", predictions)
+        stay = w * predictions[self.current]
+        move = w * predictions[best] + costs[best]
+        if stay - move > self.margin * stay:
+            return Decision(best, f"switch from {self.current}: {w}-frame saving {stay - move:.4f}s > "
+                                  f"margin {self.margin * stay:.4f}s (rebuild {costs[best]:.4f}s)",
+                            predictions, costs[best])
+        return Decision(self.current, f"hold (hysteresis): {best} saves only {stay - move:.4f}s over {w} frames",
+                        predictions)
+
+    def committed(self, option: str, warm_after: bool) -> None:
+        """Record the option that actually ran; ``warm_after``: its cache now holds this frame."""
+        self.current = option
+        self.warm = {option} if warm_after and full_variant(option) != option else set()
+
+    def observe_x(self, option: str, x: float) -> None:
+        if option in self.x:
+            self.x[option].add(x)

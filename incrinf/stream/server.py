@@ -1,0 +1,472 @@
+"""The offload server: full, cached and split (suffix) inference over HTTP, with per-client stream caches.
+
+Stack: ``aiohttp`` (asyncio HTTP/1.1 with keep-alive, request-size limits and a mature parser); the model
+runs in a small thread pool so a slow inference never blocks the event loop, and one client's bad request
+never stops the others.
+
+Endpoints (binary bodies are :mod:`incrinf.stream.wire` tensor messages):
+
+=========================  ===================================================================================
+``GET /health``            liveness + model identity (name, graph signature, weight digest); no token needed
+``GET /profile``           per-node times of the server's model (measured once at start-up) and split points
+``POST /session``          open a stream cache; answers ``{"session": id}`` (a 128-bit random capability)
+``DELETE /session``        drop the cache named by the ``X-Incrinf-Session`` header
+``POST /infer/full``       tensor ``frame`` (H, W, C) uint8 or ``input`` (1, C, H, W) float32 -> ``output``;
+                           with ``X-Incrinf-Session`` and meta ``frame_id`` the frame becomes that cache's
+                           reference
+``POST /infer/cached``     meta ``base_id``, ``frame_id``; tensors ``boxes`` (n, 4) int32, ``tiles`` uint8
+                           and optionally ``matrix`` (3, 3) float64: the server warps its reference by the
+                           homography, pastes the tiles (:func:`~incrinf.stream.wire.apply_update`), runs
+                           the model on that frame and keeps it as the new reference. Only changed pixels
+                           cross the uplink.
+``POST /infer/suffix?k=N`` tensor ``tensor`` = the value live after split node ``N`` -> ``output``
+``POST /probe``            body discarded: the client times it to measure the link
+=========================  ===================================================================================
+
+Responses carry ``X-Server-Seconds`` (compute time, so the client can separate network from compute) and,
+for cached streams, ``X-Frame-Digest`` of the reference frame. Errors are JSON ``{"error": ...}`` with 400
+(malformed payload), 401 (missing or wrong bearer token), 404 (unknown session), 409 (the client's reference
+frame is not the server's: send a full frame), 413 (request too large).
+
+Isolation: caches are keyed by (credential, session id); session ids are server-issued random capabilities,
+so a client can neither read (run the model on) nor overwrite another client's reference frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn as nn
+from aiohttp import web
+
+from incrinf.graph import capture
+from incrinf.stream import wire
+from incrinf.stream.profile import NodeProfile, SplitRunner, model_digest, profile_graph, split_points
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Incrinf-Session"
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class SessionNotFound(LookupError):
+    """The session id is unknown to this server (expired, evicted, another client's, or a restart)."""
+
+
+class CacheConflict(RuntimeError):
+    """The client's reference frame id is not the server's: the client must send a full frame."""
+
+
+@dataclass
+class _StreamCache:
+    frame: np.ndarray | None = None
+    frame_id: int | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SessionStore:
+    """Per-client reference frames, LRU-bounded and expiring.
+
+    Args:
+        max_sessions: most caches kept; the least recently used is dropped beyond it.
+        ttl: seconds after which an unused cache is dropped.
+    """
+
+    def __init__(self, max_sessions: int = 256, ttl: float = 600.0) -> None:
+        self.max_sessions = max_sessions
+        self.ttl = ttl
+        self._caches: OrderedDict[tuple[str, str], _StreamCache] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _expire(self, now: float) -> None:
+        while self._caches:
+            key, cache = next(iter(self._caches.items()))
+            if now - cache.last_used <= self.ttl and len(self._caches) <= self.max_sessions:
+                break
+            del self._caches[key]
+
+    def create(self, owner: str) -> str:
+        session = secrets.token_urlsafe(16)
+        with self._lock:
+            self._caches[(owner, session)] = _StreamCache()
+            self._expire(time.monotonic())
+        return session
+
+    def get(self, owner: str, session: str) -> _StreamCache:
+        now = time.monotonic()
+        with self._lock:
+            self._expire(now)
+            cache = self._caches.get((owner, session))
+            if cache is None:
+                raise SessionNotFound("unknown session (expired, evicted or never opened here): open a new one")
+            cache.last_used = now
+            self._caches.move_to_end((owner, session))
+            return cache
+
+    def delete(self, owner: str, session: str) -> bool:
+        with self._lock:
+            return self._caches.pop((owner, session), None) is not None
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+
+class ModelService:
+    """The model side of the server, free of HTTP: full, cached and suffix inference plus the profile.
+
+    Args:
+        model: the model (put in eval mode).
+        input_shape: ``(C, H, W)`` or ``(1, C, H, W)``: the one input shape this server accepts.
+        name: model name reported to clients.
+        mean: per-channel normalisation mean applied to uint8 frames (see :func:`~incrinf.stream.wire.
+            to_model_input`).
+        std: per-channel normalisation std.
+        profile_repeats: timed passes of the start-up profile.
+        max_sessions: most per-client caches kept.
+        session_ttl: seconds before an unused cache is dropped.
+    """
+
+    def __init__(self, model: nn.Module, input_shape: tuple[int, ...], *, name: str = "model",
+                 mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
+                 profile_repeats: int = 5, max_sessions: int = 256, session_ttl: float = 600.0) -> None:
+        self.model = model.eval()
+        self.name = name
+        self.graph = capture(model, input_shape)
+        self.input_shape = tuple(self.graph.input_shape)
+        self.mean, self.std = tuple(map(float, mean)), tuple(map(float, std))
+        if len(self.mean) != self.input_shape[1] or len(self.std) != self.input_shape[1]:
+            raise ValueError("mean and std need one value per input channel")
+        self.runner = SplitRunner(self.graph)
+        self.digest = model_digest(model)
+        param = next(iter(model.parameters()), None)
+        self.dtype = param.dtype if param is not None else torch.float32
+        with torch.no_grad():
+            self.profile: NodeProfile = profile_graph(self.graph, torch.zeros(self.input_shape, dtype=self.dtype),
+                                                      repeats=profile_repeats)
+        self.sessions = SessionStore(max_sessions, session_ttl)
+
+    @property
+    def frame_shape(self) -> tuple[int, int, int]:
+        _, c, h, w = self.input_shape
+        return (h, w, c)
+
+    def identity(self) -> dict:
+        return {"model": self.name, "signature": self.graph.signature, "digest": self.digest,
+                "input_shape": list(self.input_shape)}
+
+    def profile_json(self) -> dict:
+        return {
+            **self.identity(), "mean": list(self.mean), "std": list(self.std),
+            "threads": torch.get_num_threads(), "profile": self.profile.to_json(),
+            "splits": [{"name": s.name, "index": s.index, "shape": list(s.shape), "nbytes": s.nbytes}
+                       for s in split_points(self.graph)],
+        }
+
+    def _run(self, x: torch.Tensor) -> tuple[np.ndarray, float]:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model(x.to(self.dtype))
+        return out.float().numpy(), time.perf_counter() - t0
+
+    def _frame_input(self, frame: np.ndarray) -> torch.Tensor:
+        if frame.shape != self.frame_shape:
+            raise wire.PayloadError(f"frame must be {self.frame_shape} uint8, got {frame.shape}")
+        return wire.to_model_input(frame, self.mean, self.std)
+
+    def infer_full(self, msg: wire.Message, owner: str, session: str | None) -> tuple[np.ndarray, float, str | None]:
+        """Full inference on a frame or a model input; with a session the frame becomes its reference.
+
+        Returns:
+            ``(output, compute seconds, reference digest or None)``.
+        """
+        if "frame" in msg.tensors:
+            frame = msg.tensor("frame", np.uint8, 3)
+            x = self._frame_input(frame)
+        elif "input" in msg.tensors:
+            x = torch.from_numpy(msg.tensor("input", np.float32))
+            if tuple(x.shape) != self.input_shape:
+                raise wire.PayloadError(f"input must be {self.input_shape} float32, got {tuple(x.shape)}")
+            frame = None
+        else:
+            raise wire.PayloadError("send a tensor named 'frame' (H, W, C) uint8 or 'input' (1, C, H, W) float32")
+        if session is None:
+            out, seconds = self._run(x)
+            return out, seconds, None
+        if frame is None:
+            raise wire.PayloadError("a session reference must be a uint8 'frame'")
+        frame_id = _int_meta(msg, "frame_id")
+        cache = self.sessions.get(owner, session)
+        with cache.lock:
+            out, seconds = self._run(x)
+            cache.frame, cache.frame_id = frame, frame_id
+            return out, seconds, wire.frame_digest(frame)
+
+    def infer_cached(self, msg: wire.Message, owner: str, session: str) -> tuple[np.ndarray, float, str]:
+        """Rebuild the session's next frame from its reference + homography + tiles and run the model.
+
+        Raises:
+            SessionNotFound: unknown session. CacheConflict: ``base_id`` is not the reference's id.
+            wire.PayloadError: malformed update.
+        """
+        base_id, frame_id = _int_meta(msg, "base_id"), _int_meta(msg, "frame_id")
+        boxes = msg.tensor("boxes", np.int32, 2)
+        tiles = msg.tensor("tiles", np.uint8, 1)
+        matrix = msg.tensor("matrix", np.float64) if "matrix" in msg.tensors else None
+        if matrix is not None and matrix.shape != (3, 3):
+            raise wire.PayloadError(f"matrix must be (3, 3), got {matrix.shape}")
+        cache = self.sessions.get(owner, session)
+        with cache.lock:
+            if cache.frame is None or cache.frame_id != base_id:
+                raise CacheConflict(f"reference is frame {cache.frame_id}, request builds on {base_id}: "
+                                    "send a full frame")
+            frame = wire.apply_update(cache.frame, matrix, boxes, tiles)
+            out, seconds = self._run(self._frame_input(frame))
+            cache.frame, cache.frame_id = frame, frame_id
+            return out, seconds, wire.frame_digest(frame)
+
+    def infer_suffix(self, msg: wire.Message, split: str) -> tuple[np.ndarray, float]:
+        """Run the graph after split node ``split`` from the tensor live there."""
+        if split not in self.runner.splits:
+            raise wire.PayloadError(f"unknown split point {split!r}; GET /profile lists them")
+        tensor = torch.from_numpy(msg.tensor("tensor", np.float32))
+        t0 = time.perf_counter()
+        try:
+            out = self.runner.suffix(tensor.to(self.dtype), split)
+        except ValueError as exc:
+            raise wire.PayloadError(str(exc)) from None
+        return out.float().numpy(), time.perf_counter() - t0
+
+
+def _int_meta(msg: wire.Message, key: str) -> int:
+    value = msg.meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise wire.PayloadError(f"metadata {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"error": message, "status": status}, status=status, headers=headers or None)
+
+
+class OffloadServer:
+    """HTTP front of a :class:`ModelService`.
+
+    Use :meth:`start` / :meth:`stop` (background thread, for tests, benchmarks and embedding) or
+    :meth:`serve_forever` (the ``incrinf serve`` command).
+
+    Args:
+        service: the model service.
+        host: interface to bind (keep 127.0.0.1 unless the network is trusted; there is no TLS).
+        port: TCP port, 0 for any free one (see :attr:`port`).
+        token: if set, every endpoint but ``/health`` needs ``Authorization: Bearer <token>``.
+        max_request_bytes: larger request bodies get 413.
+        workers: inference threads.
+    """
+
+    def __init__(self, service: ModelService, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, workers: int = 2) -> None:
+        self.service = service
+        self.host, self._requested_port = host, port
+        self._token = token.encode() if token else None
+        # Caches are namespaced by credential so that adding per-client tokens later keeps them apart.
+        self._owner = "token:" + hashlib.sha256(self._token).hexdigest()[:16] if self._token else "anon"
+        self.max_request_bytes = max_request_bytes
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="incrinf-infer")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self.port: int | None = None
+        self.started_at = time.monotonic()
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("server not started")
+        return f"http://{self.host}:{self.port}"
+
+    # --- app ---------------------------------------------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._guard])
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/profile", self._profile)
+        app.router.add_post("/session", self._open_session)
+        app.router.add_delete("/session", self._close_session)
+        app.router.add_post("/infer/full", self._full)
+        app.router.add_post("/infer/cached", self._cached)
+        app.router.add_post("/infer/suffix", self._suffix)
+        app.router.add_post("/probe", self._probe)
+        return app
+
+    @web.middleware
+    async def _guard(self, request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if self._token is not None and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            scheme, _, credential = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(credential.strip().encode(), self._token):
+                return _error(401, "missing or wrong bearer token", **{"WWW-Authenticate": 'Bearer realm="incrinf"'})
+        length = request.content_length
+        if length is not None and length > self.max_request_bytes:
+            return _error(413, f"request body of {length} bytes exceeds the limit of {self.max_request_bytes}")
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body exceeds the limit of {self.max_request_bytes} bytes")
+        except web.HTTPException as exc:
+            return _error(exc.status, exc.reason)
+        except wire.PayloadError as exc:
+            return _error(400, f"malformed payload: {exc}")
+        except SessionNotFound as exc:
+            return _error(404, str(exc))
+        except CacheConflict as exc:
+            return _error(409, str(exc))
+        except Exception:  # a bug must not take the server down; the client sees a 500
+            log.exception("request %s %s failed", request.method, request.path)
+            return _error(500, "internal error")
+
+    async def _body(self, request: web.Request) -> wire.Message:
+        return wire.decode(await request.read())
+
+    def _session(self, request: web.Request, required: bool) -> str | None:
+        session = request.headers.get(SESSION_HEADER)
+        if required and not session:
+            raise wire.PayloadError(f"the {SESSION_HEADER} header is required (POST /session opens one)")
+        return session or None
+
+    async def _compute(self, fn: Callable, *args: object) -> object:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _tensor_response(self, out: np.ndarray, seconds: float, digest: str | None = None) -> web.Response:
+        headers = {"X-Server-Seconds": f"{seconds:.6f}"}
+        if digest is not None:
+            headers["X-Frame-Digest"] = digest
+        return web.Response(body=wire.encode({"output": out}), content_type=wire.CONTENT_TYPE, headers=headers)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", **self.service.identity(),
+                                  "uptime": time.monotonic() - self.started_at})
+
+    async def _profile(self, request: web.Request) -> web.Response:
+        return web.json_response(self.service.profile_json())
+
+    async def _open_session(self, request: web.Request) -> web.Response:
+        return web.json_response({"session": self.service.sessions.create(self._owner)})
+
+    async def _close_session(self, request: web.Request) -> web.Response:
+        session = self._session(request, required=True)
+        if not self.service.sessions.delete(self._owner, session):
+            raise SessionNotFound("unknown session")
+        return web.json_response({"deleted": session})
+
+    async def _full(self, request: web.Request) -> web.Response:
+        msg = await self._body(request)
+        out, seconds, digest = await self._compute(self.service.infer_full, msg, self._owner,
+                                                   self._session(request, required=False))
+        return self._tensor_response(out, seconds, digest)
+
+    async def _cached(self, request: web.Request) -> web.Response:
+        msg = await self._body(request)
+        out, seconds, digest = await self._compute(self.service.infer_cached, msg, self._owner,
+                                                   self._session(request, required=True))
+        return self._tensor_response(out, seconds, digest)
+
+    async def _suffix(self, request: web.Request) -> web.Response:
+        split = request.query.get("k")
+        if not split:
+            raise wire.PayloadError("query parameter k (the split node) is required")
+        msg = await self._body(request)
+        out, seconds = await self._compute(self.service.infer_suffix, msg, split)
+        return self._tensor_response(out, seconds)
+
+    async def _probe(self, request: web.Request) -> web.Response:
+        n = len(await request.read())
+        return web.json_response({"bytes": n})
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+
+    async def _start_async(self) -> None:
+        self._runner = web.AppRunner(self.make_app(), access_log=None, shutdown_timeout=0.25)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self._requested_port,
+                           reuse_address=True)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked for
+
+    def _thread_main(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._start_async())
+        except BaseException as exc:  # e.g. port in use: report to start()
+            self._startup_error = exc
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+    def start(self, timeout: float = 30.0) -> OffloadServer:
+        """Serve in a background thread; returns once the port is bound."""
+        if self._thread is not None:
+            raise RuntimeError("server already started")
+        self.started_at = time.monotonic()
+        self._thread = threading.Thread(target=self._thread_main, name="incrinf-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("server did not start")
+        if self._startup_error is not None:
+            self._thread = None
+            raise OSError(f"cannot serve on {self.host}:{self._requested_port}: {self._startup_error}")
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the listening socket and every open connection (in-flight requests are cut)."""
+        if self._thread is None or self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+        self._thread = None
+        self._ready.clear()
+
+    def serve_forever(self) -> None:
+        """Serve until interrupted (Ctrl-C / SIGTERM turned into KeyboardInterrupt by the caller); starts the
+        server unless :meth:`start` already did."""
+        if self._thread is None:
+            self.start()
+        try:
+            while self._thread is not None and self._thread.is_alive():
+                self._thread.join(0.5)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> OffloadServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
