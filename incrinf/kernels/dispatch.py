@@ -5,8 +5,13 @@ interpreter, which is how CI checks the kernels); ``INCRINF_FORCE_TRITON=0`` tak
 CUDA (the baseline the GPU benchmark compares against). Unset: Triton exactly when the tensors are on CUDA
 and Triton imports.
 
-The first three functions keep the signatures of :mod:`incrinf.kernels.gather`; :func:`prepare_windows` and
-:func:`project` are the fused entry points the engine calls with a plan's combined index.
+The plan precomputes, per windowing and per full projection, a *combined* index over the virtual
+concatenation ``[base rows; region rows]`` (:func:`fuse_window_index`, :func:`fuse_scatter_index`; pure torch,
+importable without Triton), so the GPU kernel is one pure row gather from two sources.
+:func:`gather_windows`, :func:`overlay_rows` and :func:`project_full` keep the signatures of
+:mod:`incrinf.kernels.gather`; :func:`prepare_windows` and :func:`project` are the fused entry points the
+engine calls with a plan's combined index. :func:`free_device_memory` and :func:`peak_device_memory` size
+batches and report memory on CUDA (``None`` on CPU).
 """
 
 from __future__ import annotations
@@ -43,10 +48,63 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and triton_available()
 
 
+def wants_fused_index(device: torch.device | str) -> bool:
+    """Whether plans for ``device`` should carry combined indexes (:func:`fuse_window_index`): on CUDA with
+    Triton, or when Triton is forced. Independent of ``INCRINF_FORCE_TRITON=0``, so a plan cached while the
+    PyTorch path was forced still serves the Triton path without rebuilding its index per batch."""
+    if os.environ.get(FORCE_ENV, "").strip() not in ("", "0"):
+        return True
+    return torch.device(device).type == "cuda" and triton_available()
+
+
 def _triton():
     from incrinf.kernels import triton_gather
 
     return triton_gather
+
+
+# --- combined indexes (host side, once per plan; pure torch) ---------------------------------------------
+
+
+def fuse_window_index(read_index: torch.Tensor, dest: torch.Tensor | None, source: torch.Tensor | None,
+                      n_base_rows: int) -> torch.Tensor:
+    """Combine a window gather and its region overlay into one index over ``[base rows; region rows]``.
+
+    Args:
+        read_index: (R,) base-map row of every window row (R = N*hr*wr).
+        dest: (K,) window rows that receive region values, unique (``None``: no overlay).
+        source: (K,) region row copied to each ``dest`` (``None``: region rows 0..K-1 in order).
+        n_base_rows: rows of the base map; region row ``j`` becomes ``n_base_rows + j``.
+
+    Returns:
+        (R,) int64: values ``< n_base_rows`` read the base map, the others read region row
+        ``value - n_base_rows``.
+    """
+    combined = read_index.to(torch.int64).clone()
+    if dest is None or dest.numel() == 0:
+        return combined
+    if source is None:
+        source = torch.arange(dest.numel(), device=combined.device)
+    combined[dest.to(combined.device)] = source.to(combined.device, torch.int64) + n_base_rows
+    return combined
+
+
+def fuse_scatter_index(dest: torch.Tensor, source: torch.Tensor | None, n: int, n_base_rows: int
+                       ) -> torch.Tensor:
+    """Combined index of a full projection: N copies of the base map with region rows written in.
+
+    Args:
+        dest: (K,) rows of the (N*H*W, C) projection that receive region values, unique.
+        source: (K,) region row of each ``dest`` (``None``: 0..K-1 in order).
+        n: number of copies (positions).
+        n_base_rows: H*W, rows of the base map.
+
+    Returns:
+        (N*H*W,) int64 index over ``[base rows; region rows]``.
+    """
+    device = dest.device
+    tiled = torch.arange(n_base_rows, device=device, dtype=torch.int64).repeat(n)
+    return fuse_window_index(tiled, dest, source, n_base_rows)
 
 
 # --- same signatures as incrinf.kernels.gather -------------------------------------------------------------
@@ -72,7 +130,7 @@ def project_full(base_rows: torch.Tensor, n: int, dest: torch.Tensor, region_row
     """N copies of the (H*W, C) base rows with each position's region written in: (N*H*W, C)."""
     if use_triton(base_rows):
         tg = _triton()
-        combined = tg.fuse_scatter_index(dest, source, n, base_rows.shape[0])
+        combined = fuse_scatter_index(dest, source, n, base_rows.shape[0])
         return tg.gather_rows(base_rows, combined, region_rows)
     return _torch_path.project_full(base_rows, n, dest, region_rows, source)
 
@@ -102,7 +160,7 @@ def prepare_windows(base_rows: torch.Tensor, read_index: torch.Tensor, dest: tor
         if not overlay:
             return tg.gather_rows(base_rows, read_index)
         if combined is None:
-            combined = tg.fuse_window_index(read_index, dest, source, base_rows.shape[0])
+            combined = fuse_window_index(read_index, dest, source, base_rows.shape[0])
         return tg.gather_rows(base_rows, combined, region_rows)
     rows = base_rows.index_select(0, read_index)
     if overlay:
@@ -116,7 +174,7 @@ def project(base_rows: torch.Tensor, n: int, dest: torch.Tensor, region_rows: to
     if use_triton(base_rows):
         tg = _triton()
         if combined is None:
-            combined = tg.fuse_scatter_index(dest, source, n, base_rows.shape[0])
+            combined = fuse_scatter_index(dest, source, n, base_rows.shape[0])
         return tg.gather_rows(base_rows, combined, region_rows)
     return _torch_path.project_full(base_rows, n, dest, region_rows, source)
 

@@ -22,53 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+# the index builders are pure torch and live with the dispatcher (importable without triton); re-exported here
+from incrinf.kernels.dispatch import fuse_scatter_index, fuse_window_index
+
+__all__ = ["fuse_scatter_index", "fuse_window_index", "gather_rows", "scatter_rows"]
+
 # Elements per program: large enough to amortize the per-row index load, small enough for registers.
 _BLOCK_ELEMS = 4096
 _MAX_BLOCK_C = 128
-
-
-# --- index building (host side, once per plan) ------------------------------------------------------------
-
-
-def fuse_window_index(read_index: torch.Tensor, dest: torch.Tensor | None, source: torch.Tensor | None,
-                      n_base_rows: int) -> torch.Tensor:
-    """Combine a window gather and its region overlay into one index over ``[base rows; region rows]``.
-
-    Args:
-        read_index: (R,) base-map row of every window row (R = N*hr*wr).
-        dest: (K,) window rows that receive region values, unique (``None``: no overlay).
-        source: (K,) region row copied to each ``dest`` (``None``: region rows 0..K-1 in order).
-        n_base_rows: rows of the base map; region row ``j`` becomes ``n_base_rows + j``.
-
-    Returns:
-        (R,) int64: values ``< n_base_rows`` read the base map, the others read region row
-        ``value - n_base_rows``.
-    """
-    combined = read_index.to(torch.int64).clone()
-    if dest is None or dest.numel() == 0:
-        return combined
-    if source is None:
-        source = torch.arange(dest.numel(), device=combined.device)
-    combined[dest.to(combined.device)] = source.to(combined.device, torch.int64) + n_base_rows
-    return combined
-
-
-def fuse_scatter_index(dest: torch.Tensor, source: torch.Tensor | None, n: int, n_base_rows: int
-                       ) -> torch.Tensor:
-    """Combined index of a full projection: N copies of the base map with region rows written in.
-
-    Args:
-        dest: (K,) rows of the (N*H*W, C) projection that receive region values, unique.
-        source: (K,) region row of each ``dest`` (``None``: 0..K-1 in order).
-        n: number of copies (positions).
-        n_base_rows: H*W, rows of the base map.
-
-    Returns:
-        (N*H*W,) int64 index over ``[base rows; region rows]``.
-    """
-    device = dest.device
-    tiled = torch.arange(n_base_rows, device=device, dtype=torch.int64).repeat(n)
-    return fuse_window_index(tiled, dest, source, n_base_rows)
 
 
 # --- kernels ----------------------------------------------------------------------------------------------

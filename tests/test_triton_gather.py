@@ -1,0 +1,334 @@
+"""Triton window-preparation kernels checked against the plain PyTorch path, under Triton's interpreter.
+
+CI has no GPU: the kernels run on CPU tensors in the interpreter. ``incrinf.kernels.triton_gather`` picks the
+interpreter per call for CPU tensors, so the checks hold even when another test module imported ``triton``
+before this one set ``TRITON_INTERPRET``; :func:`test_fresh_process_imports_triton_first` proves that in a
+subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # (importing torch does not import triton)
+    # before triton is imported, when this module is first; never on a GPU machine, where it would turn the
+    # compiled kernels of tests/test_gpu.py into interpreted ones in the same process
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytest.importorskip("triton")
+
+from incrinf.kernels import dispatch  # noqa: E402
+from incrinf.kernels import gather as torch_path  # noqa: E402
+from incrinf.kernels import triton_gather as tg  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CHANNELS = [1, 3, 17, 64, 130]
+FAST = settings(max_examples=25, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture
+def force_triton(monkeypatch):
+    monkeypatch.setenv(dispatch.FORCE_ENV, "1")
+
+
+def _values(rows: int, c: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(rows, c, generator=gen).to(dtype)
+
+
+def _random_case(seed: int, c: int, dtype: torch.dtype):
+    """A padded base map, N read-in windows anywhere in it (borders included) and regions placed partly
+    outside their windows, with the plan's (read_index, dest, source) encoding."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    hp, wp = rng.integers(1, 10, size=2)
+    n = int(rng.integers(1, 4))
+    hr, wr = int(rng.integers(1, hp + 1)), int(rng.integers(1, wp + 1))
+    ys = rng.integers(0, hp - hr + 1, size=n)
+    xs = rng.integers(0, wp - wr + 1, size=n)
+    ii, jj = np.arange(hr)[None, :, None], np.arange(wr)[None, None, :]
+    read = ((ys[:, None, None] + ii) * wp + xs[:, None, None] + jj).reshape(-1)
+    h, w = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+    oy, ox = rng.integers(-3, hr + 1, size=n), rng.integers(-3, wr + 1, size=n)  # may stick out
+    ri, rj = np.arange(h)[None, :, None], np.arange(w)[None, None, :]
+    wy, wx = oy[:, None, None] + ri, ox[:, None, None] + rj
+    nn_ = np.arange(n)[:, None, None]
+    dest = nn_ * hr * wr + wy * wr + wx
+    source = nn_ * h * w + ri * w + rj
+    dest, source, valid = np.broadcast_arrays(dest, source, (wy >= 0) & (wy < hr) & (wx >= 0) & (wx < wr))
+    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
+    base = _values(int(hp * wp), c, dtype, gen)
+    region = _values(n * h * w, c, dtype, gen)
+    return base, region, as_t(read), as_t(dest[valid]), as_t(source[valid]), n, hr, wr
+
+
+def _reference_windows(base, read, dest, region, source):
+    rows = torch_path.gather_windows(base, read, 0, 0, 0)
+    return torch_path.overlay_rows(rows, dest, region, source)
+
+
+# --- the combined index ---------------------------------------------------------------------------------
+
+
+def test_fuse_window_index_matches_gather_then_overlay():
+    read = torch.tensor([4, 5, 6, 7, 0, 1])
+    dest = torch.tensor([1, 4])
+    source = torch.tensor([2, 0])
+    combined = tg.fuse_window_index(read, dest, source, n_base_rows=8)
+    assert combined.tolist() == [4, 10, 6, 7, 8, 1]
+    assert read.tolist() == [4, 5, 6, 7, 0, 1]  # the plan's index is not modified
+    assert tg.fuse_window_index(read, dest, None, 8).tolist() == [4, 8, 6, 7, 9, 1]
+    assert tg.fuse_window_index(read, None, None, 8).tolist() == read.tolist()
+
+
+def test_fuse_scatter_index_tiles_base_and_writes_region():
+    combined = tg.fuse_scatter_index(torch.tensor([1, 6]), None, n=2, n_base_rows=4)
+    assert combined.tolist() == [0, 4, 2, 3, 0, 1, 5, 3]
+
+
+# --- kernels against the PyTorch path -------------------------------------------------------------------
+
+
+@FAST
+@given(seed=st.integers(0, 2**31 - 1), c=st.sampled_from(CHANNELS), dtype=st.sampled_from(DTYPES))
+def test_fused_window_gather_matches_torch(seed, c, dtype):
+    base, region, read, dest, source, n, hr, wr = _random_case(seed, c, dtype)
+    expected = _reference_windows(base, read, dest, region, source)
+    combined = tg.fuse_window_index(read, dest, source, base.shape[0])
+    fused = tg.gather_rows(base, combined, region)
+    assert fused.dtype == dtype and fused.shape == (n * hr * wr, c)
+    assert torch.equal(fused, expected)  # pure copies: bit-exact
+
+
+@FAST
+@given(seed=st.integers(0, 2**31 - 1), c=st.sampled_from(CHANNELS), dtype=st.sampled_from(DTYPES))
+def test_gather_then_scatter_kernels_match_torch(seed, c, dtype):
+    base, region, read, dest, source, n, hr, wr = _random_case(seed, c, dtype)
+    expected = _reference_windows(base, read, dest, region, source)
+    rows = tg.gather_rows(base, read)
+    assert torch.equal(rows, base.index_select(0, read))
+    assert torch.equal(tg.scatter_rows(rows, dest, region, source), expected)
+
+
+@FAST
+@given(seed=st.integers(0, 2**31 - 1), c=st.sampled_from(CHANNELS), dtype=st.sampled_from(DTYPES))
+def test_projection_matches_torch(seed, c, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    hh, ww, n = int(rng.integers(1, 8)), int(rng.integers(1, 8)), int(rng.integers(1, 4))
+    h, w = int(rng.integers(1, hh + 1)), int(rng.integers(1, ww + 1))
+    ys, xs = rng.integers(0, hh - h + 1, size=n), rng.integers(0, ww - w + 1, size=n)  # corners included
+    dest = torch.from_numpy(np.concatenate([
+        ((y + np.arange(h))[:, None] * ww + x + np.arange(w)[None, :]).reshape(-1) + k * hh * ww
+        for k, (y, x) in enumerate(zip(ys, xs))]).astype(np.int64))
+    base = _values(hh * ww, c, dtype, gen)
+    region = _values(n * h * w, c, dtype, gen)
+    expected = torch_path.project_full(base, n, dest, region)
+    combined = tg.fuse_scatter_index(dest, None, n, hh * ww)
+    assert torch.equal(tg.gather_rows(base, combined, region), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_many_rows_and_strided_tables(dtype):
+    """Row counts far beyond one program (grid over rows x channel blocks) and tables whose row stride is not
+    their channel count (slices of wider maps)."""
+    gen = torch.Generator().manual_seed(0)
+    wide = _values(3000, 40, dtype, gen)
+    base = wide[:, 5:38]  # 33 channels, row stride 40
+    region = _values(500, 70, dtype, gen)[:, :33]
+    read = torch.randint(0, 3000, (20_000,), generator=gen)
+    dest = torch.randperm(20_000, generator=gen)[:500]
+    expected = _reference_windows(base.contiguous(), read, dest, region.contiguous(), None)
+    fused = tg.gather_rows(base, tg.fuse_window_index(read, dest, None, 3000), region)
+    assert torch.equal(fused, expected)
+
+
+def test_empty_and_mismatched_inputs():
+    base = torch.randn(4, 3)
+    assert tg.gather_rows(base, torch.empty(0, dtype=torch.int64)).shape == (0, 3)
+    rows = torch.randn(5, 3)
+    before = rows.clone()
+    assert torch.equal(tg.scatter_rows(rows, torch.empty(0, dtype=torch.int64), base), before)
+    with pytest.raises(ValueError):
+        tg.gather_rows(base, torch.tensor([0]), torch.randn(2, 3, dtype=torch.float16))
+    with pytest.raises(ValueError):
+        tg.gather_rows(base.view(2, 2, 3), torch.tensor([0]))
+
+
+# --- dispatch ------------------------------------------------------------------------------------------
+
+
+def test_dispatch_picks_path(monkeypatch):
+    cpu = torch.zeros(2, 2)
+    monkeypatch.delenv(dispatch.FORCE_ENV, raising=False)
+    assert not dispatch.use_triton(cpu)
+    monkeypatch.setenv(dispatch.FORCE_ENV, "1")
+    assert dispatch.use_triton(cpu)
+    monkeypatch.setenv(dispatch.FORCE_ENV, "0")
+    assert not dispatch.use_triton(cpu)
+
+    calls = []
+    monkeypatch.setattr(tg, "gather_rows", lambda *a, **k: calls.append("triton") or torch.zeros(1, 2))
+    monkeypatch.setenv(dispatch.FORCE_ENV, "1")
+    dispatch.gather_windows(cpu, torch.tensor([0]), 1, 1, 1)
+    monkeypatch.setenv(dispatch.FORCE_ENV, "0")
+    out = dispatch.gather_windows(cpu, torch.tensor([1]), 1, 1, 1)
+    assert calls == ["triton"] and out.shape == (1, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dispatch_functions_agree_across_paths(monkeypatch, dtype):
+    base, region, read, dest, source, n, hr, wr = _random_case(7, 17, dtype)
+    results = {}
+    for force in ("0", "1"):
+        monkeypatch.setenv(dispatch.FORCE_ENV, force)
+        rows = dispatch.gather_windows(base, read, n, hr, wr)
+        dispatch.overlay_rows(rows, dest, region, source)
+        fused = dispatch.prepare_windows(base, read, dest, region, source)
+        pre = dispatch.prepare_windows(base, read, dest, region, source,
+                                       combined=tg.fuse_window_index(read, dest, source, base.shape[0]))
+        plain = dispatch.prepare_windows(base, read, None, None)
+        proj_dest = torch.arange(region.shape[0]) * 2 % (3 * base.shape[0])
+        proj = dispatch.project_full(base, 3, proj_dest, region)
+        proj2 = dispatch.project(base, 3, proj_dest, region)
+        results[force] = (rows, fused, pre, plain, proj, proj2)
+    for a, b in zip(results["0"], results["1"]):
+        assert torch.equal(a, b)
+    assert torch.equal(results["1"][0], results["1"][1])
+
+
+def test_device_memory_helpers_on_cpu():
+    assert dispatch.free_device_memory("cpu") is None
+    assert dispatch.peak_device_memory(torch.device("cpu")) is None
+    assert dispatch.free_device_memory(None) is None
+    dispatch.reset_peak_device_memory("cpu")  # a no-op, must not raise
+
+
+# --- real plans -----------------------------------------------------------------------------------------
+
+
+class _Tiny(nn.Module):
+    """Conv (padded), strided conv, max pool, residual add and a global head: local, merge and full nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 5, 3, padding=1)
+        self.b = nn.Conv2d(5, 6, 3, stride=2, padding=1)
+        self.c = nn.Conv2d(6, 6, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(6 * 4 * 4, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.b(torch.relu(self.a(x))))
+        y = self.pool(y + self.c(y))
+        return self.fc(torch.flatten(y, 1))
+
+
+def test_real_plan_windows_and_scatters_match_torch(monkeypatch):
+    """Every windowing and scatter of a real plan (positions at corners and edges) through both paths."""
+    from incrinf.engine import IncrementalEngine
+    from incrinf.graph import capture
+    from incrinf.plan import build_plan
+
+    torch.manual_seed(0)
+    model = _Tiny().eval()
+    image = torch.randn(1, 3, 16, 16)
+    graph = capture(model, tuple(image.shape))
+    engine = IncrementalEngine(graph, image)
+    positions = np.array([[0, 0], [0, 12], [12, 0], [6, 5], [13, 13]])
+    plan = build_plan(graph, positions, (3, 3))
+    checked = 0
+    for node in graph.nodes:
+        node_plan = plan.nodes[node.name]
+        for src, wnd in node_plan.windowings.items():
+            base = engine.padded_rows(node, src) if node.kind.name == "LOCAL" else engine.rows(src)
+            src_plan = plan.nodes[src]
+            region = torch.randn(plan.n * max(src_plan.h, 1) * max(src_plan.w, 1), base.shape[1])
+            combined = tg.fuse_window_index(wnd.read_index, wnd.dest, wnd.source, base.shape[0])
+            expected = _reference_windows(base, wnd.read_index, wnd.dest, region, wnd.source) \
+                if wnd.dest is not None else base.index_select(0, wnd.read_index)
+            monkeypatch.setenv(dispatch.FORCE_ENV, "1")
+            got = dispatch.prepare_windows(base, wnd.read_index, wnd.dest, region, wnd.source, combined)
+            assert torch.equal(got, expected), node.name
+            checked += 1
+        for src, sc in node_plan.scatters.items():
+            base = engine.rows(src)
+            region = torch.randn(plan.n * plan.nodes[src].h * plan.nodes[src].w, base.shape[1])
+            expected = torch_path.project_full(base, plan.n, sc.dest, region, sc.source)
+            monkeypatch.setenv(dispatch.FORCE_ENV, "1")
+            combined = tg.fuse_scatter_index(sc.dest, sc.source, plan.n, base.shape[0])
+            assert torch.equal(dispatch.project(base, plan.n, sc.dest, region, sc.source, combined), expected)
+            checked += 1
+    assert checked >= 4
+
+
+def test_engine_outputs_equal_with_triton_kernels(monkeypatch):
+    """The engine with its gathers routed through the dispatcher (Triton forced, interpreted) gives the same
+    outputs as the plain PyTorch engine."""
+    import incrinf.engine as engine_mod
+    from incrinf.graph import capture
+    from incrinf.plan import build_plan
+
+    torch.manual_seed(1)
+    model = _Tiny().eval()
+    image = torch.randn(1, 3, 16, 16)
+    graph = capture(model, tuple(image.shape))
+    positions = np.array([[0, 0], [5, 9], [13, 2]])
+    plan = build_plan(graph, positions, (3, 3))
+    region = plan.prop.regions[graph.input.name]
+    h, w = int(region.h[0]), int(region.w[0])
+    values = torch.randn(len(positions), 3, h, w)
+    expected = engine_mod.IncrementalEngine(graph, image).run(plan, values)
+    for name in ("gather_windows", "overlay_rows", "project_full"):
+        monkeypatch.setattr(engine_mod, name, getattr(dispatch, name))
+    launches = []
+    real_gather, real_scatter = tg.gather_rows, tg.scatter_rows
+    monkeypatch.setattr(tg, "gather_rows", lambda *a, **k: launches.append("g") or real_gather(*a, **k))
+    monkeypatch.setattr(tg, "scatter_rows", lambda *a, **k: launches.append("s") or real_scatter(*a, **k))
+    monkeypatch.setenv(dispatch.FORCE_ENV, "1")
+    got = engine_mod.IncrementalEngine(graph, image).run(plan, values)
+    assert "g" in launches and "s" in launches  # the kernels really ran
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+# --- robustness to import order -------------------------------------------------------------------------
+
+
+def test_cpu_tensors_always_use_the_interpreter():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    tg.gather_rows(torch.randn(3, 2), torch.tensor([2, 0]))
+    assert isinstance(tg._kernel(tg._gather_rows_kernel, True), InterpretedFunction)
+    assert tg._interpret(torch.zeros(1))
+
+
+def test_fresh_process_imports_triton_first():
+    """Triton imported before TRITON_INTERPRET is set (as another test module might) still runs the kernels
+    on CPU tensors."""
+    code = textwrap.dedent("""
+        import os
+        os.environ.pop("TRITON_INTERPRET", None)
+        import triton  # noqa: F401
+        import torch
+        from incrinf.kernels import triton_gather as tg
+        base, region = torch.randn(6, 5), torch.randn(2, 5)
+        combined = tg.fuse_window_index(torch.tensor([5, 4, 3]), torch.tensor([1]), torch.tensor([1]), 6)
+        out = tg.gather_rows(base, combined, region)
+        assert torch.equal(out, torch.stack([base[5], region[1], base[3]])), out
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
