@@ -1,0 +1,78 @@
+"""Shared benchmark helpers: machine description, medians, peak memory sampling."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def machine() -> str:
+    """One line describing this machine and software."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return (f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), python {platform.python_version()}")
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every few milliseconds."""
+
+    def __enter__(self) -> PeakRSS:
+        self.start = _rss()
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def bytes(self) -> int:
+        return max(self.peak - self.start, 0)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, int, Any]:
+    """(seconds, peak extra RSS bytes, result) of one call."""
+    with PeakRSS() as mem:
+        start = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - start
+    return seconds, mem.bytes, out
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
