@@ -25,3 +25,18 @@ __all__ = [
     "runtime_cache",
 ]
 __version__ = "0.1.0"
+
+# Imported on first use: they pull in numba / OpenCV, which plain OBE users do not need.
+_LAZY = {
+    "QuantizedDepthwiseConv2d": ("incrinf.quantized", "QuantizedDepthwiseConv2d"),
+    "depthwise_conv2d_int8": ("incrinf.kernels", "depthwise_conv2d_int8"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'incrinf' has no attribute {name!r}")

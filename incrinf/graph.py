@@ -257,6 +257,8 @@ class _Classifier:
             node.flops = _pool_flops(node)
         elif isinstance(mod, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)):
             self._adaptive(node, in_shape, isinstance(mod, nn.AdaptiveMaxPool2d))
+        elif callable(getattr(mod, "without_padding", None)) and hasattr(mod, "kernel_size"):
+            self._custom_local(mod, node, in_shape)
         elif isinstance(mod, (nn.ZeroPad2d, nn.ConstantPad2d)):
             self._set_pad(node, mod.padding)
         elif isinstance(mod, _POINTWISE_MODULES):
@@ -266,6 +268,19 @@ class _Classifier:
             node.flops = _linear_flops(mod, node)
         else:
             node.reason = f"unknown module {type(mod).__name__}"
+
+    def _custom_local(self, mod: nn.Module, node: Node, in_shape: tuple[int, ...] | None) -> None:
+        """A module that declares its window geometry and offers an unpadded twin (``without_padding()``),
+        e.g. :class:`incrinf.quantized.QuantizedDepthwiseConv2d`."""
+        pad = tuple(int(p) for p in mod.padding) if not isinstance(mod.padding, str) else None
+        if pad is None or len(pad) != 4:
+            node.reason = f"{type(mod).__name__} padding {mod.padding!r} is not (top, bottom, left, right)"
+            return
+        top, bottom, left, right = pad
+        self._set_local(node, in_shape, _pair(mod.kernel_size), _pair(mod.stride),
+                        ((top, left), (bottom, right)), _pair(getattr(mod, "dilation", 1)), 0.0)
+        groups = int(getattr(mod, "groups", 1))
+        node.flops = _conv_flops(in_shape[1] if in_shape else 0, groups, _pair(mod.kernel_size), node.shape)
 
     def _function(self, fx_node: torch.fx.Node, node: Node) -> None:
         fn = fx_node.target
@@ -529,6 +544,13 @@ def parse_input_shape(input_shape: Any) -> tuple[int, int, int, int]:
     return dims  # type: ignore[return-value]
 
 
+class _Tracer(torch.fx.Tracer):
+    """Keeps modules that declare their own window geometry (``without_padding``) as leaves."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return callable(getattr(m, "without_padding", None)) or super().is_leaf_module(m, module_qualified_name)
+
+
 def trace(model: nn.Module | Callable) -> torch.fx.GraphModule:
     """Symbolically trace ``model``.
 
@@ -540,7 +562,8 @@ def trace(model: nn.Module | Callable) -> torch.fx.GraphModule:
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected a torch.nn.Module, got {type(model).__name__}")
     try:
-        return torch.fx.symbolic_trace(model)
+        graph = _Tracer().trace(model)
+        return torch.fx.GraphModule(model, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types; all mean "cannot capture"
         where = _innermost_frame(exc)
         raise CaptureError(
