@@ -48,6 +48,8 @@ from incrinf.stream.offload import OffloadingSession
 from incrinf.stream.synthetic import synthetic_camera
 
 FIXED = ["local_full", "local_cached", "offload_full", "offload_cached"]
+# Both cached paths match keypoints the same way: ORB + RANSAC, no ECC refinement (the offload uplink's choice).
+LOCAL_OPTIONS = {"matcher_options": {"refine": False}}
 
 
 def start_server(model: str, size: int, threads: int) -> tuple[subprocess.Popen, int]:
@@ -99,6 +101,8 @@ def main() -> int:
     blocks = ", ".join(f"{v:g}" for v in trace)
     print(f"link: {blocks} Mbit/s in equal blocks of frames, +{args.latency_ms:g} ms each way, "
           "shaped by a loopback proxy per policy, stepped per frame")
+    print("cached options: threshold 15, cell 16, max_ratio 0.6, keyframe every 30, ORB matching without ECC; "
+          "local_cached = incrinf.stream.session.StreamSession (sparse executor)")
 
     model = models.load(args.model)
     meta = models.info(args.model)
@@ -116,7 +120,7 @@ def main() -> int:
             proxy = ShapingProxy(port).start()
             proxy.set_link(link[0], args.latency_ms)
             session = OffloadingSession(model, offload=f"http://127.0.0.1:{proxy.port}", policy=name,
-                                        local_slowdown=args.slowdown)
+                                        local_slowdown=args.slowdown, local_options=LOCAL_OPTIONS)
             proxies[name], sessions[name] = proxy, session
             if probe_session is None:
                 probe_session = session
@@ -126,7 +130,7 @@ def main() -> int:
             proxy.set_link(link[0], args.latency_ms)
             proxies[name] = proxy
             sessions[name] = OffloadingSession(model, offload=f"http://127.0.0.1:{proxy.port}", policy=name,
-                                               local_slowdown=args.slowdown)
+                                               local_slowdown=args.slowdown, local_options=LOCAL_OPTIONS)
         policies += hybrids
         order = [*policies, "auto"]
         outputs = {name: [] for name in order}
@@ -193,7 +197,8 @@ def main() -> int:
           f"p90 {np.percentile(rel, 90):.2f}")
     modes = [s.mode for s in stats]
     switches = sum(a != b for a, b in zip(modes, modes[1:]))
-    print(f"auto: {switches} switches, {sum(s.fallback for s in stats)} fallbacks; modes per block:")
+    print(f"auto: {switches} switches, {sum(s.fallback for s in stats)} fallbacks, "
+          f"{sessions['auto'].probes} background link probes; modes per block:")
     for v in trace:
         idx = [k for k in range(len(stats)) if link[k] == v]
         counts: dict[str, int] = {}

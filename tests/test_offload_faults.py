@@ -21,6 +21,16 @@ MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 N_FRAMES, KILL_AT, RESTART_AT = 200, 50, 120
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Latency decisions need steady compute times: one intra-op thread (two OpenMP threads on two busy
+    cores stall for tens of milliseconds per op)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -63,7 +73,7 @@ def test_server_killed_and_restarted(policy, size, extra):
     server = OffloadServer(service).start()
     port = server.port
     session = session_for(server.url, size, policy, **extra)
-    outputs = []
+    outputs, stamps = [], []
     try:
         for i, frame in enumerate(frames):
             if i == KILL_AT:
@@ -71,7 +81,8 @@ def test_server_killed_and_restarted(policy, size, extra):
             if i == RESTART_AT:
                 server = OffloadServer(service, port=port).start()
             outputs.append(session(frame))
-            time.sleep(0.003)  # a camera's frame interval: the health checks run in between
+            stamps.append(time.monotonic())
+            time.sleep(0.005)  # a camera's frame interval: the health checks run in between
     finally:
         session.close()
         server.stop()
@@ -83,12 +94,14 @@ def test_server_killed_and_restarted(policy, size, extra):
     assert not offloaded[KILL_AT:RESTART_AT].any()
     assert stats[KILL_AT].fallback and "ServerUnavailable" in stats[KILL_AT].error
     assert all("unavailable" in s.reason for s in stats[KILL_AT + 1:RESTART_AT])
-    assert offloaded[RESTART_AT:].sum() > 0.7 * (N_FRAMES - RESTART_AT)
-    assert offloaded[-20:].all()
+    # Offloading resumes (back-off capped at 0.1 s, so well within a second) and stays on.
+    resumed = RESTART_AT + int(np.argmax(offloaded[RESTART_AT:]))
+    assert offloaded[resumed:].all() and resumed < N_FRAMES - 10
+    assert stamps[resumed] - stamps[RESTART_AT - 1] < 2.0
     if policy == "offload_cached":
-        after = stats[RESTART_AT:]
-        assert any(s.full_upload for s in after)  # the new server has no cache: one rebuild
-        assert sum(not s.full_upload and s.mode == policy for s in after) > 20  # then deltas again
+        after = stats[resumed:]
+        assert after[0].full_upload  # the new server has no cache: one rebuild
+        assert sum(not s.full_upload for s in after) > 0.5 * len(after)  # then deltas again
 
 
 def test_slow_server_frames_finish_locally_within_budget():
@@ -98,14 +111,15 @@ def test_slow_server_frames_finish_locally_within_budget():
     with OffloadServer(service) as server, ShapingProxy(server.port) as proxy:
         session = session_for(f"http://127.0.0.1:{proxy.port}", size, "offload_full", budget=budget)
         outputs = [session(frames[i]) for i in range(4)]
-        proxy.set_link(1000.0, 300.0)  # the server now answers after > 0.6 s
+        proxy.set_link(1000.0, 1000.0)  # the server now answers after > 2 s
         outputs += [session(frames[i]) for i in range(4, 12)]
         session.close()
     assert_in_order(outputs, refs)
     slow = session.stats[4:]
     assert all(s.mode == "local_full" for s in slow)
     assert any(s.fallback and "Timeout" in s.error for s in slow)
-    assert max(s.seconds for s in slow) < budget + 0.1
+    # Within the budget, give or take the scheduling noise of a loaded machine; far below the 2 s answer.
+    assert max(s.seconds for s in slow) < budget + 0.4
     assert all(s.mode == "offload_full" for s in session.stats[:4])
 
 
@@ -127,13 +141,14 @@ def test_cut_connections_are_reopened_transparently():
 
 
 def test_auto_uses_the_server_when_it_is_much_faster():
-    """With a 20x slower local device and a fast link, auto offloads; every option it may pick is exact here."""
+    """With a much slower local device (the tiny model takes ~0.2 ms here: 200x) and a fast link, auto
+    offloads; every option it may pick is exact here."""
     size = 64
     frames, refs = camera(size, 30)
     service = ModelService(tiny_model(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
     with OffloadServer(service) as server:
-        session = session_for(server.url, size, "auto", local_slowdown=20.0, lookahead=5, threshold=0.0,
-                              max_ratio=1.01)
+        session = session_for(server.url, size, "auto", local_slowdown=200.0, lookahead=5, threshold=0.0,
+                              max_ratio=1.01, local_session=lambda: FakeLocalSession([]))
         outputs = [session(f) for f in frames]
         session.close()
     assert_in_order(outputs, refs)
@@ -169,6 +184,8 @@ def test_local_session_is_reset_when_other_options_ran():
     with OffloadServer(service) as server:
         cached = session_for(server.url, size, "local_cached", local_session=lambda: FakeLocalSession(log))
         full = session_for(server.url, size, "offload_full", local_session=lambda: FakeLocalSession(log))
+        assert log.count("frame") == 3  # the local_cached session timed its engine on 3 calibration frames
+        log.clear()
         outputs = []
         for i, frame in enumerate(frames):
             outputs.append((cached if i % 3 else full)(frame))
@@ -195,3 +212,29 @@ def test_local_only_session_and_stream_args():
     with pytest.raises(ValueError, match="frame must be"):
         session(np.zeros((size, size, 3), np.float32))
     session.close()
+
+
+def test_auto_follows_the_link_measured_online():
+    """A slow link keeps auto local; background probes see the link get fast and auto starts offloading;
+    when it gets slow again the next offloaded frame shows it and auto goes back to local."""
+    size = 64
+    frames, refs = camera(size, 60)
+    service = ModelService(tiny_model(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    with OffloadServer(service) as server, ShapingProxy(server.port) as proxy:
+        proxy.set_link(0.1, 5.0)  # a 12 kB frame takes ~1 s
+        session = session_for(f"http://127.0.0.1:{proxy.port}", size, "auto", local_slowdown=100.0, lookahead=5,
+                              probe_interval=0.05, max_timeout=0.5, local_session=lambda: FakeLocalSession([]))
+        outputs = []
+        for i, frame in enumerate(frames):
+            if i == 20:
+                proxy.set_link(1000.0, 1.0)
+            if i == 40:
+                proxy.set_link(0.1, 5.0)
+            outputs.append(session(frame))
+        session.close()
+    assert_in_order(outputs, refs)
+    modes = [s.mode for s in session.stats]
+    assert all(not m.startswith("offload") for m in modes[2:20]), modes
+    assert sum(m.startswith("offload") for m in modes[20:40]) >= 12, modes
+    assert all(not m.startswith("offload") for m in modes[45:]), modes
+    assert session.probes >= 2

@@ -28,6 +28,16 @@ SIZE = 96
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Latency decisions need steady compute times: one intra-op thread (two OpenMP threads on two busy
+    cores stall for tens of milliseconds per op)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class TinyNet(nn.Module):
     """Convs, a residual add (no split inside it) and a classifier."""
 
@@ -305,13 +315,14 @@ def test_malformed_and_oversized_rejected_while_others_are_served(server, frames
 
     errors: list[BaseException] = []
     served = []
+    expected = [reference(frame) for frame in frames]  # seeded model construction: not in threads
 
     def good_client() -> None:
         client = OffloadClient(server.url, TOKEN)
         try:
-            for frame in frames:
+            for frame, ref in zip(frames, expected):
                 out = client.infer_full(frame).output
-                np.testing.assert_allclose(out, reference(frame), rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
                 served.append(1)
         except BaseException as exc:  # surfaced in the main thread
             errors.append(exc)
@@ -337,6 +348,16 @@ def test_malformed_and_oversized_rejected_while_others_are_served(server, frames
     assert not errors, errors
     assert len(served) == 2 * len(frames)
     assert raw(server, "GET", "/health")[1]["status"] == "ok"
+
+
+def test_port_in_use_is_reported_and_a_server_restarts(server, service):
+    with pytest.raises(OSError, match="cannot serve"):
+        OffloadServer(service, port=server.port).start()
+    other = OffloadServer(service).start()
+    other.stop()
+    other.start()  # the same instance serves again after a stop
+    assert OffloadClient(other.url).health()["status"] == "ok"
+    other.stop()
 
 
 # --- network emulation ----------------------------------------------------------------------------------

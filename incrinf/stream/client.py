@@ -32,6 +32,8 @@ from incrinf.stream import wire
 SESSION_HEADER = "X-Incrinf-Session"
 # Request line, headers and their response counterparts: counted as bytes on the wire.
 HTTP_OVERHEAD_BYTES = 400
+# Bandwidth estimates are capped here (bytes/s, 10 Gbit/s): transfers too short to time say only "fast".
+MAX_BANDWIDTH = 1.25e9
 
 
 class OffloadError(Exception):
@@ -129,20 +131,21 @@ class LinkEstimator:
         if len(b) >= 3 and spread >= 1.5:
             wb, wt = np.average(b, weights=w), np.average(t, weights=w)
             var = np.average((b - wb) ** 2, weights=w)
-            slope = np.average((b - wb) * (t - wt), weights=w) / var
-            if slope > 0:
-                rtt = wt - slope * wb
-                if rtt >= 0:
-                    self.rtt, self.bandwidth = float(rtt), float(1.0 / slope)
-                    return
-                # The line through the data crosses below zero: pin rtt at the fastest small transfer.
-                self.rtt = float(max(0.0, min(t)))
+            # A slope at or below zero (timing noise on a fast link) means "faster than we can tell".
+            slope = max(np.average((b - wb) * (t - wt), weights=w) / var, 1.0 / MAX_BANDWIDTH)
+            rtt = wt - slope * wb
+            if rtt >= 0:
+                self.rtt, self.bandwidth = float(rtt), float(1.0 / slope)
+            else:  # the line crosses below zero: no measurable fixed cost, all time is transfer time
+                self.rtt = 0.0
+                self.bandwidth = float(min(MAX_BANDWIDTH, np.sum(w * b) / np.sum(w * t)))
+            return
         # Not identifiable: keep rtt, take bandwidth from the newest samples' excess over it (a ratio of
         # weighted sums, so one slow transfer weighs as much as the time it took).
         head = min(len(b), 3)
         excess = np.maximum(t[:head] - self.rtt, 1e-5)
         if b[:head].mean() > 2000:
-            self.bandwidth = float(np.sum(w[:head] * b[:head]) / np.sum(w[:head] * excess))
+            self.bandwidth = float(min(MAX_BANDWIDTH, np.sum(w[:head] * b[:head]) / np.sum(w[:head] * excess)))
         elif t[0] < self.rtt:  # a small, fast transfer: the rtt is at most this
             self.rtt = float(t[0])
 

@@ -422,17 +422,19 @@ class OffloadingSession:
         self.local_cached = _local_backend(local_session, self.model, self.input_size, self.mean, self.std,
                                            threshold, cell, max_ratio, matcher, keyframe_interval, local_options)
         self.uplink = CachedUplink(cell, threshold, max_ratio, matcher, keyframe_interval)
-        cost.overhead[OFFLOAD_CACHED].value = self._time_uplink()
+        self._calibrate()
         self.session_id: str | None = None
         self.incompatible: str | None = None
+        self.probes = 0
         self.stats: list[OffloadFrameStats] = []
         self._index = 0
         self._server_up = server_info is not None
         self._last_network = -float("inf")
         self._health_pending = False
         self._worker = _NetworkWorker(self) if self.client is not None else None
-        if self._worker is not None and self._server_up:
-            self._worker.submit(self._probe)
+        if self._worker is not None and self._server_up and policy in ("auto", HYBRID):
+            with contextlib.suppress(OffloadError):  # the first decision gets a measured link (<= ~0.5 s)
+                self._probe()
 
     @classmethod
     def from_stream_args(cls, model: nn.Module | str, offload: str | None, policy: str | None = None,
@@ -449,23 +451,45 @@ class OffloadingSession:
             direct["local_options"] = {**(direct.get("local_options") or {}), **rest}
         return cls(model, offload=offload, policy=policy or "auto", **direct)
 
-    def _time_uplink(self) -> float:
-        """Prior for offload_cached's client overhead: matching + mask + packing on a shifted photo pair."""
+    def _calibration_frames(self) -> list[np.ndarray]:
+        """Three views of the sample photo, each shifted by a few pixels (a slowly panning camera)."""
         import cv2
 
         from incrinf import models
 
         h, w = self.input_size
-        photo = cv2.resize(models.sample_image(), (w + 8, h + 8), interpolation=cv2.INTER_AREA)
+        photo = cv2.resize(models.sample_image(), (w + 16, h + 16), interpolation=cv2.INTER_AREA)
         channels = len(self.mean)
-        first = np.ascontiguousarray(np.resize(photo[:h, :w], (h, w, channels)))
-        second = np.ascontiguousarray(np.resize(photo[3:h + 3, 2:w + 2], (h, w, channels)))
-        self.uplink.commit(self.uplink.prepare(first, 0), 0)
+        return [np.ascontiguousarray(np.resize(photo[2 * k:h + 2 * k, 3 * k:w + 3 * k], (h, w, channels)))
+                for k in range(3)]
+
+    def _calibrate(self) -> None:
+        """Priors for the cached options, measured on this device before the first frame: the client
+        overhead of offload_cached (matching + mask + packing) and the local cached engine's time relative
+        to the cost model (its second cached frame, after one warm-up)."""
+        cost = self.scheduler.cost
+        frames = self._calibration_frames()
+        self.uplink.commit(self.uplink.prepare(frames[0], 0), 0)
         t0 = time.perf_counter()
         with self.device.compute():
-            self.uplink.prepare(second, 1)
+            self.uplink.prepare(frames[1], 1)
+        cost.overhead[OFFLOAD_CACHED].value = time.perf_counter() - t0
         self.uplink.reset()
-        return time.perf_counter() - t0
+        if self.scheduler.policy not in ("auto", LOCAL_CACHED):
+            return
+        try:
+            for frame in frames:  # full, cached (warm-up), cached (timed)
+                t0 = time.perf_counter()
+                with self.device.compute(), torch.no_grad():
+                    self.local_cached(frame)
+                seconds = time.perf_counter() - t0
+            x = self.local_cached.last_recompute_fraction
+            modelled = cost.local_cached_model(x) * cost.local_scale.value
+            if modelled > 0:
+                cost.cached_scale.value = min(cost.cached_scale.hi, max(cost.cached_scale.lo, seconds / modelled))
+                self.scheduler.x[LOCAL_CACHED].value = x
+        finally:
+            self.local_cached.reset()
 
     # --- connection --------------------------------------------------------------------------------------
 
@@ -514,11 +538,14 @@ class OffloadingSession:
         self._health_pending = False
 
     def _probe(self) -> None:
-        """Background: time a tiny and a sized transfer (sized to finish within the local compute)."""
+        """Background: time a tiny transfer (round trip) and one as large as a full frame's request, so the
+        estimate is measured where it is used; on a slow link the large one is cut to half the probe
+        interval's worth of bytes, so probing never fills the link."""
         self._probe_client.health(timeout=0.5)
-        budget = max(0.002, 0.5 * self.scheduler.cost.local.full_seconds - self.link.rtt)
-        nbytes = int(min(65536, max(2048, self.link.bandwidth * budget)))
-        self._probe_client.probe(nbytes, timeout=max(0.5, 4 * self.link.predict(nbytes)))
+        frame_bytes = self.scheduler.cost.payloads.of(OFFLOAD_FULL, 1.0)
+        nbytes = int(max(2048, min(frame_bytes, self.link.bandwidth * self.probe_interval / 2)))
+        self._probe_client.probe(nbytes, timeout=min(self.max_timeout, max(0.5, 4 * self.link.predict(nbytes))))
+        self.probes += 1
 
     def _server_usable(self) -> bool:
         if self.client is None:
@@ -553,7 +580,7 @@ class OffloadingSession:
         t0 = time.perf_counter()
         index = self._index
         self._index += 1
-        decision = self.scheduler.decide(self.link, self._server_usable())
+        decision = self.scheduler.decide(self.link, self._server_usable(), self._offload_timeout(t0))
         error = None
         try:
             outcome = self._run(decision, frame, index, t0)
@@ -573,31 +600,50 @@ class OffloadingSession:
             reason += f"; offload failed, computed locally ({error})"
         self.stats.append(OffloadFrameStats(
             index, mode, decision.option, reason, decision.predictions, decision.predicted, seconds,
-            error is not None, error, outcome.recompute_fraction, outcome.flops_ratio, outcome.bytes_up,
-            outcome.bytes_down,
-            outcome.server_seconds, outcome.full_upload))
-        if not is_offload(mode) and self._worker is not None and self._server_up and self.probe_interval > 0:
-            if time.monotonic() - self._last_network > self.probe_interval and self.link.age() > self.probe_interval:
-                self._last_network = time.monotonic()
-                self._worker.submit(self._probe)
+            fallback=error is not None, error=error, recompute_fraction=outcome.recompute_fraction,
+            flops_ratio=outcome.flops_ratio, bytes_up=outcome.bytes_up, bytes_down=outcome.bytes_down,
+            server_seconds=outcome.server_seconds, full_upload=outcome.full_upload))
+        if not is_offload(mode):
+            self._maybe_probe()
         return outcome.output
+
+    def _maybe_probe(self) -> None:
+        """After a local frame: refresh the link estimate in the background if it is getting old."""
+        deciding = self.scheduler.policy in ("auto", HYBRID)  # a pinned policy has no use for probes
+        if not (deciding and self._worker is not None and self._server_up and self.probe_interval > 0):
+            return
+        now = time.monotonic()
+        if now - self._last_network > self.probe_interval and self.link.age() > self.probe_interval:
+            self._last_network = now
+            self._worker.submit(self._probe)
 
     def _run(self, decision: Decision, frame: np.ndarray, index: int, t0: float) -> _Outcome:
         option = decision.option
         if not is_offload(option):
             return self._local(option, frame)
-        local_fallback = self.scheduler.cost.predict(LOCAL_FULL, 1.0, self.link).total
-        timeout = self.max_timeout
-        if self.budget is not None:
-            timeout = max(0.01, min(timeout, self.budget - local_fallback - (time.perf_counter() - t0)))
-        with self._worker.busy:  # never share the link with a probe
-            deadline = time.perf_counter() + timeout
+        timeout = self._offload_timeout(t0)
+        deadline = time.perf_counter() + timeout
+        # Let a probe in flight finish rather than share the link with it, but never wait long for it.
+        exclusive = self._worker.busy.acquire(timeout=min(0.05, timeout / 4))
+        try:
             self._last_network = time.monotonic()
             if option == OFFLOAD_FULL:
                 return self._offload_full(frame, deadline)
             if option == OFFLOAD_CACHED:
                 return self._offload_cached(frame, index, deadline)
             return self._hybrid(split_of(option), frame, deadline)
+        finally:
+            if exclusive:
+                self._worker.busy.release()
+
+    def _offload_timeout(self, t0: float) -> float:
+        """How long an offload request of this frame may take: ``max_timeout``, or with a budget what is left
+        of it after keeping enough for a local fallback."""
+        timeout = self.max_timeout
+        if self.budget is not None:
+            local_fallback = self.scheduler.cost.predict(LOCAL_FULL, 1.0, self.link).total
+            timeout = max(0.01, min(timeout, self.budget - local_fallback - (time.perf_counter() - t0)))
+        return timeout
 
     def _remaining(self, deadline: float) -> float:
         left = deadline - time.perf_counter()

@@ -219,7 +219,6 @@ def profile_graph(graph: Graph, example: torch.Tensor, repeats: int = 5, warmup:
     module = graph.module
     fx_nodes = list(module.graph.nodes)
     samples = np.zeros((repeats, len(fx_nodes)))
-    full = []
     for rep in range(warmup + repeats):
         interp = torch.fx.Interpreter(module)
         interp.env = {fx_nodes[0]: example}
@@ -228,10 +227,11 @@ def profile_graph(graph: Graph, example: torch.Tensor, repeats: int = 5, warmup:
             interp.env[node] = interp.run_node(node)
             if rep >= warmup:
                 samples[rep - warmup, i] = time.perf_counter() - t0
+    full = []
+    for _ in range(max(repeats, 5)):  # the total is what predictions rest on: never fewer than 5 samples
         t0 = time.perf_counter()
         module(example)
-        if rep >= warmup:
-            full.append(time.perf_counter() - t0)
+        full.append(time.perf_counter() - t0)
     raw = np.median(samples, axis=0)
     full_seconds = statistics.median(full)
     scale = full_seconds / raw.sum() if raw.sum() > 0 else 1.0

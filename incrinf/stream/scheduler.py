@@ -254,10 +254,14 @@ class Scheduler:
     def predicted_x(self, option: str) -> float:
         return self.x[option].value if option in self.x else 1.0
 
-    def predictions(self, link, server_up: bool) -> dict[str, float]:
+    def predictions(self, link, server_up: bool, offload_limit: float = math.inf) -> dict[str, float]:
+        """Predicted seconds of every available option; offload options predicted to take longer than
+        ``offload_limit`` (the request timeout: they would time out) are left out."""
         out = {}
         for option in self._candidates(server_up):
-            out[option] = self.cost.predict(option, self.predicted_x(option), link).total
+            seconds = self.cost.predict(option, self.predicted_x(option), link).total
+            if not (is_offload(option) and seconds > offload_limit):
+                out[option] = seconds
         return out
 
     def _candidates(self, server_up: bool) -> list[str]:
@@ -279,17 +283,19 @@ class Scheduler:
             full = self.cost.predict(full_variant(option), 1.0, link).total
         return max(0.0, full - predictions[option])
 
-    def decide(self, link, server_up: bool) -> Decision:
+    def decide(self, link, server_up: bool, offload_limit: float = math.inf) -> Decision:
         """Choose the option for the next frame.
 
         Args:
             link: the client's ``LinkEstimator``.
             server_up: whether offloading may be tried now (the server is not in back-off).
+            offload_limit: the offload request timeout; options predicted slower are not tried.
         """
-        predictions = self.predictions(link, server_up)
-        if not predictions:  # pinned to an offload option while the server is down
+        predictions = self.predictions(link, server_up, offload_limit)
+        if not predictions:  # pinned to an offload option while the server is down or too slow
             predictions = {LOCAL_FULL: self.cost.predict(LOCAL_FULL, 1.0, link).total}
-            return Decision(LOCAL_FULL, f"{self.policy} unavailable (server down): local fallback", predictions)
+            why = "server down" if server_up is False else "predicted to exceed the timeout"
+            return Decision(LOCAL_FULL, f"{self.policy} unavailable ({why}): local fallback", predictions)
         if self.policy not in ("auto", HYBRID):
             return Decision(self.policy, "pinned by policy", predictions)
         w = self.lookahead

@@ -286,7 +286,8 @@ class OffloadServer:
         # Caches are namespaced by credential so that adding per-client tokens later keeps them apart.
         self._owner = "token:" + hashlib.sha256(self._token).hexdigest()[:16] if self._token else "anon"
         self.max_request_bytes = max_request_bytes
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="incrinf-infer")
+        self.workers = workers
+        self._executor: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
@@ -433,13 +434,17 @@ class OffloadServer:
         if self._thread is not None:
             raise RuntimeError("server already started")
         self.started_at = time.monotonic()
+        self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="incrinf-infer")
         self._thread = threading.Thread(target=self._thread_main, name="incrinf-server", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError("server did not start")
         if self._startup_error is not None:
             self._thread = None
-            raise OSError(f"cannot serve on {self.host}:{self._requested_port}: {self._startup_error}")
+            self._ready.clear()
+            self._executor.shutdown(wait=False)
+            error, self._startup_error = self._startup_error, None
+            raise OSError(f"cannot serve on {self.host}:{self._requested_port}: {error}")
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -450,6 +455,7 @@ class OffloadServer:
         self._thread.join(timeout)
         self._thread = None
         self._ready.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def serve_forever(self) -> None:
         """Serve until interrupted (Ctrl-C / SIGTERM turned into KeyboardInterrupt by the caller); starts the
@@ -463,7 +469,6 @@ class OffloadServer:
             pass
         finally:
             self.stop()
-            self._executor.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> OffloadServer:
         return self.start()
