@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from incrinf.geometry import RegionKind
 from incrinf.graph import Graph, Node, NodeKind
-from incrinf.kernels.gather import from_rows, gather_windows, overlay_rows, project_full, to_rows
+from incrinf.kernels import dispatch
+from incrinf.kernels.gather import from_rows, to_rows
 from incrinf.plan import BatchPlan, NodePlan
 
 
@@ -126,9 +127,12 @@ class IncrementalEngine:
     def _window(self, node: Node, source: str, windowing, values: dict, states: dict, n: int,
                 padded: bool) -> torch.Tensor:
         base_rows = self.padded_rows(node, source) if padded else self.rows(source)
-        rows = gather_windows(base_rows, windowing.read_index, n, windowing.hr, windowing.wr)
+        region = None
         if windowing.dest is not None and states.get(source) == RegionKind.BOX:
-            overlay_rows(rows, windowing.dest, to_rows(values[source]), windowing.source)
+            region = to_rows(values[source])
+        # one pass: gather + overlay (a single Triton kernel on CUDA, index_select + index_copy_ elsewhere)
+        rows = dispatch.prepare_windows(base_rows, windowing.read_index, windowing.dest, region, windowing.source,
+                                        windowing.combined)
         return from_rows(rows, n, windowing.hr, windowing.wr)
 
     def _divide(self, node: Node, out: torch.Tensor, plan: NodePlan) -> torch.Tensor:
@@ -152,7 +156,8 @@ class IncrementalEngine:
                 scatter = plan.scatters[name]
                 src = self.graph.by_name[name]
                 hh, ww = src.shape[-2:]
-                rows = project_full(self.rows(name), n, scatter.dest, to_rows(values[name]), scatter.source)
+                rows = dispatch.project(self.rows(name), n, scatter.dest, to_rows(values[name]), scatter.source,
+                                        scatter.combined)
                 return from_rows(rows, n, hh, ww, tuple(src.shape[1:-2]))
             if state == RegionKind.NONE:
                 if name in values:  # sizes and shapes recomputed for this batch
@@ -295,7 +300,7 @@ def _avg_pool_correction(gm: torch.fx.GraphModule, node: Node, base: dict) -> to
     else:
         return None  # adaptive pools whose bins tile the input: plain averages
     in_shape = base[node.inputs[0]].shape
-    ref = torch.ones(1, 1, *in_shape[-2:], dtype=base[node.name].dtype)
+    ref = torch.ones(1, 1, *in_shape[-2:], dtype=base[node.name].dtype, device=base[node.name].device)
     true = F.avg_pool2d(ref, kernel, stride, padding, ceil_mode, include_pad, override)
     # a window of ones averaged over what the node divides by, versus over k*k: their ratio is the factor
     plain = F.avg_pool2d(F.pad(ref, _pads(node)), kernel, stride, 0)
@@ -309,3 +314,21 @@ def _avg_pool_correction(gm: torch.fx.GraphModule, node: Node, base: dict) -> to
 def _pads(node: Node) -> tuple[int, int, int, int]:
     g = node.geometry
     return (g.pad_before[1], g.pad_after[1], g.pad_before[0], g.pad_after[0])
+
+
+def unpadded_operator(gm: torch.fx.GraphModule, node: Node, values: dict[str, Any]
+                      ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A LOCAL node's operator with padding 0, for executors that gather pre-padded windows themselves.
+
+    Args:
+        gm: the module whose submodules and parameters the operator uses.
+        node: a LOCAL node of a graph captured from ``gm``'s architecture.
+        values: every input of ``node`` (and ``node`` itself) by name, e.g. one materialized run.
+
+    Returns:
+        ``op(windows (N, C, hr, wr)) -> (N, C', h, w)``, or None for an average pool whose border outputs
+        divide by fewer elements than the kernel (a per-output correction the caller would have to apply).
+    """
+    if _avg_pool_correction(gm, node, values) is not None:
+        return None
+    return _unpadded_op(gm, node, values)

@@ -18,6 +18,7 @@ import torch.nn as nn
 from incrinf.cache import runtime_cache
 from incrinf.geometry import Propagation, Region, RegionKind, input_region, propagate
 from incrinf.graph import Graph, Node, NodeKind, capture
+from incrinf.kernels.dispatch import fuse_scatter_index, fuse_window_index, wants_fused_index
 
 
 @dataclass
@@ -29,6 +30,8 @@ class Windowing:
         dest: (K,) rows of the window batch that receive region values (``None``: nothing to overlay).
         source: (K,) rows of the incoming region to copy (``None``: all rows, in order).
         hr, wr: window size.
+        combined: (N*hr*wr,) gather and overlay fused into one index over ``[base rows; region rows]``
+            (:func:`~incrinf.kernels.dispatch.fuse_window_index`), for the GPU kernel; ``None`` on CPU.
     """
 
     read_index: torch.Tensor
@@ -36,6 +39,7 @@ class Windowing:
     source: torch.Tensor | None
     hr: int
     wr: int
+    combined: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,6 +48,7 @@ class Scatter:
 
     dest: torch.Tensor
     source: torch.Tensor | None
+    combined: torch.Tensor | None = None  # (N*H*W,) fused projection index (GPU kernel), None on CPU
 
 
 @dataclass
@@ -190,8 +195,8 @@ def _plan_local(graph: Graph, node: Node, prop: Propagation, plan: NodePlan, dev
     ox = r_in.x + step.crop_x + g.pad_before[1] - step.read_x
     crop = (step.crop_y, step.crop_x, step.crop_h, step.crop_w)
     dest, source = _overlay(r_in, oy, ox, step.read_h, step.read_w, crop)
-    plan.windowings[src] = Windowing(_t(read, device), _t(dest, device), _t(source, device),
-                                     step.read_h, step.read_w)
+    hp = ih + g.pad_before[0] + g.pad_after[0]
+    plan.windowings[src] = _windowing(read, dest, source, step.read_h, step.read_w, hp * wp, device)
     if plan.state == RegionKind.FULL:
         plan.h, plan.w = node.shape[-2:]
     if "avg" in node.op.lower():
@@ -225,12 +230,22 @@ def _plan_merge(graph: Graph, node: Node, prop: Propagation, plan: NodePlan, dev
         dest = source = None
         if r_in.kind == RegionKind.BOX:
             dest, source = _overlay(r_in, r_in.y - y, r_in.x - x, plan.h, plan.w)
-        plan.windowings[name] = Windowing(_t(read, device), _t(dest, device), _t(source, device),
-                                          plan.h, plan.w)
+        n_base = src_node.shape[-2] * src_node.shape[-1]
+        plan.windowings[name] = _windowing(read, dest, source, plan.h, plan.w, n_base, device)
+
+
+def _windowing(read: np.ndarray, dest: np.ndarray | None, source: np.ndarray | None, hr: int, wr: int,
+               n_base_rows: int, device) -> Windowing:
+    read_t, dest_t, source_t = _t(read, device), _t(dest, device), _t(source, device)
+    combined = None
+    if dest_t is not None and wants_fused_index(device):
+        combined = fuse_window_index(read_t, dest_t, source_t, n_base_rows)
+    return Windowing(read_t, dest_t, source_t, hr, wr, combined)
 
 
 def _scatter(src_node: Node, r_in: Region, device) -> Scatter:
     hh, ww = src_node.shape[-2:]
     h, w = int(r_in.h[0]), int(r_in.w[0])
-    dest = box_rows(r_in.y, r_in.x, h, w, ww, batch_stride=hh * ww)
-    return Scatter(_t(dest, device), None)
+    dest = _t(box_rows(r_in.y, r_in.x, h, w, ww, batch_stride=hh * ww), device)
+    combined = fuse_scatter_index(dest, None, len(r_in.y), hh * ww) if wants_fused_index(device) else None
+    return Scatter(dest, None, combined)

@@ -180,7 +180,7 @@ def _check_target(target: int | None, base: torch.Tensor) -> int:
 def _batch_size(batch_size: int | str, runner: OcclusionRunner, patch: tuple[int, int], budget: int,
                 tau: float) -> int:
     if batch_size == "auto":
-        return estimate_batch_size(runner.graph, patch, budget, tau)
+        return estimate_batch_size(runner.graph, patch, budget, tau, device=runner.image.device)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int or 'auto', got {batch_size!r}")
     return batch_size

@@ -13,11 +13,16 @@ from tqdm.auto import tqdm
 from incrinf.engine import IncrementalEngine
 from incrinf.geometry import RegionKind, full_flops, incremental_flops, input_region, propagate
 from incrinf.graph import Graph
+from incrinf.kernels.dispatch import free_device_memory, peak_device_memory, reset_peak_device_memory
 from incrinf.kernels.gather import from_rows, gather_windows, to_rows
 from incrinf.plan import box_rows, build_plan, captured_graph
 
 # Packed batches beyond this many positions stop paying on a CPU and only cost memory.
 CPU_BATCH_CAP = 64
+# On a GPU larger packed batches keep paying (Krypton used 128); memory is the limit.
+GPU_BATCH_CAP = 256
+# Share of the free device memory a batch may use (cuDNN workspaces and the allocator need the rest).
+GPU_MEMORY_SHARE = 0.5
 
 
 @dataclass
@@ -42,8 +47,13 @@ class RunStats:
 
 
 def estimate_batch_size(graph: Graph, window: tuple[int, int], max_memory: int, tau: float,
-                        cap: int = CPU_BATCH_CAP) -> int:
-    """Positions per batch so that the working tensors stay under ``max_memory`` bytes."""
+                        cap: int = CPU_BATCH_CAP, device: torch.device | str | None = None) -> int:
+    """Positions per batch so that the working tensors stay under ``max_memory`` bytes (and, on a CUDA
+    ``device``, under a share of its free memory, with the GPU cap)."""
+    free = free_device_memory(device)
+    if free is not None:
+        max_memory = min(max_memory, int(GPU_MEMORY_SHARE * free))
+        cap = GPU_BATCH_CAP
     hw = graph.input_shape[-2:]
     centre = np.array([[(hw[0] - window[0]) // 2, (hw[1] - window[1]) // 2]])
     prop = propagate(graph, input_region(centre, window, hw), tau=tau, uniform=True)
@@ -112,6 +122,9 @@ class OcclusionRunner:
         outputs: list[torch.Tensor] = []
         realized = 0.0
         start = time.perf_counter()
+        dev = self.image.device
+        resident = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        reset_peak_device_memory(dev)
         bar = tqdm(total=n, desc=desc, unit="pos", disable=not progress, leave=False)
         for lo in range(0, n, batch_size):
             chunk = positions[lo:lo + batch_size]
@@ -126,7 +139,13 @@ class OcclusionRunner:
             stats.peak_memory_bytes = max(stats.peak_memory_bytes, self.engine.last_peak_bytes)
             bar.update(len(chunk))
         bar.close()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # kernels run asynchronously: time them, not their launches
         stats.seconds = time.perf_counter() - start
+        peak = peak_device_memory(dev)
+        if peak is not None:  # what the batches allocated on the device beyond the resident base tensors
+            stats.peak_memory_bytes = peak - resident
+            stats.extra["peak_device_memory_bytes"] = peak
         stats.realized_flop_ratio = stats.flops_full * n / max(realized, 1.0)
         return torch.cat(outputs, 0), stats
 
