@@ -76,3 +76,27 @@ def median(values: list[float]) -> float:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB"
+
+
+def peak_rss_in_child(fn: Callable[[], Any]) -> int:
+    """Peak resident-memory growth of ``fn()`` run in a forked child (so the parent's allocator caches do not
+    hide it); both methods of a comparison are measured the same way. Returns 0 where fork is unavailable."""
+    if not hasattr(os, "fork"):
+        return 0
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read)
+        try:
+            with PeakRSS() as mem:
+                fn()
+            os.write(write, str(mem.bytes).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    data = b""
+    while chunk := os.read(read, 64):
+        data += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    return int(data or b"0")

@@ -2,7 +2,8 @@
 
 Both run in this process on the same image, the same grid (patch 16, --stride) and the same batch size
 (Captum's ``perturbations_per_eval``). Runs alternate (Captum, incrinf, Captum, ...) and medians are quoted,
-since this machine is shared and noisy. Memory is the peak resident-set growth during a run.
+since this machine is shared and noisy. Memory is the peak resident-set growth of one run in a forked
+child (the same method for both).
 
 Run: python benchmarks/obe_exact.py [--stride 16] [--batch 16] [--repeats 3] [--models vgg16 resnet18 ...]
 """
@@ -13,7 +14,7 @@ import argparse
 import sys
 
 import torch
-from _common import machine, median, mib, timed
+from _common import machine, median, mib, peak_rss_in_child, timed
 from captum.attr import Occlusion as CaptumOcclusion
 
 from incrinf import models
@@ -33,16 +34,16 @@ def run_model(name: str, stride: int, batch: int, repeats: int, patch: int) -> d
     incr = IncrinfOcclusion(model)
     kwargs = dict(strides=strides, target=target, perturbations_per_eval=batch)
     incr.attribute(image, window, **kwargs)  # warm-up: capture, materialization code paths, plan cache
-    t_c, t_i, m_c, m_i = [], [], [], []
+    t_c, t_i = [], []
     err = 0.0
     for _ in range(repeats):
-        s, m, want = timed(lambda: captum.attribute(image, window, **kwargs))
+        s, _, want = timed(lambda: captum.attribute(image, window, **kwargs))
         t_c.append(s)
-        m_c.append(m)
-        s, m, got = timed(lambda: incr.attribute(image, window, **kwargs))
+        s, _, got = timed(lambda: incr.attribute(image, window, **kwargs))
         t_i.append(s)
-        m_i.append(m)
         err = max(err, float((got - want).abs().max() / want.abs().max()))
+    m_c = [peak_rss_in_child(lambda: captum.attribute(image, window, **kwargs))]
+    m_i = [peak_rss_in_child(lambda: IncrinfOcclusion(model).attribute(image, window, **kwargs))]
     stats = incr.last_stats[0]
     speedup = median(t_c) / median(t_i)
     return dict(model=name, size=size, positions=stats["positions"], captum=median(t_c), incrinf=median(t_i),
