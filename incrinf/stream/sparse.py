@@ -1,0 +1,1142 @@
+"""Sparse local operators for camera streams: recompute what changed, read the rest from a warped cache.
+
+CacheInf (seeds/000): every tensor before the model's first global operator (the *local part*) depends only
+on a neighbourhood of the image. For a new frame, the previous frame's tensors are read through the
+frame-to-frame homography (an index map per feature resolution, one ``index_select`` per cached tensor) and
+only the positions that the changed pixels reach are recomputed:
+
+- **row operators** (pointwise ops, 1x1 stride-1 convolutions) run on the packed rows of the changed positions
+  only, presented to the node's own module as a ``(1, C, n, 1)`` channels-last map;
+- **window operators** (k x k convolutions and pools, strided ops) grow the changed set by their kernel, cut
+  the output grid into ``T x T`` blocks, gather every active block's read-in window from the input's merged
+  map with one ``index_select`` and run the node's own operator with padding 0 on the batch of windows;
+- **merges** (residual adds, concatenations) work on the union of their inputs' changed sets, reading the
+  positions an input did not change from its merged map;
+- the rest of the model (global pooling, classifier) runs as usual on the merged maps at the *cache point*.
+
+Only the tensors read outside their own changed set are cached (inputs of window operators, merge inputs and
+the cache point); everything between them lives only as packed rows for the frame (the seed's halo fusion:
+row operators between two window operators need no cache, see :meth:`SparseExecutor.cache_memory`).
+
+Approximations, all opt-in or measured: cached values are moved by nearest-neighbour index maps (exact only
+for shifts that are whole positions at every resolution; a per-resolution *drift* field keeps the rounding
+error from accumulating over frames), pixels under the change threshold are reused stale, and an optional
+``feature_threshold`` drops recomputed positions whose new values differ from the cache by less than that
+fraction of the tensor's mean magnitude, so changes that fade out stop growing (CBinfer-style).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from incrinf.engine import unpadded_operator
+from incrinf.graph import Graph, Node, NodeKind
+from incrinf.kernels.gather import from_rows, to_rows
+from incrinf.stream.matching import scale_homography
+
+_INPLACE_FUNCTIONS = {operator.iadd, operator.imul, operator.isub, operator.itruediv}
+# Above this share of a map's positions a window node runs densely on the whole map: block gathers stop
+# paying for themselves, and downstream row operators skip their gathers too.
+_DENSE_RATIO = 0.75
+# When this share of a cut point's map (a tensor through which everything later flows) changed, the rest of
+# the local part would be recomputed nearly everywhere: run it as compiled code instead (see _run_suffix).
+_DENSE_CUT = 0.5
+
+
+@dataclass(frozen=True)
+class CacheMemory:
+    """Bytes of cached tensors.
+
+    Attributes:
+        kept_bytes: what the executor keeps: tensors read outside their changed set.
+        naive_bytes: caching every tensor of the local part (what a cache per layer would hold).
+        kept_tensors: number of cached tensors.
+        naive_tensors: number of tensors in the local part.
+    """
+
+    kept_bytes: int
+    naive_bytes: int
+    kept_tensors: int
+    naive_tensors: int
+
+    @property
+    def saved_fraction(self) -> float:
+        """Share of the naive cache memory not kept."""
+        return 1.0 - self.kept_bytes / self.naive_bytes if self.naive_bytes else 0.0
+
+
+@dataclass
+class ExecStats:
+    """What one frame computed.
+
+    Attributes:
+        flops: multiply-accumulates actually computed.
+        full_flops: multiply-accumulates of one full inference.
+        positions: recomputed positions summed over the local part's tensors.
+        dense_nodes: window nodes that ran densely on the whole map.
+        warped: cached tensors moved through an index map (the others were read in place).
+    """
+
+    flops: float
+    full_flops: float
+    positions: int = 0
+    dense_nodes: int = 0
+    warped: int = 0
+    full_reason: str = ""  # set when the frame ran as full inference instead (and why)
+
+    @property
+    def flops_ratio(self) -> float:
+        """Full FLOPs / computed FLOPs."""
+        return self.full_flops / max(self.flops, 1.0)
+
+
+@dataclass
+class _Window:
+    """Static description of a window operator, in coordinates of the tensor it reads (PAD views resolved)."""
+
+    source: str
+    offset: tuple[int, int]  # source coord = out * stride + tap - offset
+    view: tuple[int, int, int, int]  # extent of PAD views around the source: top, bottom, left, right
+    view_value: float  # value of the PAD views' border
+    pad_value: float  # value of the node's own padding, beyond the views
+    taps: tuple[np.ndarray, np.ndarray]  # tap offsets per axis (dilation applied)
+    stride: tuple[int, int]
+    extent: tuple[int, int]  # effective kernel extent
+    block: tuple[int, int]
+    op: Callable[[torch.Tensor], torch.Tensor]
+    bands: dict[str, np.ndarray] = field(default_factory=dict)  # side -> outputs whose window reads padding there
+    table: _BlockTable | None = None  # read-in windows of all blocks, built lazily
+    full_index: torch.Tensor | None = None  # window gather of the whole map (dense runs), built lazily
+    full_pad: torch.Tensor | None = None
+
+
+@dataclass
+class _State:
+    """Changed positions of one tensor in this frame and their new values.
+
+    ``mask`` (h, w) bool and ``flat`` sorted flat positions; ``values`` is a ``(1, C, n, 1)`` row map, or
+    the full ``(1, C, h, w)`` map when ``dense``. ``n == 0``: nothing changed (values is None).
+    """
+
+    mask: np.ndarray
+    flat: np.ndarray
+    values: torch.Tensor | None
+    dense: bool = False
+    _index: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.flat)
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        if self._index is None:
+            self._index = torch.from_numpy(self.flat).to(device)
+        return self._index
+
+
+@dataclass
+class _Warp:
+    """Index map of one resolution for this frame."""
+
+    index: torch.Tensor | None  # (h*w,) source row of each position; None = identity (read in place)
+    invalid: np.ndarray | None  # (h, w) bool, positions with no source in the previous map
+    drift: np.ndarray  # (2, h, w) offset of each position's content after the warp (see _warp_maps)
+    new_padding: tuple[str, ...] = ()  # sides whose padding held image content in the previous frame
+
+
+@dataclass
+class _Step:
+    """One unit of per-frame work: a node (the head) and the pointwise nodes fused after it.
+
+    Chains stop at cached tensors and at nodes with several users, so only ``out``'s values are ever
+    needed; a batch norm right after a convolution is folded into the convolution's weights.
+    """
+
+    head: Node
+    out: str  # node whose state the step produces
+    inputs: list[str]  # the head's inputs in the local part
+    chain: list[tuple[Node, str]] = field(default_factory=list)  # (node, its input) applied after the head
+    window: _Window | None = None
+    linear: tuple[torch.Tensor, torch.Tensor | None] | None = None  # 1x1 convolution as F.linear on rows
+    flops: float = 0.0
+    hw: tuple[int, int] = (0, 0)
+
+
+@dataclass
+class _Plan:
+    """Which nodes form the local part, which are cached, and the per-frame steps."""
+
+    local: list[Node]
+    materialized: list[str]
+    boundary: list[str]
+    steps: list[_Step] = field(default_factory=list)
+
+
+def _is_window(node: Node) -> bool:
+    g = node.geometry
+    return node.kind == NodeKind.LOCAL and (
+        g.kernel != (1, 1) or g.stride != (1, 1) or g.pad_before != (0, 0) or g.pad_after != (0, 0))
+
+
+def _is_inplace(fx_node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    if fx_node.op == "call_function":
+        return fx_node.target in _INPLACE_FUNCTIONS or bool(fx_node.kwargs.get("inplace", False))
+    if fx_node.op == "call_method":
+        return str(fx_node.target).endswith("_")
+    if fx_node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(fx_node.target)), "inplace", False))
+    return False
+
+
+def _block_size(h: int, w: int) -> tuple[int, int]:
+    """Output block side: large blocks on large maps (few gathers), single positions on tiny ones."""
+    side = min(h, w)
+    t = 8 if side >= 32 else 4 if side >= 16 else 2 if side >= 8 else 1
+    return t, t
+
+
+class SparseExecutor:
+    """Full inference that fills the cache, and cached inference of the next frames (CacheInf).
+
+    Works on a private copy of the model (channels-last weights), so the caller's model is untouched.
+
+    Args:
+        graph: captured graph for the frame size (``incrinf.graph.capture``).
+        device: device of the model and the frames.
+        feature_threshold: drop recomputed positions whose values changed by at most this fraction of the
+            tensor's mean magnitude (0: keep every recomputed position; with exact inputs and identity motion
+            the result then equals full inference).
+        block: override the output block size of window operators (default: by map size).
+
+    Raises:
+        ValueError: the model has no local operator before its first global one (nothing to reuse).
+    """
+
+    def __init__(self, graph: Graph, device: torch.device | str = "cpu", feature_threshold: float = 0.0,
+                 max_misalignment: float = 0.5, block: int | None = None) -> None:
+        if feature_threshold < 0:
+            raise ValueError(f"feature_threshold must be >= 0, got {feature_threshold}")
+        if not 0.0 <= max_misalignment <= 0.5:
+            raise ValueError(f"max_misalignment must be in [0, 0.5] positions, got {max_misalignment}")
+        self.max_misalignment = float(max_misalignment)
+        self.graph = graph
+        self.device = torch.device(device)
+        self.feature_threshold = float(feature_threshold)
+        self.gm = copy.deepcopy(graph.module).to(self.device).to(memory_format=torch.channels_last).eval()
+        self._fx = {n.name: n for n in self.gm.graph.nodes}
+        self._modules = dict(self.gm.named_modules())
+        example = torch.randn(graph.input_shape, device=self.device).contiguous(memory_format=torch.channels_last)
+        env, mutated = _probe(self.gm, example)
+        self._constants = {n.name: env[n.name] for n in graph.nodes if n.kind == NodeKind.CONSTANT}
+        self._plan = _plan(graph, self.gm, env, block)
+        if not any(n.kind == NodeKind.LOCAL for n in self._plan.local):
+            first = next((n for n in graph.nodes if n.kind == NodeKind.GLOBAL), None)
+            why = f" (its first global operator, {first.name}: {first.reason})" if first else ""
+            raise ValueError(f"the model has no spatial (local) layer before its first global operator{why}; "
+                             "there is nothing to reuse across frames")
+        self._inplace = {n.name for n in self._plan.local if _is_inplace(self._fx[n.name], self.gm)}
+        self._materialized = set(self._plan.materialized)
+        self._clone = {name for name in self._plan.materialized if name in mutated}
+        self._full_gm = _full_module(self.gm, self._plan.materialized, self._clone)
+        self._tail_gm = _tail_module(self.gm, graph, self._plan)
+        self._cuts = _cut_points(graph, self._plan)
+        self._suffixes: dict[str, tuple[torch.fx.GraphModule, list[str]]] = {}
+        self._suffix_flops: dict[str, float] = {}
+        self.dense_cut = _DENSE_CUT
+        self._shapes = {n.name: n.shape for n in graph.nodes}
+        self._resolutions = sorted({tuple(self._shapes[m][-2:]) for m in self._plan.materialized
+                                    if m != graph.input.name} | {tuple(graph.input_shape[-2:])})
+        self._input_hw = tuple(graph.input_shape[-2:])
+        self._grids = {r: np.mgrid[0:r[0], 0:r[1]].astype(np.float64) for r in self._resolutions}
+        self._arange = {r: np.arange(r[0] * r[1]) for r in self._resolutions}
+        self._full_flops = float(sum(n.flops for n in graph.nodes))
+        self._local_names = {n.name for n in self._plan.local}
+        self._tail_flops = float(sum(n.flops for n in graph.nodes if n.name not in self._local_names))
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._scales: dict[str, float] = {}
+        self._drift: dict[tuple[int, int], np.ndarray] = {}
+        self.last = ExecStats(0.0, self._full_flops)
+
+    # --- introspection -----------------------------------------------------------------------------------
+
+    @property
+    def cache_point(self) -> list[str]:
+        """Names of the local-part tensors the rest of the model reads (full merged maps each frame)."""
+        return list(self._plan.boundary)
+
+    @property
+    def has_cache(self) -> bool:
+        return bool(self._buffers)
+
+    def cache_memory(self) -> CacheMemory:
+        """Bytes kept by this executor's cache versus caching every tensor of the local part."""
+        def nbytes(name: str) -> int:
+            shape = self._shapes[name]
+            return math.prod(shape) * 4 if shape else 0
+
+        tensors = [n.name for n in self._plan.local
+                   if n.kind not in (NodeKind.INPUT, NodeKind.PAD) and n.shape and len(n.shape) == 4]
+        kept = [m for m in self._plan.materialized if m != self.graph.input.name]
+        return CacheMemory(sum(nbytes(m) for m in kept), sum(nbytes(t) for t in tensors), len(kept), len(tensors))
+
+    def reset(self) -> None:
+        """Drop the cache (the next frame must go through :meth:`full`)."""
+        self._buffers = {}
+        self._drift = {}
+
+    # --- full inference ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full(self, x: torch.Tensor) -> Any:
+        """Full inference of ``x`` (1, C, H, W) that also refills the cache."""
+        self.reset()
+        x = x.to(self.device).contiguous(memory_format=torch.channels_last)
+        out, tensors = self._full_gm(x)
+        buffers = {}
+        storages = set()
+        for name, t in zip(self._plan.materialized, tensors):
+            if name != self.graph.input.name:
+                rows = to_rows(t)
+                ptr = rows.untyped_storage().data_ptr()
+                # caches are updated in place: two of them must not share memory
+                buffers[name] = rows.clone() if ptr in storages else rows
+                storages.add(ptr)
+        if self.feature_threshold > 0:
+            self._scales = {name: float(rows.abs().mean()) for name, rows in buffers.items()}
+        self._buffers = buffers
+        self._drift = {r: np.zeros((2, *r)) for r in self._resolutions if r != self._input_hw}
+        n_windows = sum(step.window is not None for step in self._plan.steps)
+        self.last = ExecStats(self._full_flops, self._full_flops, dense_nodes=n_windows)
+        return out
+
+    # --- cached inference --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def cached(self, x: torch.Tensor, changed: np.ndarray, matrix: np.ndarray) -> Any:
+        """Inference of a frame from the cache: recompute the positions the changed pixels reach.
+
+        Args:
+            x: (1, C, H, W) the frame as the model sees it.
+            changed: (H, W) bool, pixels to recompute (e.g. ``ChangeMask.pixel_mask``).
+            matrix: (3, 3) homography previous -> current frame, in pixel coords of ``x``.
+
+        Returns:
+            The model's output for ``x``.
+
+        Raises:
+            RuntimeError: no cache (call :meth:`full` first).
+        """
+        if not self._buffers:
+            raise RuntimeError("no cache: run full() on a frame first")
+        try:
+            return self._cached(x, changed, matrix)
+        except BaseException:
+            self.reset()  # caches may be half updated in place: the next frame must refill them
+            raise
+
+    def _cached(self, x: torch.Tensor, changed: np.ndarray, matrix: np.ndarray) -> Any:
+        x = x.to(self.device).contiguous(memory_format=torch.channels_last)
+        image_hw = tuple(x.shape[-2:])
+        changed = np.asarray(changed, dtype=bool)
+        if changed.shape != image_hw:
+            raise ValueError(f"change mask has shape {changed.shape}, frame is {image_hw}")
+        warps = self._warp_maps(np.asarray(matrix, dtype=np.float64), image_hw)
+        first = self._plan.steps[0].hw if self._plan.steps else None
+        unusable = warps[first].invalid if first in warps else None
+        if unusable is not None and unusable.mean() > self.dense_cut:
+            # the motion leaves most of the first cached map without a usable source: everything after it
+            # would be recomputed, and full inference does that with less bookkeeping
+            out = self.full(x)
+            self.last.full_reason = f"{unusable.mean():.0%} of the cache misaligned by the motion"
+            return out
+        buffers = dict(self._buffers)
+        warped: set[str] = set()
+        stats = ExecStats(self._tail_flops, self._full_flops)
+        states: dict[str, _State] = {}
+        frame_rows = to_rows(x)
+        input_name = self.graph.input.name
+        fresh: dict[tuple[int, int], np.ndarray] = {}
+        changed_flat = np.flatnonzero(changed)
+        state = _State(changed, changed_flat, None, dense=len(changed_flat) == changed.size)
+        if state.dense:
+            state.values = x
+        elif state.n:
+            state.values = from_rows(frame_rows.index_select(0, state.index(self.device)), 1, state.n, 1)
+        states[input_name] = state
+        out = None
+        for step in self._plan.steps:
+            if step.window is not None:
+                state = self._window(step, states, buffers, warps, frame_rows, input_name, stats)
+            else:
+                state = self._rows(step, states, buffers, stats)
+            stats.positions += state.n
+            if step.out in self._materialized:
+                state = self._commit(step.out, state, buffers, warps, warped)
+                done = np.ones(step.hw, bool) if state.dense else state.mask
+                fresh[step.hw] = done if step.hw not in fresh else fresh[step.hw] & done
+            states[step.out] = state
+            if step.out in self._cuts and (state.dense or state.n >= self.dense_cut * step.hw[0] * step.hw[1]):
+                out = self._run_suffix(step.out, x, buffers, fresh, stats)
+                break
+        stats.warped = len(warped)
+        if out is None:
+            inputs = []
+            for name in self._plan.boundary:
+                if name == input_name:
+                    inputs.append(x)
+                else:
+                    shape = self._shapes[name]
+                    inputs.append(from_rows(buffers[name], 1, shape[-2], shape[-1]))
+            out = self._tail_gm(*inputs)
+        self._buffers = buffers
+        for res, warp in warps.items():
+            if res == self._input_hw:
+                continue
+            drift = warp.drift
+            if res in fresh:
+                drift[:, fresh[res]] = 0.0
+            self._drift[res] = drift
+        self.last = stats
+        return out
+
+    def _run_suffix(self, cut: str, x: torch.Tensor, buffers: dict[str, torch.Tensor],
+                    fresh: dict[tuple[int, int], np.ndarray], stats: ExecStats) -> Any:
+        """Most of ``cut`` changed, and so will everything after it: finish the frame with the compiled rest
+        of the model (no per-step bookkeeping) and take its tensors as the new caches."""
+        module, names = self._suffixes.get(cut, (None, None))
+        if module is None:
+            module, names = self._suffixes[cut] = _suffix_module(self.gm, self.graph, self._plan, cut, self._clone)
+        shape = self._shapes[cut]
+        out, tensors = module(x, from_rows(buffers[cut], 1, shape[-2], shape[-1]))
+        for name, t in zip(names, tensors):
+            buffers[name] = to_rows(t)
+            res = tuple(self._shapes[name][-2:])
+            fresh[res] = np.ones(res, bool)
+        if cut not in self._suffix_flops:  # the tail's FLOPs are counted already
+            self._suffix_flops[cut] = float(sum(self.graph.by_name[n].flops for n in
+                                                _suffix_nodes(self.graph, self._plan, cut) if n in self._local_names))
+        stats.flops += self._suffix_flops[cut]
+        stats.dense_nodes += 1
+        return out
+
+    def _rows(self, step: _Step, states: dict[str, _State], buffers: dict[str, torch.Tensor],
+              stats: ExecStats) -> _State:
+        """A pointwise op, 1x1 conv or merge (and its chain) on the union of its inputs' changed positions."""
+        spatial = step.inputs
+        ins = [states[s] for s in spatial]
+        if len(ins) == 1:
+            out = ins[0]
+            if out.n == 0:
+                return out
+            values = {spatial[0]: out.values}
+        else:
+            if all(s.n == 0 for s in ins):
+                return ins[0]
+            mask = np.logical_or.reduce([s.mask for s in ins])
+            dense = any(s.dense for s in ins) or mask.mean() > _DENSE_RATIO
+            if dense:
+                out = _State(np.ones_like(mask), np.arange(mask.size), None, dense=True)
+            else:
+                out = _State(mask, np.flatnonzero(mask), None)
+            values = {}
+            for name, s in zip(spatial, ins):
+                if s.n == out.n:  # same set (the union of nested sets is the larger one)
+                    values[name] = s.values
+                elif dense:
+                    shape = self._shapes[name]
+                    values[name] = from_rows(buffers[name], 1, shape[-2], shape[-1])
+                else:
+                    values[name] = from_rows(buffers[name].index_select(0, out.index(self.device)), 1, out.n, 1)
+        stats.flops += step.flops * (1.0 if out.dense else out.n / (step.hw[0] * step.hw[1]))
+        if step.linear is not None:
+            rows = F.linear(to_rows(values[spatial[0]]), *step.linear)
+            result = from_rows(rows, 1, *(step.hw if out.dense else (out.n, 1)))
+        else:
+            if step.head.name in self._inplace:
+                first = spatial[0]
+                if first in buffers and values[first].untyped_storage().data_ptr() == \
+                        buffers[first].untyped_storage().data_ptr():
+                    values[first] = values[first].clone()
+            result = self._invoke(step.head, values)
+        return _State(out.mask, out.flat, self._run_chain(step, result), out.dense, out._index)
+
+    def _run_chain(self, step: _Step, values: torch.Tensor) -> torch.Tensor:
+        for node, source in step.chain:
+            values = self._invoke(node, {source: values})
+        return values
+
+    def _window(self, step: _Step, states: dict[str, _State], buffers: dict[str, torch.Tensor],
+                warps: dict[tuple[int, int], _Warp], frame_rows: torch.Tensor, input_name: str,
+                stats: ExecStats) -> _State:
+        """A k x k / strided operator (and its chain) on blocks of its output around the changed positions."""
+        win = step.window
+        src = states[win.source]
+        ho, wo = step.hw
+        hs, ws = self._shapes[win.source][-2:]
+        warp = warps.get((ho, wo))
+        if src.dense:
+            mask = np.ones((ho, wo), bool)
+        else:
+            mask = _grow(src.mask, win, (ho, wo)) if src.n else np.zeros((ho, wo), bool)
+            if warp is not None and warp.invalid is not None:
+                mask |= warp.invalid
+            # positions whose windows read padding where the previous frame still had content saw that
+            # content then: their cached values are stale although no pixel of this frame changed
+            for side in warps[(hs, ws)].new_padding if (hs, ws) in warps else ():
+                band = win.bands.get(side)
+                if band is not None:
+                    mask |= band
+        if not mask.any():
+            return _State(mask, np.zeros(0, np.int64), None)
+        rows = frame_rows if win.source == input_name else buffers[win.source]
+        th, tw = win.block
+        gh, gw = -(-ho // th), -(-wo // tw)
+        padded = np.zeros((gh * th, gw * tw), bool)
+        padded[:ho, :wo] = mask
+        active = padded.reshape(gh, th, gw, tw).any(axis=(1, 3))
+        n_blocks = int(active.sum())
+        dense = n_blocks * th * tw >= _DENSE_RATIO * ho * wo
+        if dense:
+            if win.full_index is None:
+                win.full_index, win.full_pad = _window_index(win, np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                                             (ho, wo), (hs, ws), self.device)
+            out = self._run_windows(win, rows, win.full_index, win.full_pad, 1, (ho, wo))
+            stats.flops += step.flops
+            stats.dense_nodes += 1
+            if mask.mean() > _DENSE_RATIO:
+                return _State(np.ones((ho, wo), bool), np.arange(ho * wo), self._run_chain(step, out), dense=True)
+            state = _State(mask, np.flatnonzero(mask), None)
+            values = from_rows(to_rows(out).index_select(0, state.index(self.device)), 1, state.n, 1)
+            state.values = self._run_chain(step, values)
+            return state
+        if win.table is None:
+            win.table = _block_table(win, (gh, gw), (hs, ws), self.device)
+        ids = np.flatnonzero(active)
+        index = win.table.index.index_select(0, torch.from_numpy(ids).to(self.device)).view(-1)
+        pad = None
+        if win.table.border[ids].any():
+            codes = win.table.codes[ids].reshape(-1)
+            pad = [(torch.from_numpy(np.flatnonzero(codes == code)).to(self.device), value)
+                   for code, value in ((1, win.view_value), (2, win.pad_value)) if (codes == code).any()]
+        out = self._run_windows(win, rows, index, pad, n_blocks, (th, tw))
+        stats.flops += step.flops * n_blocks * th * tw / (ho * wo)
+        rank = np.full(gh * gw, -1, np.int64)
+        rank[ids] = np.arange(n_blocks)
+        flat = np.flatnonzero(mask)
+        y, x = np.divmod(flat, wo)
+        select = rank[(y // th) * gw + x // tw] * (th * tw) + (y % th) * tw + (x % tw)
+        state = _State(mask, flat, None)
+        values = from_rows(to_rows(out).index_select(0, torch.from_numpy(select).to(self.device)), 1, state.n, 1)
+        state.values = self._run_chain(step, values)
+        return state
+
+    def _run_windows(self, win: _Window, rows: torch.Tensor, index: torch.Tensor, pad: tuple | None, n: int,
+                     out_hw: tuple[int, int]) -> torch.Tensor:
+        hr = (out_hw[0] - 1) * win.stride[0] + win.extent[0]
+        wr = (out_hw[1] - 1) * win.stride[1] + win.extent[1]
+        gathered = rows.index_select(0, index)
+        if pad is not None:
+            for rows_on_padding, value in pad:
+                gathered.index_fill_(0, rows_on_padding, value)
+        return win.op(from_rows(gathered, n, hr, wr))
+
+    def _commit(self, name: str, state: _State, buffers: dict[str, torch.Tensor],
+                warps: dict[tuple[int, int], _Warp], warped: set[str]) -> _State:
+        """Merge a cached tensor's new values into its (warped) cache."""
+        if state.dense:
+            rows = to_rows(state.values)
+            buffers[name] = rows.clone() if name in self._clone else rows
+            return state
+        shape = self._shapes[name]
+        warp = warps.get(tuple(shape[-2:]))
+        if warp is not None and warp.index is not None:
+            buffers[name] = buffers[name].index_select(0, warp.index)
+            warped.add(name)
+        if not state.n:
+            return state
+        rows = to_rows(state.values)
+        index = state.index(self.device)
+        eps = self.feature_threshold * self._scales.get(name, 0.0)
+        if eps > 0:
+            delta = (rows - buffers[name].index_select(0, index)).abs().mean(dim=1)
+            keep = (delta > eps).cpu().numpy()
+            if not keep.all():
+                kept = np.flatnonzero(keep)
+                mask = np.zeros_like(state.mask)
+                flat = state.flat[kept]
+                mask.reshape(-1)[flat] = True
+                rows = rows.index_select(0, torch.from_numpy(kept).to(self.device))
+                state = _State(mask, flat, from_rows(rows, 1, len(flat), 1) if len(flat) else None)
+                if not state.n:
+                    return state
+                index = state.index(self.device)
+        buffers[name].index_copy_(0, index, rows)
+        return state
+
+    def _invoke(self, node: Node, values: dict[str, Any]) -> Any:
+        fx_node = self._fx[node.name]
+
+        def value(a: torch.fx.Node) -> Any:
+            return values[a.name] if a.name in values else self._constants[a.name]
+
+        args = torch.fx.node.map_arg(fx_node.args, value)
+        kwargs = torch.fx.node.map_arg(fx_node.kwargs, value)
+        if fx_node.op == "call_module":
+            return self._modules[str(fx_node.target)](*args, **kwargs)
+        if fx_node.op == "call_function":
+            return fx_node.target(*args, **kwargs)
+        return getattr(args[0], str(fx_node.target))(*args[1:], **kwargs)
+
+    # --- warping -----------------------------------------------------------------------------------------
+
+    def _warp_maps(self, matrix: np.ndarray, image_hw: tuple[int, int]) -> dict[tuple[int, int], _Warp]:
+        """Per cached resolution, where each current position reads the previous map.
+
+        Nearest-neighbour reads round every frame; to keep that rounding from adding up over frames (a 3 px
+        pan is 0.09 of a stride-32 position: rounded to 0 every frame, the deep cache would never move), each
+        resolution keeps a *drift* field: the offset between where a position's cached content belongs and
+        where it sits. The read position compensates for it and the field is updated with the new rounding
+        error; recomputed positions have none.
+        """
+        still = np.allclose(matrix, np.eye(3), rtol=0.0, atol=1e-12)
+        warps = {}
+        for res in self._resolutions:
+            h, w = res
+            drift = self._drift.get(res)
+            cached = res != self._input_hw
+            if still and (not cached or drift is None or np.abs(drift).max() < 0.5):
+                # a still camera: every map is read in place and keeps its drift
+                warps[res] = _Warp(None, None, drift if drift is not None else np.zeros((2, h, w)))
+                continue
+            m = scale_homography(matrix, image_hw, res)
+            inv = np.linalg.inv(m)
+            sides = _new_padding(inv, h, w)
+            if not cached:  # the frame itself is never cached: only its padding matters
+                warps[res] = _Warp(None, None, np.zeros((2, h, w)), sides)
+                continue
+            ys, xs = self._grids[res]
+            hw_ = inv[2, 0] * xs + inv[2, 1] * ys + inv[2, 2]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                hw_ = np.where(hw_ > 0, hw_, np.nan)
+                sx = (inv[0, 0] * xs + inv[0, 1] * ys + inv[0, 2]) / hw_
+                sy = (inv[1, 0] * xs + inv[1, 1] * ys + inv[1, 2]) / hw_
+                valid = (sx >= -0.5) & (sx < w - 0.5) & (sy >= -0.5) & (sy < h - 0.5)
+            all_valid = bool(valid.all())
+            if not all_valid:
+                sx = np.where(valid, sx, np.clip(np.nan_to_num(sx), 0, w - 1))
+                sy = np.where(valid, sy, np.clip(np.nan_to_num(sy), 0, h - 1))
+            if drift is None:
+                drift = np.zeros((2, h, w))
+            qy0 = np.clip(np.floor(sy + 0.5), 0, h - 1).astype(np.int64)
+            qx0 = np.clip(np.floor(sx + 0.5), 0, w - 1).astype(np.int64)
+            qy = np.clip(np.floor(sy - drift[0][qy0, qx0] + 0.5), 0, h - 1).astype(np.int64)
+            qx = np.clip(np.floor(sx - drift[1][qy0, qx0] + 0.5), 0, w - 1).astype(np.int64)
+            index = (qy * w + qx).reshape(-1)
+            identity = all_valid and bool((index == self._arange[res]).all())
+            # where the content read from q belongs in the current frame, minus where it is put
+            ly, lx = qy + drift[0][qy, qx], qx + drift[1][qy, qx]
+            pw = m[2, 0] * lx + m[2, 1] * ly + m[2, 2]
+            new_drift = np.stack([(m[1, 0] * lx + m[1, 1] * ly + m[1, 2]) / pw - ys,
+                                  (m[0, 0] * lx + m[0, 1] * ly + m[0, 2]) / pw - xs])
+            if self.max_misalignment < 0.5:
+                # cached content further than this from where it belongs is recomputed, not reused
+                off = (np.abs(new_drift) > self.max_misalignment).any(axis=0)
+                if off.any():
+                    valid = valid & ~off
+                    all_valid = False
+            if not all_valid:
+                new_drift[:, ~valid] = 0.0
+            warps[res] = _Warp(None if identity else torch.from_numpy(index).to(self.device),
+                               None if all_valid else ~valid, new_drift, sides)
+        return warps
+
+
+def _new_padding(inv: np.ndarray, h: int, w: int) -> tuple[str, ...]:
+    """Sides of an (h, w) map whose zero padding lies inside the previous map (``inv``: current -> previous
+    coords): positions reading that padding saw image content in the previous frame."""
+    def source(xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        hw_ = inv[2, 0] * xs + inv[2, 1] * ys + inv[2, 2]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return ((inv[0, 0] * xs + inv[0, 1] * ys + inv[0, 2]) / hw_,
+                    (inv[1, 0] * xs + inv[1, 1] * ys + inv[1, 2]) / hw_)
+
+    cols, rows = np.arange(w, dtype=np.float64), np.arange(h, dtype=np.float64)
+    sides = []
+    with np.errstate(invalid="ignore"):
+        if (source(cols, np.zeros(w))[1] >= 0.5).any():
+            sides.append("top")
+        if (source(cols, np.full(w, h - 1.0))[1] < h - 1.5).any():
+            sides.append("bottom")
+        if (source(np.zeros(h), rows)[0] >= 0.5).any():
+            sides.append("left")
+        if (source(np.full(h, w - 1.0), rows)[0] < w - 1.5).any():
+            sides.append("right")
+    return tuple(sides)
+
+
+# --- window geometry -------------------------------------------------------------------------------------
+
+
+def _grow(mask: np.ndarray, win: _Window, out_hw: tuple[int, int]) -> np.ndarray:
+    """Output positions whose window reads any True position of the source ``mask``."""
+    if len(win.taps[0]) == win.extent[0] and len(win.taps[1]) == win.extent[1]:
+        return _grow_dense_taps(mask, win, out_hw)
+    out = mask
+    for axis in (0, 1):
+        n_out = out_hw[axis]
+        stride, taps, offset = win.stride[axis], win.taps[axis], win.offset[axis]
+        size = out.shape[axis]
+        need = (n_out - 1) * stride + int(taps[-1]) + 1
+        padded_shape = list(out.shape)
+        padded_shape[axis] = need
+        padded = np.zeros(padded_shape, bool)
+        # source coord s sits at padded coord s + offset
+        lo, hi = max(0, -offset), min(size, need - offset)
+        if hi > lo:
+            dst = [slice(None), slice(None)]
+            src = [slice(None), slice(None)]
+            dst[axis] = slice(lo + offset, hi + offset)
+            src[axis] = slice(lo, hi)
+            padded[tuple(dst)] = out[tuple(src)]
+        grown = np.zeros([n_out if a == axis else padded_shape[a] for a in (0, 1)], bool)
+        for t in taps:
+            sl = [slice(None), slice(None)]
+            sl[axis] = slice(int(t), int(t) + (n_out - 1) * stride + 1, stride)
+            grown |= padded[tuple(sl)]
+        out = grown
+    return out
+
+
+def _grow_dense_taps(mask: np.ndarray, win: _Window, out_hw: tuple[int, int]) -> np.ndarray:
+    """:func:`_grow` for undilated kernels: one forward-looking dilation (OpenCV), then the strided samples."""
+    (ho, wo), (kh, kw), (sy, sx), (oy, ox) = out_hw, win.extent, win.stride, win.offset
+    need_h, need_w = (ho - 1) * sy + kh, (wo - 1) * sx + kw
+    padded = np.zeros((need_h, need_w), np.uint8)
+    hs, ws = mask.shape
+    # source coord s sits at padded coord s + offset
+    y_lo, y_hi = max(0, -oy), min(hs, need_h - oy)
+    x_lo, x_hi = max(0, -ox), min(ws, need_w - ox)
+    if y_hi > y_lo and x_hi > x_lo:
+        padded[y_lo + oy:y_hi + oy, x_lo + ox:x_hi + ox] = mask[y_lo:y_hi, x_lo:x_hi]
+    grown = cv2.dilate(padded, np.ones((kh, kw), np.uint8), anchor=(0, 0), borderType=cv2.BORDER_CONSTANT,
+                       borderValue=0)
+    return grown[: (ho - 1) * sy + 1: sy, : (wo - 1) * sx + 1: sx].astype(bool)
+
+
+@dataclass
+class _BlockTable:
+    """Read-in windows of every output block of a window node, built once: a frame only picks rows.
+
+    Attributes:
+        index: (blocks, hr*wr) source row of each window element (0 on padding).
+        codes: (blocks, hr*wr) int8, 0 inside the source, 1 on a PAD view's border, 2 on the node's padding.
+        border: (blocks,) bool, whether the block's window touches any padding.
+    """
+
+    index: torch.Tensor
+    codes: np.ndarray
+    border: np.ndarray
+
+
+def _block_table(win: _Window, grid: tuple[int, int], source_hw: tuple[int, int],
+                 device: torch.device) -> _BlockTable:
+    gh, gw = grid
+    by, bx = np.divmod(np.arange(gh * gw), gw)
+    th, tw = win.block
+    hs, ws = source_hw
+    hr = (th - 1) * win.stride[0] + win.extent[0]
+    wr = (tw - 1) * win.stride[1] + win.extent[1]
+    sy = (by * th * win.stride[0] - win.offset[0])[:, None, None] + np.arange(hr)[None, :, None]
+    sx = (bx * tw * win.stride[1] - win.offset[1])[:, None, None] + np.arange(wr)[None, None, :]
+    sy, sx = np.broadcast_arrays(sy, sx)
+    inside = (sy >= 0) & (sy < hs) & (sx >= 0) & (sx < ws)
+    top, bottom, left, right = win.view
+    in_view = (sy >= -top) & (sy < hs + bottom) & (sx >= -left) & (sx < ws + right)
+    codes = np.where(inside, 0, np.where(in_view, 1, 2)).astype(np.int8).reshape(gh * gw, -1)
+    index = np.where(inside, sy * ws + sx, 0).reshape(gh * gw, -1)
+    return _BlockTable(torch.from_numpy(index).to(device), codes, (codes != 0).any(axis=1))
+
+
+def _window_index(win: _Window, y0: np.ndarray, x0: np.ndarray, block: tuple[int, int],
+                  source_hw: tuple[int, int], device: torch.device) -> tuple[torch.Tensor, list | None]:
+    """Source rows of every element of the read-in windows of output blocks at (y0, x0), and where the
+    windows fall on padding: ``(index (N*hr*wr,), [(rows on padding (K,), value), ...] or None)``."""
+    hs, ws = source_hw
+    hr = (block[0] - 1) * win.stride[0] + win.extent[0]
+    wr = (block[1] - 1) * win.stride[1] + win.extent[1]
+    sy = (y0 * win.stride[0] - win.offset[0])[:, None, None] + np.arange(hr)[None, :, None]
+    sx = (x0 * win.stride[1] - win.offset[1])[:, None, None] + np.arange(wr)[None, None, :]
+    sy, sx = np.broadcast_arrays(sy, sx)
+    inside = (sy >= 0) & (sy < hs) & (sx >= 0) & (sx < ws)
+    index = np.where(inside, sy * ws + sx, 0).reshape(-1)
+    pads = None
+    if not inside.all():
+        top, bottom, left, right = win.view
+        in_view = (sy >= -top) & (sy < hs + bottom) & (sx >= -left) & (sx < ws + right)
+        pads = []
+        for where, value in ((in_view & ~inside, win.view_value), (~in_view, win.pad_value)):
+            if where.any():
+                pads.append((torch.from_numpy(np.flatnonzero(where)).to(device), value))
+    return torch.from_numpy(index).to(device), pads
+
+
+# --- planning --------------------------------------------------------------------------------------------
+
+
+def _probe(gm: torch.fx.GraphModule, x: torch.Tensor) -> tuple[dict[str, Any], set[str]]:
+    """Every node's value for ``x``, and the nodes whose tensor a later in-place op overwrites."""
+    env: dict[str, Any] = {}
+    snapshots: dict[str, torch.Tensor] = {}
+
+    class _Recorder(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            out = super().run_node(n)
+            env[n.name] = out
+            if isinstance(out, torch.Tensor) and out.dim() == 4:
+                snapshots[n.name] = out.clone()
+            return out
+
+    with torch.no_grad():
+        _Recorder(gm).run(x)
+    mutated = {name for name, snap in snapshots.items() if not torch.equal(env[name], snap)}
+    return env, mutated
+
+
+def _users(graph: Graph) -> dict[str, list[Node]]:
+    users: dict[str, list[Node]] = {n.name: [] for n in graph.nodes}
+    for n in graph.nodes:
+        for name in n.inputs:
+            users[name].append(n)
+    return users
+
+
+def _spatial_constants(node: Node, graph: Graph) -> bool:
+    """Whether a constant input has a spatial extent (it would not broadcast over packed rows)."""
+    for name in node.inputs:
+        src = graph.by_name[name]
+        if src.kind == NodeKind.CONSTANT and src.shape is not None and len(src.shape) >= 3 \
+                and tuple(src.shape[-2:]) != (1, 1):
+            return True
+    return False
+
+
+def _plan(graph: Graph, gm: torch.fx.GraphModule, env: dict[str, Any], block: int | None) -> _Plan:
+    users = _users(graph)
+    ops: dict[str, Callable] = {}
+    candidate: set[str] = set()
+    for node in graph.nodes:
+        four_d = node.shape is not None and len(node.shape) == 4
+        if node.kind == NodeKind.INPUT:
+            candidate.add(node.name)
+        elif node.kind == NodeKind.LOCAL and four_d:
+            op = unpadded_operator(gm, node, env) if _is_window(node) else None
+            if op is not None or not _is_window(node):
+                candidate.add(node.name)
+                if op is not None:
+                    ops[node.name] = op
+        elif node.kind in (NodeKind.POINTWISE, NodeKind.MERGE, NodeKind.PAD) and four_d \
+                and not _spatial_constants(node, graph):
+            candidate.add(node.name)
+    local = set(candidate)
+    changed = True
+    while changed:  # drop nodes until every member's inputs are members and PAD views feed windows only
+        changed = False
+        for node in graph.nodes:
+            if node.name not in local or node.kind == NodeKind.INPUT:
+                continue
+            ok = all(name in local or graph.by_name[name].kind == NodeKind.CONSTANT for name in node.inputs)
+            if ok and node.kind == NodeKind.PAD:
+                ok = all(u.name in local and u.kind == NodeKind.LOCAL and _is_window(u) for u in users[node.name])
+            if not ok:
+                local.discard(node.name)
+                changed = True
+    ordered = [n for n in graph.nodes if n.name in local]
+    windows: dict[str, _Window] = {}
+    materialized: list[str] = []
+
+    def need(name: str) -> None:
+        if name not in materialized:
+            materialized.append(name)
+
+    for node in ordered:
+        if node.kind == NodeKind.LOCAL and _is_window(node):
+            windows[node.name] = _describe_window(node, graph, ops[node.name], block)
+            need(windows[node.name].source)
+        elif node.kind == NodeKind.MERGE:
+            for name in node.inputs:
+                if name in local:
+                    need(name)
+    boundary = [n.name for n in ordered
+                if any(u.name not in local for u in users[n.name]) and n.kind != NodeKind.PAD]
+    for name in boundary:
+        need(name)
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    materialized.sort(key=order.__getitem__)
+    steps = _steps(graph, gm, env, ordered, set(materialized) | set(boundary), windows, users)
+    return _Plan(ordered, materialized, boundary, steps)
+
+
+def _steps(graph: Graph, gm: torch.fx.GraphModule, env: dict[str, Any], ordered: list[Node], keep: set[str],
+           windows: dict[str, _Window], users: dict[str, list[Node]]) -> list[_Step]:
+    """Group the local part into steps: each compute node plus the single-user pointwise chain after it."""
+    local = {n.name for n in ordered}
+    absorbed: set[str] = set()
+    steps = []
+    for node in ordered:
+        if node.kind in (NodeKind.INPUT, NodeKind.PAD) or node.name in absorbed:
+            continue
+        conv = _conv_params(gm, node, env) if node.kind == NodeKind.LOCAL else None
+        folded = None
+        chain: list[tuple[Node, str]] = []
+        flops = node.flops
+        last = node
+        while last.name not in keep and len(users[last.name]) == 1:
+            user = users[last.name][0]
+            if user.name not in local or user.kind != NodeKind.POINTWISE \
+                    or [i for i in user.inputs if i in local] != [last.name]:
+                break
+            bn = _batch_norm(gm, user) if conv is not None and folded is None and not chain else None
+            if bn is not None:
+                folded = _fold(conv, bn)
+            else:
+                chain.append((user, last.name))
+            absorbed.add(user.name)
+            flops += user.flops
+            last = user
+        params = folded or conv
+        step = _Step(node, last.name, [i for i in node.inputs if i in local], chain, flops=float(flops),
+                     hw=tuple(node.shape[-2:]))
+        if node.name in windows:
+            window = windows[node.name]
+            if folded is not None:
+                weight, bias, stride, dilation, groups = folded
+                window.op = functools.partial(_conv_unpadded, weight=weight, bias=bias, stride=stride,
+                                              dilation=dilation, groups=groups)
+            step.window = window
+        elif params is not None and params[4] == 1 and params[0].shape[-2:] == (1, 1):
+            weight, bias = params[0], params[1]
+            step.linear = (weight.reshape(weight.shape[0], -1).contiguous(), bias)
+        steps.append(step)
+    return steps
+
+
+def _conv_unpadded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, dilation: Any,
+                   groups: int) -> torch.Tensor:
+    return F.conv2d(x, weight, bias, stride, 0, dilation, groups)
+
+
+def _conv_params(gm: torch.fx.GraphModule, node: Node, env: dict[str, Any]) -> tuple | None:
+    """``(weight, bias, stride, dilation, groups)`` of a zero-padded 2-D convolution node, else None."""
+    fx_node = node.fx_node
+    if fx_node.op == "call_module":
+        mod = gm.get_submodule(str(fx_node.target))
+        if type(mod) is not nn.Conv2d or mod.padding_mode != "zeros":
+            return None
+        return mod.weight, mod.bias, mod.stride, mod.dilation, mod.groups
+    if fx_node.op == "call_function" and fx_node.target in (F.conv2d, torch.conv2d):
+        args, kwargs = fx_node.args, fx_node.kwargs
+
+        def arg(i: int, name: str, default: Any = None) -> Any:
+            value = args[i] if len(args) > i else kwargs.get(name, default)
+            return env[value.name] if isinstance(value, torch.fx.Node) else value
+
+        weight = arg(1, "weight")
+        if not isinstance(weight, torch.Tensor) or isinstance(arg(4, "padding", 0), str):
+            return None
+        return weight, arg(2, "bias"), arg(3, "stride", 1), arg(5, "dilation", 1), int(arg(6, "groups", 1))
+    return None
+
+
+def _batch_norm(gm: torch.fx.GraphModule, node: Node) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(scale, shift)`` of an eval-mode BatchNorm2d module node (``y = x * scale + shift``), else None."""
+    fx_node = node.fx_node
+    if fx_node.op != "call_module":
+        return None
+    mod = gm.get_submodule(str(fx_node.target))
+    if type(mod) is not nn.BatchNorm2d or mod.training or mod.running_mean is None:
+        return None
+    scale = torch.rsqrt(mod.running_var + mod.eps)
+    if mod.weight is not None:
+        scale = scale * mod.weight
+    shift = -mod.running_mean * scale
+    if mod.bias is not None:
+        shift = shift + mod.bias
+    return scale.detach(), shift.detach()
+
+
+def _fold(conv: tuple, bn: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """A convolution followed by a batch norm as one convolution."""
+    weight, bias, stride, dilation, groups = conv
+    scale, shift = bn
+    folded_weight = (weight * scale.view(-1, 1, 1, 1)).detach()
+    if weight.dim() == 4:
+        folded_weight = folded_weight.contiguous(memory_format=torch.channels_last)
+    folded_bias = shift if bias is None else bias.detach() * scale + shift
+    return folded_weight, folded_bias.contiguous(), stride, dilation, groups
+
+
+def _describe_window(node: Node, graph: Graph, op: Callable, block: int | None) -> _Window:
+    g = node.geometry
+    source = node.inputs[0]
+    view = [0, 0, 0, 0]  # top, bottom, left, right
+    view_value = 0.0
+    while graph.by_name[source].kind == NodeKind.PAD:
+        pad = graph.by_name[source]
+        in_shape = graph.by_name[pad.inputs[0]].shape
+        top, left = pad.shift
+        bottom = pad.shape[-2] - in_shape[-2] - top
+        right = pad.shape[-1] - in_shape[-1] - left
+        view = [view[0] + top, view[1] + bottom, view[2] + left, view[3] + right]
+        view_value = _pad_value(pad)
+        source = pad.inputs[0]
+    ho, wo = node.shape[-2:]
+    hs, ws = graph.by_name[source].shape[-2:]
+    taps = tuple(np.arange(0, g.kernel[a], g.dilation[a]) for a in (0, 1))
+    size = (block, block) if block else _block_size(ho, wo)
+    size = (min(size[0], ho), min(size[1], wo))
+    offset = (g.pad_before[0] + view[0], g.pad_before[1] + view[2])
+    first_y = np.arange(ho) * g.stride[0] - offset[0]  # first source row each output reads
+    first_x = np.arange(wo) * g.stride[1] - offset[1]
+    last_y, last_x = first_y + g.kernel[0] - 1, first_x + g.kernel[1] - 1
+    bands = {}
+    for side, rows, cols in (("top", first_y < 0, None), ("bottom", last_y >= hs, None),
+                             ("left", None, first_x < 0), ("right", None, last_x >= ws)):
+        band = np.zeros((ho, wo), bool)
+        if rows is not None:
+            band[rows, :] = True
+        else:
+            band[:, cols] = True
+        if band.any():
+            bands[side] = band
+    return _Window(
+        source=source,
+        offset=offset,
+        view=(view[0], view[1], view[2], view[3]),
+        view_value=view_value,
+        pad_value=g.pad_value,
+        taps=taps,
+        stride=g.stride,
+        extent=g.kernel,
+        block=size,
+        op=op,
+        bands=bands,
+    )
+
+
+def _pad_value(pad: Node) -> float:
+    fx_node = pad.fx_node
+    if fx_node.op == "call_module":
+        mod = fx_node.graph.owning_module.get_submodule(str(fx_node.target))
+        return float(getattr(mod, "value", 0.0))
+    value = fx_node.kwargs.get("value", fx_node.args[3] if len(fx_node.args) > 3 else 0.0)
+    return float(value or 0.0)
+
+
+def _full_module(gm: torch.fx.GraphModule, materialized: list[str], clone: set[str]) -> torch.fx.GraphModule:
+    """``gm`` returning ``(output, (materialized tensors...))``; tensors a later in-place op overwrites are
+    cloned right after they are produced."""
+    graph = torch.fx.Graph()
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(gm.graph, val_map)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    extras = []
+    for name in materialized:
+        value = val_map[by_name[name]]
+        if name in clone:
+            with graph.inserting_after(value):
+                value = graph.call_method("clone", (value,))
+        extras.append(value)
+    graph.output((out, tuple(extras)))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _cut_points(graph: Graph, plan: _Plan) -> set[str]:
+    """Cached tensors of the local part through which all later computation flows (besides the frame)."""
+    users = _users(graph)
+    local = [n.name for n in plan.local]
+    position = {name: i for i, name in enumerate(local)}
+    last_use = {}
+    for name in local:
+        uses = [position.get(u.name, len(local)) for u in users[name]]
+        last_use[name] = max(uses) if uses else -1
+    cuts = set()
+    materialized = set(plan.materialized)
+    input_name = graph.input.name
+    for i, name in enumerate(local):
+        if name not in materialized or name == input_name:
+            continue
+        live = [n for n in local[:i] if last_use[n] > i and n != input_name]
+        if not live:
+            cuts.add(name)
+    return cuts
+
+
+def _suffix_nodes(graph: Graph, plan: _Plan, cut: str) -> list[str]:
+    """Nodes computed after ``cut``: every node but the local part up to it (the frame is an input)."""
+    local = [n.name for n in plan.local]
+    done = set(local[: local.index(cut) + 1])
+    return [n.name for n in graph.nodes if n.name not in done and n.kind != NodeKind.INPUT]
+
+
+def _suffix_module(gm: torch.fx.GraphModule, graph: Graph, plan: _Plan, cut: str, clone: set[str]
+                   ) -> tuple[torch.fx.GraphModule, list[str]]:
+    """``(frame, cut tensor) -> (output, (cached tensors after the cut...))`` as one compiled module."""
+    keep = set(_suffix_nodes(graph, plan, cut))
+    later = [m for m in plan.materialized if m in keep]
+    suffix = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}
+    for fx_node in gm.graph.nodes:
+        if fx_node.op == "placeholder":
+            env[fx_node.name] = suffix.placeholder(fx_node.name)
+            env[cut] = suffix.placeholder(cut)
+        elif fx_node.name in keep:
+            if fx_node.op == "output":
+                extras = []
+                for name in later:
+                    value = env[name]
+                    if name in clone:
+                        with suffix.inserting_after(value):
+                            value = suffix.call_method("clone", (value,))
+                    extras.append(value)
+                suffix.output((torch.fx.node.map_arg(fx_node.args[0], lambda a: env[a.name]), tuple(extras)))
+            else:
+                env[fx_node.name] = suffix.node_copy(fx_node, lambda a: env[a.name])
+    module = torch.fx.GraphModule(gm, suffix)
+    module.graph.eliminate_dead_code()
+    module.recompile()
+    return module, later
+
+
+def _tail_module(gm: torch.fx.GraphModule, graph: Graph, plan: _Plan) -> torch.fx.GraphModule:
+    """The nodes after the cache point as a module taking the boundary tensors."""
+    local = {n.name for n in plan.local}
+    tail = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}
+    for name in plan.boundary:
+        env[name] = tail.placeholder(name)
+    for fx_node in gm.graph.nodes:
+        if fx_node.name in local or fx_node.op == "placeholder":
+            continue
+        env[fx_node.name] = tail.node_copy(fx_node, lambda a: env[a.name])
+    module = torch.fx.GraphModule(gm, tail)
+    module.graph.eliminate_dead_code()
+    module.recompile()
+    return module
+
+
+def full_inference_module(model: nn.Module) -> nn.Module:
+    """The model in the executor's layout (channels-last), for side-by-side timing of full inference."""
+    return copy.deepcopy(model).to(memory_format=torch.channels_last).eval()

@@ -1,0 +1,302 @@
+"""StreamSession and the sparse executor: exactness, fallbacks, bad input, recovery (incrinf.stream.session)."""
+
+import cv2
+import numpy as np
+import pytest
+import skimage.data
+import torch
+import torch.nn as nn
+
+from incrinf import models
+from incrinf.stream import session as session_module
+from incrinf.stream.session import FrameStats, StreamSession
+from incrinf.stream.sparse import SparseExecutor
+
+H, W = 80, 96
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny maps: intra-op threads only add synchronisation (and CI runs two workers on two cores)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def photo() -> np.ndarray:
+    """A 240 x 320 photo to cut frames from."""
+    return cv2.resize(skimage.data.chelsea(), (320, 240), interpolation=cv2.INTER_AREA)
+
+
+@pytest.fixture(scope="module")
+def zoo() -> dict[str, nn.Module]:
+    return {name: models.load(name) for name in ("resnet18", "mobilenet_v2", "efficientnet_lite0")}
+
+
+def _full(model: nn.Module, frame: np.ndarray) -> torch.Tensor:
+    x = torch.from_numpy(frame).permute(2, 0, 1)[None].float() / 255.0
+    with torch.no_grad():
+        return model((x - 0.5) / 0.5)
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-4) -> None:
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=rtol * scale)
+
+
+def _crop(photo: np.ndarray, y: int, x: int, h: int = H, w: int = W) -> np.ndarray:
+    return np.ascontiguousarray(photo[y:y + h, x:x + w])
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "efficientnet_lite0"])
+def test_static_frames_equal_full_inference(zoo, photo, name):
+    model = zoo[name]
+    session = StreamSession(model)
+    frame = _crop(photo, 40, 60)
+    outputs = [session(frame) for _ in range(3)]
+    ref = _full(model, frame)
+    for out in outputs:
+        _assert_close(out, ref)
+    first, *cached = session.stats
+    assert (first.mode, first.reason) == ("full", "first frame")
+    for stats in cached:
+        assert (stats.mode, stats.reason, stats.recompute_fraction) == ("cached", "ok", 0.0)
+        assert stats.flops_ratio > 10  # only the classifier ran
+        assert np.allclose(stats.homography, np.eye(3))
+
+
+@pytest.mark.parametrize("name", ["resnet18", "efficientnet_lite0"])
+def test_identity_motion_threshold_zero_reproduces_full_inference(zoo, photo, name):
+    model = zoo[name]
+    session = StreamSession(model, threshold=0.0, max_ratio=1.0)
+    a, b = _crop(photo, 40, 60), _crop(photo, 100, 150)  # unrelated content: every position changes
+    session(a)
+    out = session(b, homography=np.eye(3))
+    assert (session.stats[-1].mode, session.stats[-1].recompute_fraction) == ("cached", 1.0)
+    _assert_close(out, _full(model, b))
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet_lite0"])
+def test_local_change_recomputes_only_what_it_reaches(zoo, photo, name):
+    model = zoo[name]
+    session = StreamSession(model, threshold=0.01)
+    frame = _crop(photo, 40, 60)
+    session(frame)
+    changed = frame.copy()
+    changed[30:42, 50:62] = 255 - changed[30:42, 50:62]
+    out = session(changed, homography=np.eye(3))
+    stats = session.stats[-1]
+    assert stats.mode == "cached"
+    assert 0 < stats.recompute_fraction < 0.2
+    assert stats.flops_ratio > 1.05
+    _assert_close(out, _full(model, changed))
+
+
+def test_integer_pan_by_the_largest_stride_is_exact(zoo, photo):
+    # a 32 px shift is a whole number of positions at every stride of ResNet-18: the cache is reused exactly
+    model = zoo["resnet18"]
+    session = StreamSession(model, keyframe_interval=None)
+    session(_crop(photo, 40, 40))
+    for k in (1, 2):
+        frame = _crop(photo, 40, 40 + 32 * k)
+        out = session(frame, homography=np.array([[1.0, 0, -32], [0, 1, 0], [0, 0, 1]]))
+        assert session.stats[-1].mode == "cached"
+        assert session.stats[-1].flops_ratio > 1.0
+        _assert_close(out, _full(model, frame))
+
+
+def test_estimated_pan_stays_close_to_full_inference(zoo, photo):
+    model = zoo["efficientnet_lite0"]
+    session = StreamSession(model, keyframe_interval=None)
+    errors, agree = [], 0
+    for k in range(6):
+        frame = _crop(photo, 50 + 2 * k, 40 + 4 * k)  # pure integer shifts, estimated by matching
+        out, ref = session(frame), _full(model, frame)
+        errors.append(float((out - ref).norm() / ref.norm()))
+        agree += int(out.argmax() == ref.argmax())
+    modes = [s.mode for s in session.stats[1:]]
+    assert modes.count("cached") >= 3, [s.reason for s in session.stats]
+    assert agree == 6
+    assert max(errors) < 0.1, errors
+    for stats in session.stats[1:]:
+        if stats.mode == "cached":  # the view moves by (2, 4) px: the content by (-2, -4)
+            assert abs(stats.homography[0, 2] + 4) < 0.5 and abs(stats.homography[1, 2] + 2) < 0.5
+
+
+def test_fallbacks_run_full_inference(zoo, photo):
+    model = zoo["mobilenet_v2"]
+    session = StreamSession(model, keyframe_interval=4)
+    frame = _crop(photo, 40, 60)
+    noise = np.random.default_rng(0).integers(0, 256, (H, W, 3), dtype=np.uint8)
+    bigger = _crop(photo, 40, 60, H + 16, W + 16)
+    sequence = [
+        (frame, "full", "first frame"),
+        (frame, "cached", "ok"),
+        (noise, "full", "match failed"),
+        (frame, "full", "match failed"),  # noise has no keypoints to match either
+        (frame, "cached", "ok"),
+        (frame, "cached", "ok"),
+        (frame, "cached", "ok"),
+        (frame, "full", "keyframe"),  # 4 frames after the last full inference
+        (bigger, "full", "frame size changed"),
+    ]
+    for image, mode, reason in sequence:
+        out = session(image)
+        stats = session.stats[-1]
+        assert (stats.mode, stats.reason.split(":")[0]) == (mode, reason), stats
+        _assert_close(out, _full(model, image))
+    # a frame that changes more than max_ratio of the pixels (matched through a known homography)
+    session(bigger)
+    moved = _crop(photo, 140, 200, H + 16, W + 16)
+    out = session(moved, homography=np.eye(3))
+    stats = session.stats[-1]
+    assert stats.mode == "full" and stats.reason.startswith("changed fraction") and "> max_ratio 0.6" in stats.reason
+    _assert_close(out, _full(model, moved))
+    assert [s.index for s in session.stats] == list(range(len(session.stats)))
+    assert session.stats[2].homography_found is False and session.stats[1].homography_found is True
+
+
+def test_tensor_frames_match_uint8_frames(zoo, photo):
+    model = zoo["efficientnet_lite0"]
+    frame = _crop(photo, 40, 60)
+    x = (torch.from_numpy(frame).permute(2, 0, 1).float() / 255.0 - 0.5) / 0.5
+    by_array, by_tensor = StreamSession(model), StreamSession(model)
+    for _ in range(2):
+        _assert_close(by_tensor(x), by_array(frame))
+        _assert_close(by_tensor(x[None]), by_array(frame))
+    assert [s.mode for s in by_tensor.stats] == ["full", "cached", "cached", "cached"]
+
+
+def test_default_preprocessing_upscales_small_frames(zoo, photo):
+    model = zoo["resnet18"]
+    session = StreamSession(model)
+    small = _crop(photo, 10, 10, 48, 40)
+    session(small)
+    assert session.cache_bytes().kept_bytes > 0
+    assert session._shape[-2:] == (77, 64)  # shorter side to 64, aspect kept
+    fixed = StreamSession(model, input_size=(64, 72))
+    fixed(small)
+    assert fixed._shape[-2:] == (64, 72)
+
+
+@pytest.mark.parametrize("frame, error, match", [
+    (np.zeros((H, W, 3), np.float32), TypeError, "uint8"),
+    (np.zeros((H, W), np.uint8), ValueError, "shape"),
+    (np.zeros((H, W, 4), np.uint8), ValueError, "3 channels"),
+    (np.zeros((0, W, 3), np.uint8), ValueError, "empty"),
+    ([[0, 0, 0]], TypeError, "numpy array or a float torch tensor"),
+    (torch.zeros(3, H, W, dtype=torch.uint8), TypeError, "floating-point"),
+    (torch.zeros(2, 3, H, W), ValueError, r"\(3, H, W\)"),
+    (torch.zeros(4, H, W), ValueError, "3 channels"),
+    (torch.full((3, H, W), float("nan")), ValueError, "NaN"),
+])
+def test_bad_frames_raise_clear_errors_and_the_session_carries_on(zoo, photo, frame, error, match):
+    session = StreamSession(zoo["resnet18"])
+    good = _crop(photo, 40, 60)
+    session(good)
+    with pytest.raises(error, match=match):
+        session(frame)
+    out = session(good)
+    assert [s.mode for s in session.stats] == ["full", "cached"]
+    _assert_close(out, _full(zoo["resnet18"], good))
+
+
+def test_bad_homography_is_rejected(zoo, photo):
+    session = StreamSession(zoo["resnet18"])
+    with pytest.raises(ValueError, match="homography"):
+        session(_crop(photo, 40, 60), homography=np.zeros((3, 3)))
+    with pytest.raises(ValueError, match="homography"):
+        session(_crop(photo, 40, 60), homography=np.eye(2))
+    assert session.stats == []
+
+
+def test_a_failure_inside_a_frame_does_not_corrupt_the_next(zoo, photo, monkeypatch):
+    model = zoo["mobilenet_v2"]
+    session = StreamSession(model, threshold=0.01)
+    frame = _crop(photo, 40, 60)
+    session(frame)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated failure in the middle of the cached path")
+
+    monkeypatch.setattr(SparseExecutor, "_window", boom)
+    changed = frame.copy()
+    changed[10:20, 10:20] = 0
+    with pytest.raises(RuntimeError, match="simulated"):
+        session(changed, homography=np.eye(3))
+    monkeypatch.undo()
+    out = session(changed)
+    assert (session.stats[-1].mode, session.stats[-1].reason) == ("full", "previous frame failed")
+    _assert_close(out, _full(model, changed))
+    out = session(frame, homography=np.eye(3))
+    assert session.stats[-1].mode == "cached"
+    _assert_close(out, _full(model, frame))
+
+
+def test_model_without_spatial_layers_is_rejected_at_construction():
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10))
+    with pytest.raises(ValueError, match="no convolution or pooling"):
+        StreamSession(mlp)
+    with pytest.raises(TypeError, match="nn.Module"):
+        StreamSession(lambda x: x)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"threshold": -1}, "threshold"),
+    ({"cell": 0}, "cell"),
+    ({"max_ratio": 1.5}, "max_ratio"),
+    ({"keyframe_interval": -2}, "keyframe_interval"),
+    ({"input_size": (4, 4)}, "input_size"),
+    ({"feature_threshold": -0.1}, "feature_threshold"),
+    ({"matcher": "surf"}, "matcher"),
+])
+def test_bad_settings_raise(zoo, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StreamSession(zoo["resnet18"], **kwargs)
+
+
+def test_reset_cache_memory_and_stats(zoo, photo):
+    session = StreamSession(zoo["efficientnet_lite0"], input_size=(H, W), background_update=True)
+    memory = session.cache_bytes()
+    assert 0 < memory.kept_bytes < memory.naive_bytes and memory.kept_tensors < memory.naive_tensors
+    frame = _crop(photo, 40, 60)
+    session(frame)
+    session(frame)
+    session.reset()
+    session(frame)
+    assert [s.reason for s in session.stats] == ["first frame", "ok", "first frame"]
+    assert all(isinstance(s, FrameStats) and s.seconds > 0 for s in session.stats)
+    assert session.stats[1].cache_ratio == 1.0
+
+
+def test_feature_threshold_prunes_work_and_stays_close(zoo, photo):
+    model = zoo["efficientnet_lite0"]
+    exact, pruned = StreamSession(model, threshold=0.01), StreamSession(model, threshold=0.01, feature_threshold=0.2)
+    frame = _crop(photo, 40, 60)
+    changed = frame.copy()
+    changed[20:36, 30:46] = np.clip(changed[20:36, 30:46].astype(int) + 40, 0, 255).astype(np.uint8)
+    for session in (exact, pruned):
+        session(frame)
+        session(changed, homography=np.eye(3))
+    ref = _full(model, changed)
+    assert pruned.stats[-1].flops_ratio > exact.stats[-1].flops_ratio
+    out = pruned(changed, homography=np.eye(3))
+    assert float((out - ref).norm() / ref.norm()) < 0.2
+
+
+def test_change_mask_uses_the_pixels_the_model_sees(zoo, photo, monkeypatch):
+    seen = []
+    original = session_module.change_mask
+
+    def spy(curr, warped, *args, **kwargs):
+        seen.append(curr.shape)
+        return original(curr, warped, *args, **kwargs)
+
+    monkeypatch.setattr(session_module, "change_mask", spy)
+    session = StreamSession(zoo["resnet18"], input_size=(64, 80))
+    big = _crop(photo, 0, 0, 160, 200)
+    session(big)
+    session(big)
+    assert seen == [(64, 80, 3)]
