@@ -139,7 +139,16 @@ def test_codec_rejects_lying_sizes():
         wire.decode(bytes(good))
 
 
-@settings(max_examples=200, deadline=None)
+def test_codec_rejects_huge_empty_shapes():
+    import struct
+
+    body = wire.MAGIC + struct.pack("<I", 2) + b"{}" + struct.pack("<H", 1) + struct.pack("<B", 1) + b"t"
+    body += struct.pack("<BB", 1, 3) + struct.pack("<3I", 0, 2**32 - 1, 2**32 - 1) + struct.pack("<Q", 0)
+    with pytest.raises(wire.PayloadError, match="too large"):
+        wire.decode(body)
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200), st.integers(0, 120))
 def test_codec_fuzz_only_raises_payload_error(noise, cut):
     good = wire.encode({"a": np.arange(6, dtype=np.int16).reshape(2, 3), "b": np.ones(3)}, {"k": 1})

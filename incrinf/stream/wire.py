@@ -36,6 +36,7 @@ MAGIC = b"INCT"
 MAX_TENSORS = 64
 MAX_NDIM = 8
 MAX_META_BYTES = 65536
+MAX_ELEMENTS = 1 << 34  # per tensor, counting zero-sized dims as 1 (numpy refuses larger shapes even if empty)
 
 _DTYPES: dict[int, np.dtype] = {
     1: np.dtype("u1"), 2: np.dtype("i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"), 5: np.dtype("<i8"),
@@ -166,6 +167,8 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         shape = reader.unpack(f"<{ndim}I", f"tensor {name!r} shape")
         (nbytes,) = reader.unpack("<Q", f"tensor {name!r} size")
         dtype = _DTYPES[code]
+        if int(np.prod([max(d, 1) for d in shape], dtype=object)) > MAX_ELEMENTS:  # also when a dim is 0
+            raise PayloadError(f"tensor {name!r}: shape {shape} is too large")
         if int(np.prod(shape, dtype=object)) * dtype.itemsize != nbytes:
             raise PayloadError(f"tensor {name!r}: shape {shape} x {dtype} does not match {nbytes} bytes")
         raw = reader.take(nbytes, f"tensor {name!r} data")
