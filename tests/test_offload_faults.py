@@ -207,6 +207,8 @@ def test_local_only_session_and_stream_args():
     assert all(s.mode in ("local_full", "local_cached") for s in session.stats)
     assert all(set(s.predictions) <= {"local_full", "local_cached"} for s in session.stats)
     torch.testing.assert_close(outputs[0].float(), refs[0], rtol=1e-4, atol=1e-5)  # first frame: full inference
+    with pytest.raises(ValueError, match="preprocess"):
+        OffloadingSession.from_stream_args(tiny_model(), None, preprocess=lambda f: f)
     with pytest.raises(ValueError, match="needs an offload URL"):
         OffloadingSession(tiny_model(), None, "offload_full", input_size=(size, size), profile_repeats=1)
     with pytest.raises(ValueError, match="frame must be"):

@@ -444,6 +444,10 @@ class OffloadingSession:
         ``StreamSession`` through ``local_options``."""
         import inspect
 
+        if kwargs.get("preprocess") is not None:
+            raise ValueError("an offloading session sends uint8 frames that both ends normalise with mean/std; "
+                             "a custom preprocess is not supported")
+        kwargs.pop("preprocess", None)
         own = set(inspect.signature(cls.__init__).parameters) - {"self", "model", "offload", "policy"}
         direct = {k: v for k, v in kwargs.items() if k in own}
         rest = {k: v for k, v in kwargs.items() if k not in own}
