@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="heatmap.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_explain)
+
+    from incrinf.stream import serve_cli
+
+    serve_cli.register(sub)
     return parser
 
 
