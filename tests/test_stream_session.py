@@ -109,7 +109,7 @@ def test_integer_pan_by_the_largest_stride_is_exact(zoo, photo):
 
 def test_estimated_pan_stays_close_to_full_inference(zoo, photo):
     model = zoo["efficientnet_lite0"]
-    session = StreamSession(model, keyframe_interval=None)
+    session = StreamSession(model, keyframe_interval=None, matcher_options={"refine": True})
     errors, agree = [], 0
     for k in range(6):
         frame = _crop(photo, 50 + 2 * k, 40 + 4 * k)  # pure integer shifts, estimated by matching
@@ -300,3 +300,39 @@ def test_change_mask_uses_the_pixels_the_model_sees(zoo, photo, monkeypatch):
     session(big)
     session(big)
     assert seen == [(64, 80, 3)]
+
+
+def test_stream_cli_runs_a_video_and_writes_stats(tmp_path, capsys):
+    import argparse
+    import csv
+
+    from incrinf.stream import cli
+
+    parser = argparse.ArgumentParser(prog="incrinf")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    out_csv = tmp_path / "stats.csv"
+    args = parser.parse_args(["stream", "--model", "resnet18", "--max-frames", "3", "--size", "64x80",
+                              "--csv", str(out_csv), "--quiet"])
+    assert args.func(args) == 0
+    summary = capsys.readouterr().out
+    assert "3 frames of carphone_pristine.mp4" in summary and "speedup" in summary and "top-1 agreement" in summary
+    with open(out_csv) as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["mode"] for r in rows][0] == "full" and len(rows) == 3
+    assert float(rows[0]["relative_error"]) < 1e-4  # the first frame is full inference
+    bad = parser.parse_args(["stream", str(tmp_path / "missing.mp4")])
+    with pytest.raises(FileNotFoundError):
+        bad.func(bad)
+    empty = tmp_path / "empty.mp4"
+    empty.write_bytes(b"")
+    bad = parser.parse_args(["stream", str(empty)])
+    with pytest.raises(ValueError, match="could not decode"):
+        bad.func(bad)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["stream", "--max-frames", "0"])
+
+
+def test_offload_arguments_delegate_to_the_offloading_session(zoo):
+    session = StreamSession(zoo["mobilenet_v2"], policy="local_cached", input_size=(64, 64))
+    assert type(session).__name__ == "OffloadingSession"
+    assert type(StreamSession(zoo["mobilenet_v2"])) is StreamSession

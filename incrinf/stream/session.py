@@ -11,6 +11,7 @@ cache) on the first frame, a failed match, a frame size change, too large a chan
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -112,15 +113,34 @@ class StreamSession:
             tensor's mean magnitude, so changes that fade out stop spreading (0: exact propagation).
         min_motion: homographies that move no frame corner by this many pixels or more are treated as
             identity (keypoint noise on a still camera would otherwise shift the whole cache).
+        max_misalignment: cached features are read at the nearest position of their map; where that lands
+            further than this (in positions of the map) from where the content moved, they are recomputed
+            instead. CNN features are not shift-equivariant below their stride (a 1 px shift changes deep
+            features by ~15%), so 0.5 (always reuse, as CacheInf) flips top-1 predictions on panning
+            cameras; 0 reuses only whole-position shifts.
+        offload, policy: give either to schedule frames among local, offloaded and hybrid execution: the
+            constructor then returns an :class:`~incrinf.stream.offload.OffloadingSession` built from the
+            same arguments.
         mean, std: per-channel normalisation of the default preprocessing; also used to turn tensor frames
             back into pixels for matching (defaults: EfficientNet-Lite's 0.5, 0.5).
-        matcher_options: extra :class:`HomographyEstimator` arguments (default ``{"refine": True}``).
+        matcher_options: extra :class:`HomographyEstimator` arguments (default ``{"refine": False,
+            "max_features": 500}``: ECC refinement is more precise and costs about 10 ms per frame).
 
     Raises:
         CaptureError: the model cannot be traced.
         ValueError: bad settings, or a model with no convolution or pooling layer (nothing a cache could
             reuse: there is no always-full mode, run the model directly instead).
     """
+
+    def __new__(cls, model: nn.Module, *args: Any, offload: str | None = None, policy: str | None = None,
+                **kwargs: Any) -> Any:
+        if offload is None and policy is None:
+            return super().__new__(cls)
+        from incrinf.stream.offload import OffloadingSession
+
+        bound = inspect.signature(cls.__init__).bind(None, model, *args, **kwargs)
+        options = {k: v for k, v in bound.arguments.items() if k not in ("self", "model")}
+        return OffloadingSession.from_stream_args(model, offload, policy, **options)
 
     def __init__(
         self,
@@ -135,11 +155,14 @@ class StreamSession:
         device: torch.device | str | None = None,
         background_update: bool = False,
         feature_threshold: float = 0.0,
-        min_motion: float = 1.0,
+        min_motion: float = 2.0,
         max_misalignment: float = 0.25,
         mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
         std: tuple[float, float, float] = (0.5, 0.5, 0.5),
         matcher_options: dict[str, Any] | None = None,
+        *,
+        offload: str | None = None,
+        policy: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -180,7 +203,9 @@ class StreamSession:
             raise ValueError(f"max_misalignment must be in [0, 0.5] positions, got {max_misalignment}")
         self._mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
         self._std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
-        options = {"refine": True, **(matcher_options or {})}
+        # ECC refinement costs about as much as the rest of a cached frame; keypoint noise on a still camera
+        # is absorbed by min_motion instead
+        options = {"refine": False, "max_features": 500, **(matcher_options or {})}
         self._estimator = HomographyEstimator(matcher, **options)  # validates the matcher name
         self._executors: dict[tuple[int, ...], SparseExecutor] = {}
         self.stats: list[FrameStats] = []
@@ -291,8 +316,11 @@ class StreamSession:
         size = pixels.shape[:2]
         if corner_distance(matrix, np.eye(3), size) < self.min_motion:
             matrix = np.eye(3)
-        warped = warp_image(self._reference, matrix)
-        valid = warp_valid_mask(matrix, size)
+        if np.array_equal(matrix, np.eye(3)):
+            warped, valid = self._reference, None  # a still camera: nothing to warp, nothing uncovered
+        else:
+            warped = warp_image(self._reference, matrix)
+            valid = warp_valid_mask(matrix, size)
         mask = change_mask(pixels, warped, self.cell, self.threshold, valid)
         fraction = mask.recompute_fraction
         if fraction > self.max_ratio:

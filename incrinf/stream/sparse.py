@@ -118,9 +118,9 @@ class _Window:
     block: tuple[int, int]
     op: Callable[[torch.Tensor], torch.Tensor]
     bands: dict[str, np.ndarray] = field(default_factory=dict)  # side -> outputs whose window reads padding there
+    own_after: tuple[int, int] = (0, 0)  # the node's own padding after the views (bottom, right)
+    cheap: bool = False  # depthwise conv or pool: run on the whole map rather than on gathered blocks
     table: _BlockTable | None = None  # read-in windows of all blocks, built lazily
-    full_index: torch.Tensor | None = None  # window gather of the whole map (dense runs), built lazily
-    full_pad: torch.Tensor | None = None
 
 
 @dataclass
@@ -504,16 +504,16 @@ class SparseExecutor:
         rows = frame_rows if win.source == input_name else buffers[win.source]
         th, tw = win.block
         gh, gw = -(-ho // th), -(-wo // tw)
-        padded = np.zeros((gh * th, gw * tw), bool)
-        padded[:ho, :wo] = mask
-        active = padded.reshape(gh, th, gw, tw).any(axis=(1, 3))
-        n_blocks = int(active.sum())
-        dense = n_blocks * th * tw >= _DENSE_RATIO * ho * wo
+        if win.cheap:
+            dense = True  # a depthwise conv or pool costs about one pass over its map: cheaper than gathering
+        else:
+            padded = np.zeros((gh * th, gw * tw), bool)
+            padded[:ho, :wo] = mask
+            active = padded.reshape(gh, th, gw, tw).any(axis=(1, 3))
+            n_blocks = int(active.sum())
+            dense = n_blocks * th * tw >= _DENSE_RATIO * ho * wo
         if dense:
-            if win.full_index is None:
-                win.full_index, win.full_pad = _window_index(win, np.zeros(1, np.int64), np.zeros(1, np.int64),
-                                                             (ho, wo), (hs, ws), self.device)
-            out = self._run_windows(win, rows, win.full_index, win.full_pad, 1, (ho, wo))
+            out = win.op(_padded_map(win, rows, hs, ws))
             stats.flops += step.flops
             stats.dense_nodes += 1
             if mask.mean() > _DENSE_RATIO:
@@ -720,6 +720,20 @@ def _grow(mask: np.ndarray, win: _Window, out_hw: tuple[int, int]) -> np.ndarray
     return out
 
 
+def _padded_map(win: _Window, rows: torch.Tensor, hs: int, ws: int) -> torch.Tensor:
+    """The source map (rows (hs*ws, C)) as (1, C, H, W) with the PAD views' and the node's own padding."""
+    x = from_rows(rows, 1, hs, ws)
+    top, bottom, left, right = win.view
+    if top or bottom or left or right:
+        x = F.pad(x, (left, right, top, bottom), value=win.view_value)
+    # the node's own padding sits outside the views: offset = own + view before; after = what the windows need
+    own_top, own_left = win.offset[0] - top, win.offset[1] - left
+    own_bottom, own_right = win.own_after
+    if own_top or own_left or own_bottom or own_right:
+        x = F.pad(x, (own_left, own_right, own_top, own_bottom), value=win.pad_value)
+    return x
+
+
 def _grow_dense_taps(mask: np.ndarray, win: _Window, out_hw: tuple[int, int]) -> np.ndarray:
     """:func:`_grow` for undilated kernels: one forward-looking dilation (OpenCV), then the strided samples."""
     (ho, wo), (kh, kw), (sy, sx), (oy, ox) = out_hw, win.extent, win.stride, win.offset
@@ -768,29 +782,6 @@ def _block_table(win: _Window, grid: tuple[int, int], source_hw: tuple[int, int]
     codes = np.where(inside, 0, np.where(in_view, 1, 2)).astype(np.int8).reshape(gh * gw, -1)
     index = np.where(inside, sy * ws + sx, 0).reshape(gh * gw, -1)
     return _BlockTable(torch.from_numpy(index).to(device), codes, (codes != 0).any(axis=1))
-
-
-def _window_index(win: _Window, y0: np.ndarray, x0: np.ndarray, block: tuple[int, int],
-                  source_hw: tuple[int, int], device: torch.device) -> tuple[torch.Tensor, list | None]:
-    """Source rows of every element of the read-in windows of output blocks at (y0, x0), and where the
-    windows fall on padding: ``(index (N*hr*wr,), [(rows on padding (K,), value), ...] or None)``."""
-    hs, ws = source_hw
-    hr = (block[0] - 1) * win.stride[0] + win.extent[0]
-    wr = (block[1] - 1) * win.stride[1] + win.extent[1]
-    sy = (y0 * win.stride[0] - win.offset[0])[:, None, None] + np.arange(hr)[None, :, None]
-    sx = (x0 * win.stride[1] - win.offset[1])[:, None, None] + np.arange(wr)[None, None, :]
-    sy, sx = np.broadcast_arrays(sy, sx)
-    inside = (sy >= 0) & (sy < hs) & (sx >= 0) & (sx < ws)
-    index = np.where(inside, sy * ws + sx, 0).reshape(-1)
-    pads = None
-    if not inside.all():
-        top, bottom, left, right = win.view
-        in_view = (sy >= -top) & (sy < hs + bottom) & (sx >= -left) & (sx < ws + right)
-        pads = []
-        for where, value in ((in_view & ~inside, win.view_value), (~in_view, win.pad_value)):
-            if where.any():
-                pads.append((torch.from_numpy(np.flatnonzero(where)).to(device), value))
-    return torch.from_numpy(index).to(device), pads
 
 
 # --- planning --------------------------------------------------------------------------------------------
@@ -1033,7 +1024,22 @@ def _describe_window(node: Node, graph: Graph, op: Callable, block: int | None) 
         block=size,
         op=op,
         bands=bands,
+        own_after=(g.pad_after[0], g.pad_after[1]),
+        cheap=_is_cheap(node, graph),
     )
+
+
+def _is_cheap(node: Node, graph: Graph) -> bool:
+    """Pools and depthwise convolutions: about one multiply-add per input element and tap."""
+    fx_node = node.fx_node
+    if "pool" in node.op.lower():
+        return True
+    in_channels = graph.by_name[node.inputs[0]].shape[1]
+    if fx_node.op == "call_module":
+        groups = getattr(fx_node.graph.owning_module.get_submodule(str(fx_node.target)), "groups", 1)
+    else:
+        groups = fx_node.args[6] if len(fx_node.args) > 6 else fx_node.kwargs.get("groups", 1)
+    return isinstance(groups, int) and groups == in_channels and groups > 1
 
 
 def _pad_value(pad: Node) -> float:
