@@ -125,8 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_explain)
 
+    from incrinf.stream import cli as stream_cli
     from incrinf.stream import serve_cli
 
+    stream_cli.register(sub)
     serve_cli.register(sub)
     return parser
 
