@@ -25,7 +25,6 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from incrinf.errors import CaptureError
 from incrinf.graph import capture, trace
 from incrinf.stream.change_mask import DEFAULT_CELL, DEFAULT_THRESHOLD, change_mask
 from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
@@ -362,10 +361,7 @@ class StreamSession:
     def _executor(self, shape: tuple[int, ...]) -> SparseExecutor:
         executor = self._executors.get(shape)
         if executor is None:
-            try:
-                graph = capture(self.model, shape)
-            except CaptureError:
-                raise
+            graph = capture(self.model, shape)  # CaptureError when the model fails at this size
             executor = SparseExecutor(graph, self.device, feature_threshold=self.feature_threshold,
                                       max_misalignment=self.max_misalignment)
             self._executors[shape] = executor

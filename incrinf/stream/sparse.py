@@ -2,27 +2,33 @@
 
 CacheInf (seeds/000): every tensor before the model's first global operator (the *local part*) depends only
 on a neighbourhood of the image. For a new frame, the previous frame's tensors are read through the
-frame-to-frame homography (an index map per feature resolution, one ``index_select`` per cached tensor) and
-only the positions that the changed pixels reach are recomputed:
+frame-to-frame homography (an index map per feature resolution, shared by every tensor of that resolution; one
+``index_select`` per cached tensor) and only the positions that the changed pixels reach are recomputed:
 
-- **row operators** (pointwise ops, 1x1 stride-1 convolutions) run on the packed rows of the changed positions
-  only, presented to the node's own module as a ``(1, C, n, 1)`` channels-last map;
-- **window operators** (k x k convolutions and pools, strided ops) grow the changed set by their kernel, cut
-  the output grid into ``T x T`` blocks, gather every active block's read-in window from the input's merged
-  map with one ``index_select`` and run the node's own operator with padding 0 on the batch of windows;
+- **row steps** (1x1 stride-1 convolutions with the batch norm after them folded in, pointwise ops) run on the
+  packed rows of the changed positions only (``F.linear`` for the convolutions);
+- **window steps** (k x k convolutions and pools, strided ops) grow the changed set by their kernel. Depthwise
+  convolutions and pools cost about one pass over their map, so they run on the whole merged map; dense
+  convolutions cut the output grid into ``T x T`` blocks, gather every active block's read-in window with one
+  ``index_select`` (index tables built once per node) and run with padding 0 on the batch of windows;
 - **merges** (residual adds, concatenations) work on the union of their inputs' changed sets, reading the
   positions an input did not change from its merged map;
+- once half of a *cut point* (a cached tensor through which everything later flows) has changed, the rest would
+  be recomputed nearly everywhere: it runs as one compiled module and its tensors become the new caches;
 - the rest of the model (global pooling, classifier) runs as usual on the merged maps at the *cache point*.
 
 Only the tensors read outside their own changed set are cached (inputs of window operators, merge inputs and
-the cache point); everything between them lives only as packed rows for the frame (the seed's halo fusion:
-row operators between two window operators need no cache, see :meth:`SparseExecutor.cache_memory`).
+the cache point): the row steps between two window operators are fused onto the first one's output and need
+no cache of their own (the seed's halo fusion); :meth:`SparseExecutor.cache_memory` reports the saving. Caches
+are updated in place while the frame runs, since later layers read the merged maps.
 
-Approximations, all opt-in or measured: cached values are moved by nearest-neighbour index maps (exact only
-for shifts that are whole positions at every resolution; a per-resolution *drift* field keeps the rounding
-error from accumulating over frames), pixels under the change threshold are reused stale, and an optional
-``feature_threshold`` drops recomputed positions whose new values differ from the cache by less than that
-fraction of the tensor's mean magnitude, so changes that fade out stop growing (CBinfer-style).
+Approximations, all measured (``benchmarks/stream.py``): cached values are moved by nearest-neighbour index
+maps, exact only for shifts that are whole positions at every resolution (a per-resolution *drift* field
+keeps the rounding from accumulating over frames, and positions misplaced by more than ``max_misalignment``
+are recomputed); pixels under the change threshold are reused stale; an optional ``feature_threshold`` drops
+recomputed positions whose new values differ from the cache by less than that fraction of the tensor's mean
+magnitude, so changes that fade out stop spreading (CBinfer-style). With identity motion, every changed pixel
+marked and ``feature_threshold=0`` the output equals full inference to float tolerance.
 """
 
 from __future__ import annotations
@@ -1142,7 +1148,3 @@ def _tail_module(gm: torch.fx.GraphModule, graph: Graph, plan: _Plan) -> torch.f
     module.recompile()
     return module
 
-
-def full_inference_module(model: nn.Module) -> nn.Module:
-    """The model in the executor's layout (channels-last), for side-by-side timing of full inference."""
-    return copy.deepcopy(model).to(memory_format=torch.channels_last).eval()
