@@ -1,0 +1,289 @@
+"""Approximate occlusion: projective field thresholding (tau, tuned by a target SSIM) and adaptive drill-down.
+
+:func:`occlusion` has the exact front end's signature plus ``drill_down``, ``target_ssim``, ``profile`` and
+``measure_quality``. Without them (and with tau = 1) it *is* the exact path: the call is forwarded
+unchanged. Every approximate result reports its error: the SSIM and absolute errors against the exact heat
+map with ``measure_quality=True``, otherwise the errors measured on a small sample of cells recomputed
+exactly (:data:`ERROR_SAMPLE_CELLS`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from incrinf.analysis import occlusion_grid
+from incrinf.explain.drilldown import (
+    DrillDown,
+    coincident_cells,
+    drill_down_speedup,
+    grid_shape,
+    select_cells,
+    upsample,
+)
+from incrinf.explain.occlusion import (
+    OcclusionResult,
+    _batch_size,
+    _check_target,
+    _score,
+    _warn_if_no_reuse,
+)
+from incrinf.explain.occlusion import occlusion as exact_occlusion
+from incrinf.explain.runner import OcclusionRunner, RunStats
+from incrinf.explain.tuning import TuningProfile, _check_target_ssim, heatmap_ssim
+from incrinf.validation import check_image, check_patch, check_stride, check_tau, parse_bytes
+
+# Cells recomputed exactly to measure an approximate map's error when the full exact map is not asked for:
+# a few dozen cells cost well under 2% of a 224-pixel, stride-4 grid.
+ERROR_SAMPLE_CELLS = 16
+
+
+def occlusion(
+    model: nn.Module,
+    image: torch.Tensor,
+    target: int | None = None,
+    patch: int | tuple[int, int] = 16,
+    stride: int | tuple[int, int] = 4,
+    baseline: float | torch.Tensor = 0.0,
+    batch_size: int | str = "auto",
+    max_memory: str | int = "2GiB",
+    output: str = "logit",
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    tau: float = 1.0,
+    drill_down: DrillDown | None = None,
+    target_ssim: float | None = None,
+    profile: TuningProfile | str | Path | None = None,
+    measure_quality: bool = False,
+) -> OcclusionResult:
+    """Occlusion heat map, exact or approximate (Krypton's projective field thresholding and drill-down).
+
+    With ``tau=1``, no ``drill_down`` and no ``target_ssim`` this is exactly
+    :func:`incrinf.explain.occlusion.occlusion` (same code path, bit-for-bit the same heat map).
+
+    Args:
+        model, image, target, patch, stride, baseline, batch_size, max_memory, output, device, progress:
+            as in the exact :func:`incrinf.explain.occlusion.occlusion`.
+        tau: projective field threshold in (0, 1]; below 1 is approximate (faster).
+        drill_down: a :class:`DrillDown`: stage one at the stride ``S1`` that its target speedup needs, stage
+            two at ``stride`` on its fraction of the grid with the largest stage-one drops.
+        target_ssim: wanted heat-map quality; tau is taken from ``profile`` (``profile.tau_for``). Cannot be
+            combined with an explicit ``tau`` below 1.
+        profile: a :class:`TuningProfile` or the path of one saved by ``incrinf tune`` / ``profile.save``.
+            Given alone, its tuned tau is used.
+        measure_quality: also compute the exact heat map and report the measured SSIM and errors against it
+            (costs one exact run).
+
+    Returns:
+        An :class:`OcclusionResult` with the full fine grid. ``fine`` marks the cells computed at ``stride``
+        (all without drill-down). ``stats`` adds ``tau``, ``tau_source``, ``approximate``,
+        ``stage_one_stride`` (``None`` without drill-down), drill-down counts and speedups, and the measured
+        error: ``ssim``, ``max_abs_error``, ``mean_abs_error`` (measure_quality) or ``sampled_cells``,
+        ``sampled_max_abs_error``, ``sampled_mean_abs_error``, ``error_check_seconds`` (otherwise, for
+        approximate maps).
+
+    Raises:
+        TypeError / ValueError: as the exact front end; bad drill-down, unreachable drill-down target
+            (the message gives the highest reachable speedup), ``target_ssim`` without a profile, a profile
+            tuned for another model, or ``target_ssim`` together with ``tau`` < 1.
+        FileNotFoundError: ``profile`` names no file.
+    """
+    tau, tau_info = _resolve_tau(tau, target_ssim, profile)
+    if drill_down is not None and not isinstance(drill_down, DrillDown):
+        raise TypeError(f"drill_down must be a DrillDown, got {type(drill_down).__name__}")
+    loaded = tau_info.pop("_profile", None)
+    if loaded is not None:
+        _check_profile(loaded, model, image, patch, stride, output)
+    common = {"target": target, "patch": patch, "stride": stride, "baseline": baseline, "batch_size": batch_size,
+              "max_memory": max_memory, "output": output, "device": device, "progress": progress}
+    if drill_down is None:
+        result = exact_occlusion(model, image, tau=tau, **common)
+        result.stats["stage_one_stride"] = None
+    else:
+        result = _drill_down(model, image, tau, drill_down, **common)
+    result.stats.update(tau_info)
+    approximate = tau < 1.0 or drill_down is not None
+    result.stats["approximate"] = approximate
+    if measure_quality:
+        _measure_quality(result, model, image, approximate, common)
+    elif approximate:
+        _sample_error(result, model, image, baseline, output, device)
+    return result
+
+
+# --- tau from arguments or a profile ---------------------------------------------------------------------
+
+
+def _resolve_tau(tau: Any, target_ssim: float | None, profile: TuningProfile | str | Path | None
+                 ) -> tuple[float, dict[str, Any]]:
+    tau = check_tau(tau)
+    if profile is None and target_ssim is None:
+        return tau, {"tau": tau, "tau_source": "argument"}
+    if profile is None:
+        raise ValueError("target_ssim needs a tuning profile (profile=...): run incrinf.tune(model, images) "
+                         "or `incrinf tune` first")
+    if not isinstance(profile, TuningProfile):
+        if not isinstance(profile, (str, Path)):
+            raise TypeError(f"profile must be a TuningProfile or a path, got {type(profile).__name__}")
+        profile = TuningProfile.load(profile)
+    if tau < 1.0:
+        raise ValueError(f"give either tau ({tau:g}) or target_ssim/profile, not both")
+    target = profile.target_ssim if target_ssim is None else _check_target_ssim(target_ssim)
+    chosen = profile.tau_for(target)
+    return chosen, {"tau": chosen, "tau_source": "profile", "target_ssim": target,
+                    "predicted_ssim": profile.predict(chosen) if chosen < 1.0 else 1.0, "_profile": profile}
+
+
+def _check_profile(profile: TuningProfile, model: nn.Module, image: torch.Tensor, patch: Any, stride: Any,
+                   output: str) -> None:
+    """A profile from another architecture (graph signature: structure and input shape, not weights) is an
+    error; other sizes or settings only weaken the prediction (a warning)."""
+    from incrinf.plan import captured_graph
+
+    image = check_image(image)
+    shape = [int(s) for s in image.shape]
+    if shape == list(profile.input_shape):
+        signature = captured_graph(model, tuple(shape)).signature
+        if profile.signature and signature != profile.signature:
+            raise ValueError(f"the tuning profile was made for another model ({profile.model}); tune this one "
+                             "with incrinf.tune")
+    differences = []
+    if shape != list(profile.input_shape):
+        differences.append(f"input {shape[-2]}x{shape[-1]} (tuned at "
+                           f"{profile.input_shape[-2]}x{profile.input_shape[-1]})")
+    hw = (shape[-2], shape[-1])
+    if list(check_patch(patch, hw)) != list(profile.patch):
+        differences.append(f"patch {patch} (tuned with {profile.patch})")
+    if list(check_stride(stride)) != list(profile.stride):
+        differences.append(f"stride {stride} (tuned with {profile.stride})")
+    if output != profile.output:
+        differences.append(f"output {output!r} (tuned with {profile.output!r})")
+    if differences:
+        warnings.warn("the tuning profile was made with other settings: " + ", ".join(differences) +
+                      "; the SSIM it predicts may not hold", stacklevel=3)
+
+
+# --- drill-down ------------------------------------------------------------------------------------------
+
+
+def _drill_down(model: nn.Module, image: torch.Tensor, tau: float, drill: DrillDown, target: int | None,
+                patch: Any, stride: Any, baseline: Any, batch_size: Any, max_memory: Any, output: str,
+                device: Any, progress: bool) -> OcclusionResult:
+    image = check_image(image)
+    if device is not None:
+        image = image.to(device)
+        model = model.to(device)
+    hw = (image.shape[-2], image.shape[-1])
+    patch_hw = check_patch(patch, hw)
+    stride_hw = check_stride(stride)
+    if output not in ("logit", "prob"):
+        raise ValueError(f"output must be 'logit' or 'prob', got {output!r}")
+    budget = parse_bytes(max_memory)
+    s1 = drill.stage_one_stride(stride_hw, hw)
+    runner = OcclusionRunner(model, image, tau=tau)
+    _warn_if_no_reuse(runner)
+    base = _score(runner.base_output, output)[0]
+    target = _check_target(target, base)
+    bs = _batch_size(batch_size, runner, patch_hw, budget, tau)
+    start = time.perf_counter()
+
+    coarse_pos = occlusion_grid(hw, patch_hw, s1)
+    out1, stats1 = runner.run(coarse_pos, patch_hw, baseline, batch_size=bs, progress=progress,
+                              desc=f"drill-down stage 1 ({s1[0]}x{s1[1]})")
+    coarse = (base[target] - _score(out1, output)[:, target]).cpu().numpy()
+    coarse = coarse.reshape(grid_shape(hw, patch_hw, s1))
+
+    fine_pos = occlusion_grid(hw, patch_hw, stride_hw)
+    rows, cols = grid_shape(hw, patch_hw, stride_hw)
+    heat = upsample(coarse, coarse_pos, fine_pos, hw, patch_hw).reshape(-1)
+    repeat = coincident_cells(coarse_pos, fine_pos)
+    already = repeat >= 0
+    heat[already] = coarse.reshape(-1)[repeat[already]]  # the same query: take its value, do not rerun
+    chosen = select_cells(heat.reshape(rows, cols), drill.fraction).reshape(-1)
+    to_run = np.flatnonzero(chosen & ~already)
+    stats2 = RunStats(tau=tau)
+    if len(to_run):
+        out2, stats2 = runner.run(fine_pos[to_run], patch_hw, baseline, batch_size=bs, progress=progress,
+                                  desc=f"drill-down stage 2 ({stride_hw[0]}x{stride_hw[1]})")
+        heat[to_run] = (base[target] - _score(out2, output)[:, target]).cpu().numpy()
+    fine = (chosen | already).reshape(rows, cols)
+    stats = _drill_stats(stats1, stats2, len(fine_pos), s1, stride_hw, drill, time.perf_counter() - start, bs)
+    stats["fine_fraction"] = float(fine.mean())
+    return OcclusionResult(heat.reshape(rows, cols), fine_pos, target, patch_hw, stride_hw, hw, stats, fine)
+
+
+def _drill_stats(one: RunStats, two: RunStats, n_fine: int, s1: tuple[int, int], s2: tuple[int, int],
+                 drill: DrillDown, seconds: float, batch_size: int) -> dict[str, Any]:
+    """Both stages' counts, and speedups over naive re-inference of the full fine grid."""
+    full = one.flops_full
+    incr = sum(s.positions * full / s.theoretical_speedup for s in (one, two) if s.positions)
+    realized = sum(s.positions * full / s.realized_flop_ratio for s in (one, two) if s.positions)
+    run = one.positions + two.positions
+    return {
+        "positions": run,
+        "batches": one.batches + two.batches,
+        "batch_size": batch_size,
+        "seconds": seconds,
+        "seconds_per_position": seconds / max(run, 1),
+        "flops_full": full,
+        # FLOPs of naive re-inference of every fine cell over the FLOPs actually planned
+        "theoretical_speedup": n_fine * full / max(incr, 1.0),
+        "realized_flop_ratio": n_fine * full / max(realized, 1.0),
+        "peak_memory_bytes": max(one.peak_memory_bytes, two.peak_memory_bytes),
+        "tau": one.tau,
+        "stage_one_stride": s1,
+        "stage_two_stride": s2,
+        "stage_one_positions": one.positions,
+        "stage_two_positions": two.positions,
+        "fine_positions": n_fine,
+        "drill_down_fraction": drill.fraction,
+        "drill_down_target_speedup": drill.target_speedup,
+        "drill_down_speedup": drill_down_speedup(s1, s2, drill.fraction),  # the seed's formula
+        "query_speedup": n_fine / max(run, 1),  # counted queries
+        "incremental_speedup_stage_one": one.theoretical_speedup,
+        "incremental_speedup_stage_two": two.theoretical_speedup if two.positions else None,
+    }
+
+
+# --- measured error --------------------------------------------------------------------------------------
+
+
+def _measure_quality(result: OcclusionResult, model: nn.Module, image: torch.Tensor, approximate: bool,
+                     common: dict[str, Any]) -> None:
+    if not approximate:  # the exact path: nothing to compare with but itself
+        result.stats.update(ssim=1.0, max_abs_error=0.0, mean_abs_error=0.0, exact_seconds=0.0)
+        return
+    options = dict(common, target=result.target, progress=False)
+    start = time.perf_counter()
+    exact = exact_occlusion(model, image, tau=1.0, **options)
+    err = np.abs(result.heatmap - exact.heatmap)
+    result.stats.update(ssim=heatmap_ssim(exact.heatmap, result.heatmap), max_abs_error=float(err.max()),
+                        mean_abs_error=float(err.mean()), exact_seconds=time.perf_counter() - start,
+                        exact_heatmap_range=float(exact.heatmap.max() - exact.heatmap.min()))
+
+
+def _sample_error(result: OcclusionResult, model: nn.Module, image: torch.Tensor, baseline: Any, output: str,
+                  device: Any) -> None:
+    """Recompute a few evenly spread cells exactly (tau = 1) and report the approximation's error there."""
+    start = time.perf_counter()
+    image = check_image(image)
+    if device is not None:
+        image = image.to(device)
+    n = result.heatmap.size
+    cells = np.unique(np.linspace(0, n - 1, min(ERROR_SAMPLE_CELLS, n)).round().astype(np.int64))
+    runner = OcclusionRunner(model, image, tau=1.0)
+    base = _score(runner.base_output, output)[0]
+    out, _ = runner.run(result.positions[cells], result.patch, baseline, batch_size=len(cells))
+    exact = (base[result.target] - _score(out, output)[:, result.target]).cpu().numpy()
+    err = np.abs(result.heatmap.reshape(-1)[cells] - exact)
+    result.stats.update(sampled_cells=len(cells), sampled_max_abs_error=float(err.max()),
+                        sampled_mean_abs_error=float(err.mean()), error_check_seconds=time.perf_counter() - start)
+
+
+__all__ = ["DrillDown", "OcclusionResult", "occlusion"]
