@@ -78,25 +78,19 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
-def peak_rss_in_child(fn: Callable[[], Any]) -> int:
-    """Peak resident-memory growth of ``fn()`` run in a forked child (so the parent's allocator caches do not
-    hide it); both methods of a comparison are measured the same way. Returns 0 where fork is unavailable."""
-    if not hasattr(os, "fork"):
-        return 0
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(read)
-        try:
-            with PeakRSS() as mem:
-                fn()
-            os.write(write, str(mem.bytes).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    data = b""
-    while chunk := os.read(read, 64):
-        data += chunk
-    os.close(read)
-    os.waitpid(pid, 0)
-    return int(data or b"0")
+def peak_rss_in_child(fn: Callable[..., Any], *args: Any) -> int:
+    """Peak resident-memory growth of ``fn(*args)`` run in a fresh spawned process (so this process's
+    allocator caches do not hide it, and OpenMP is not forked); both methods of a comparison are measured the
+    same way. ``fn`` must be a module-level function."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return int(pool.apply(_measure, (fn, *args)))
+
+
+def _measure(fn: Callable[..., Any], *args: Any) -> int:
+    fn(*args, warm=True)  # load the model and image outside the measured window
+    with PeakRSS() as mem:
+        fn(*args)
+    return mem.bytes
