@@ -73,15 +73,17 @@ def _read_image(path: str | None) -> np.ndarray:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from incrinf import models
-    from incrinf.explain.occlusion import occlusion
+    from incrinf.explain import approx
+    from incrinf.explain.cli_approx import apply_explain_options, describe_approximation
 
+    options = apply_explain_options(args)
     image = _read_image(args.image)
     model = models.load(args.model, args.weights)
     x = models.preprocess(image, args.model)
     start = time.perf_counter()
-    result = occlusion(model, x, target=args.target, patch=args.patch, stride=args.stride,
-                       batch_size=args.batch_size if args.batch_size else "auto", tau=args.tau,
-                       output=args.output, progress=not args.quiet)
+    result = approx.occlusion(model, x, target=args.target, patch=args.patch, stride=args.stride,
+                              batch_size=args.batch_size if args.batch_size else "auto",
+                              output=args.output, progress=not args.quiet, **options)
     elapsed = time.perf_counter() - start
     out = result.save(args.out, image=models.unnormalize(x, args.model),
                       title=f"{args.model}: class {result.target}")
@@ -93,6 +95,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     py, px = result.positions[y * result.heatmap.shape[1] + x_]
     print(f"largest drop {result.heatmap.max():.3f} at window y={py}..{py + result.patch[0]}, "
           f"x={px}..{px + result.patch[1]}")
+    print(describe_approximation(s))
     print(f"heat map written to {out}")
     return 0
 
@@ -118,12 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patch", type=_positive_int, default=16)
     p.add_argument("--stride", type=_positive_int, default=4)
     p.add_argument("--target", type=int, help="class to explain (default: predicted)")
-    p.add_argument("--tau", type=float, default=1.0, help="projective field threshold (1 = exact)")
     p.add_argument("--output", choices=["logit", "prob"], default="prob")
     p.add_argument("--batch-size", type=_positive_int)
     p.add_argument("--out", default="heatmap.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_explain)
+    from incrinf.explain import cli_approx
+
+    cli_approx.add_explain_options(p)
+    cli_approx.register(sub)
 
     from incrinf.stream import cli as stream_cli
     from incrinf.stream import serve_cli

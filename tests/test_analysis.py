@@ -16,7 +16,8 @@ def test_theoretical_speedup_matches_krypton(name: str, size: int, expected: flo
     assert report.flops_full > report.flops_incremental > 0
 
 
-@pytest.mark.parametrize("name,size,expected", [("vgg16", 224, 11.4), ("resnet18", 224, 7.7), ("inception_v3", 299, 8.5)])
+@pytest.mark.parametrize("name,size,expected",
+                         [("vgg16", 224, 11.4), ("resnet18", 224, 7.7), ("inception_v3", 299, 8.5)])
 def test_tau_04_matches_krypton(name: str, size: int, expected: float) -> None:
     report = analyze(zoo_model(name), (3, size, size), 16, tau=0.4)
     assert report.theoretical_speedup == pytest.approx(expected, rel=0.15)
