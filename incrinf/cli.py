@@ -5,28 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-
-def _input_shape(text: str) -> tuple[int, ...]:
-    from incrinf.graph import parse_input_shape
-
-    try:
-        return parse_input_shape(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from incrinf.cli_args import input_shape as _input_shape
+from incrinf.cli_args import positive_int as _positive_int
 
 
 def _model_name(text: str) -> str:
@@ -50,25 +33,14 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 def _read_image(path: str | None) -> np.ndarray:
     from incrinf import models
+    from incrinf.cli_args import read_rgb
 
     if path is None:
         return models.sample_image()
-    import skimage.io
-
-    if not Path(path).is_file():
-        raise SystemExit(f"incrinf explain: image not found: {path}")
     try:
-        image = skimage.io.imread(path)
-    except Exception as exc:
-        raise SystemExit(f"incrinf explain: cannot read image {path}: {exc}") from None
-    if image.ndim == 2:
-        image = np.stack([image] * 3, axis=-1)
-    if image.ndim != 3 or image.shape[2] not in (3, 4):
-        raise SystemExit(f"incrinf explain: {path} is not an RGB image (shape {image.shape})")
-    image = image[..., :3]
-    if image.dtype != np.uint8:
-        image = (255 * (image.astype(np.float64) / max(float(image.max()), 1e-12))).astype(np.uint8)
-    return image
+        return read_rgb(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"incrinf explain: {exc}") from None
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

@@ -108,22 +108,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _read_rgb(path: str) -> np.ndarray:
-    import skimage.io
+    from incrinf.cli_args import read_rgb
 
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"image not found: {path}")
-    try:
-        image = skimage.io.imread(path)
-    except Exception as exc:
-        raise ValueError(f"cannot read image {path}: {exc}") from None
-    if image.ndim == 2:
-        image = np.stack([image] * 3, axis=-1)
-    if image.ndim != 3 or image.shape[2] not in (3, 4):
-        raise ValueError(f"{path} is not an RGB image (shape {image.shape})")
-    image = image[..., :3]
-    if image.dtype != np.uint8:
-        image = (255 * (image.astype(np.float64) / max(float(image.max()), 1e-12))).astype(np.uint8)
-    return image
+    return read_rgb(path)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

@@ -11,18 +11,10 @@ import statistics
 import time
 from pathlib import Path
 
+from incrinf.cli_args import positive_int as _positive_int
+
 _CSV_FIELDS = ("index", "mode", "reason", "homography_found", "recompute_fraction", "flops_ratio", "seconds",
                "full_seconds", "top1", "full_top1", "relative_error")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _non_negative(text: str) -> float:

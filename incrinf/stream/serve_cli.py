@@ -11,24 +11,8 @@ import os
 import signal
 import sys
 
-
-def _input_shape(text: str) -> tuple[int, ...]:
-    from incrinf.graph import parse_input_shape
-
-    try:
-        return parse_input_shape(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from incrinf.cli_args import input_shape as _input_shape
+from incrinf.cli_args import positive_int as _positive_int
 
 
 def _port(text: str) -> int:

@@ -1,0 +1,53 @@
+"""Argument types and input readers shared by every ``incrinf`` subcommand."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def input_shape(text: str) -> tuple[int, ...]:
+    """argparse type: ``CxHxW``."""
+    from incrinf.graph import parse_input_shape
+
+    try:
+        return parse_input_shape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def read_rgb(path: str) -> np.ndarray:
+    """An image file as HxWx3 uint8 RGB (grey is replicated, alpha dropped).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: unreadable or not an image.
+    """
+    import skimage.io
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"image not found: {path}")
+    try:
+        image = skimage.io.imread(path)
+    except Exception as exc:
+        raise ValueError(f"cannot read image {path}: {exc}") from None
+    if image.ndim == 2:
+        image = np.stack([image] * 3, axis=-1)
+    if image.ndim != 3 or image.shape[2] not in (3, 4):
+        raise ValueError(f"{path} is not an RGB image (shape {image.shape})")
+    image = image[..., :3]
+    if image.dtype != np.uint8:
+        image = (255 * (image.astype(np.float64) / max(float(image.max()), 1e-12))).astype(np.uint8)
+    return image
