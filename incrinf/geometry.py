@@ -128,14 +128,17 @@ def local_axis(
         size = size - shrink
         out_size = np.minimum(_ceil_div(size + kernel - 1, stride), out_dim)
     lo = np.maximum(_ceil_div(start + pad - kernel + 1, stride), 0)
-    if uniform:
-        out_size = np.full_like(out_size, out_size.max())
-        lo = np.minimum(lo, out_dim - out_size)
-    else:
+    if not uniform or tau >= 1.0:
         # the exact reach: fewer outputs at the edges (corners cost less than the centre)
         hi = np.minimum((start + size - 1 + pad) // stride, out_dim - 1)
         lo = np.minimum(lo, hi)
         out_size = np.maximum(hi - lo + 1, 1)
+    if uniform:
+        # one size for the batch, boxes shifted inwards at the far edge (seed 002). Exact runs take the
+        # largest exact reach (each box still contains its own), so a batch of edge positions keeps the
+        # edges' saving; truncated runs (tau < 1) keep the seed's size, which their crops are defined on.
+        out_size = np.full_like(out_size, out_size.max())
+        lo = np.minimum(lo, out_dim - out_size)
     return lo, out_size, crop, start, size
 
 

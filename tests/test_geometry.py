@@ -131,9 +131,14 @@ def test_krypton_equations_centre_and_edges() -> None:
     # 3x3 conv, stride 1, pad 1 on a 10-wide map: a 2-wide box at 4 grows to 4 wide starting at 3
     start, size, *_ = local_axis(np.array([4]), np.array([2]), 3, 1, 1, 10, 10)
     assert (start[0], size[0]) == (3, 4)
-    # at the far edge the uniform box is shifted inwards (seed's edge adjustment)
+    # boxes at the edges reach fewer outputs (3: padding reads nothing new) ...
     start, size, *_ = local_axis(np.array([0, 8]), np.array([2, 2]), 3, 1, 1, 10, 10)
-    assert list(size) == [4, 4] and list(start) == [0, 6]
+    assert list(size) == [3, 3] and list(start) == [0, 7]
+    # ... and with a centre box in the batch they take its size, shifted inwards at the far edge
+    start, size, *_ = local_axis(np.array([4, 8]), np.array([2, 2]), 3, 1, 1, 10, 10)
+    assert list(size) == [4, 4] and list(start) == [3, 6]
+    start, size, *_ = local_axis(np.array([0, 8]), np.array([2, 2]), 3, 1, 1, 10, 10, uniform=False)
+    assert list(size) == [3, 3] and list(start) == [0, 7]
     # stride 2: ceil((2 + 3 - 1) / 2) = 2 outputs
     start, size, *_ = local_axis(np.array([4]), np.array([2]), 3, 2, 1, 10, 5)
     assert (start[0], size[0]) == (2, 2)
