@@ -336,3 +336,40 @@ def test_offload_arguments_delegate_to_the_offloading_session(zoo):
     session = StreamSession(zoo["mobilenet_v2"], policy="local_cached", input_size=(64, 64))
     assert type(session).__name__ == "OffloadingSession"
     assert type(StreamSession(zoo["mobilenet_v2"])) is StreamSession
+
+
+class _CountingEstimator:
+    """Wraps a HomographyEstimator and counts keypoint detections."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.detections = inner, 0
+
+    def detect(self, frame):
+        self.detections += 1
+        return self.inner.detect(frame)
+
+    def match(self, prev, curr):
+        return self.inner.match(prev, curr)
+
+
+def test_still_camera_skips_keypoint_matching(zoo, photo):
+    model = zoo["mobilenet_v2"]
+    frame = _crop(photo, 40, 60)
+    changed = frame.copy()
+    changed[30:42, 50:62] = 255 - changed[30:42, 50:62]  # a local change on a still background
+    moved = _crop(photo, 46, 72)  # the camera moved: most cells change under the identity
+    gated, always = StreamSession(model), StreamSession(model, still_fraction=0.0)
+    for session in (gated, always):
+        session._estimator = _CountingEstimator(session._estimator)
+    for image in (frame, frame, changed, moved):
+        out_gated, out_always = gated(image), always(image)
+        _assert_close(out_gated, out_always)
+    # the gate accepted the still frames without detecting keypoints; the moved one was matched
+    assert [s.mode for s in gated.stats] == ["full", "cached", "cached", "cached"]
+    assert [s.n_matches > 0 for s in gated.stats] == [False, False, False, True]
+    assert gated._estimator.detections == 2  # the moved frame and, lazily, the frame before it
+    assert always._estimator.detections == 4  # every frame once (the first lazily)
+    assert gated.stats[2].recompute_fraction > 0 and np.array_equal(gated.stats[2].homography, np.eye(3))
+    assert gated.stats[3].recompute_fraction > gated.still_fraction
+    with pytest.raises(ValueError, match="still_fraction"):
+        StreamSession(model, still_fraction=1.5)

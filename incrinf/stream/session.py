@@ -124,6 +124,9 @@ class StreamSession:
             back into pixels for matching (defaults: EfficientNet-Lite's 0.5, 0.5).
         matcher_options: extra :class:`HomographyEstimator` arguments (default ``{"refine": False,
             "max_features": 500}``: ECC refinement is more precise and costs about 10 ms per frame).
+        still_fraction: when the previous frame, unmoved, explains all but at most this fraction of the new
+            one (its change mask under the identity), the camera is taken as still and keypoint matching is
+            skipped (it costs about half an inference of a small frame); 0 always estimates the homography.
 
     Raises:
         CaptureError: the model cannot be traced.
@@ -159,6 +162,7 @@ class StreamSession:
         mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
         std: tuple[float, float, float] = (0.5, 0.5, 0.5),
         matcher_options: dict[str, Any] | None = None,
+        still_fraction: float = 0.25,
         *,
         offload: str | None = None,
         policy: str | None = None,
@@ -175,6 +179,8 @@ class StreamSession:
             raise ValueError(f"keyframe_interval must be a non-negative integer or None, got {keyframe_interval}")
         if not feature_threshold >= 0:
             raise ValueError(f"feature_threshold must be >= 0, got {feature_threshold}")
+        if not 0.0 <= still_fraction <= 1.0:
+            raise ValueError(f"still_fraction must be in [0, 1], got {still_fraction}")
         if not min_motion >= 0:
             raise ValueError(f"min_motion must be >= 0 pixels, got {min_motion}")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
@@ -197,6 +203,7 @@ class StreamSession:
         self.background_update = bool(background_update)
         self.feature_threshold = float(feature_threshold)
         self.min_motion = float(min_motion)
+        self.still_fraction = float(still_fraction)
         self.max_misalignment = float(max_misalignment)
         if not 0.0 <= self.max_misalignment <= 0.5:
             raise ValueError(f"max_misalignment must be in [0, 0.5] positions, got {max_misalignment}")
@@ -253,9 +260,8 @@ class StreamSession:
         matrix_given = self._check_homography(homography)
         self._join()
         executor = self._executor(tuple(x.shape))
-        features = self._estimator.detect(pixels) if matrix_given is None else None
-        reason, matrix, mask, warped, n_matches = self._decide(executor, x, pixels, raw_size, features,
-                                                               matrix_given)
+        reason, matrix, mask, warped, n_matches, features = self._decide(executor, x, pixels, raw_size,
+                                                                         matrix_given)
         try:
             if reason is None:
                 out = executor.cached(x, mask.pixel_mask, matrix)
@@ -291,26 +297,35 @@ class StreamSession:
     # --- steps -------------------------------------------------------------------------------------------
 
     def _decide(self, executor: SparseExecutor, x: torch.Tensor, pixels: np.ndarray, raw_size: tuple[int, int],
-                features: FrameFeatures | None, matrix_given: np.ndarray | None):
-        """``(reason or None for cached, homography, change mask, warped reference, n_matches)``; mutates
-        nothing."""
+                matrix_given: np.ndarray | None):
+        """``(reason or None for cached, homography, change mask, warped reference, n_matches, keypoints of
+        this frame or None)``; mutates nothing. Keypoints are detected only when a homography is estimated
+        (the previous frame's lazily, when it had none)."""
         if self._prev_pixels is None:
-            return "first frame", None, None, None, 0
+            return "first frame", None, None, None, 0, None
         if raw_size != self._raw_size or tuple(x.shape) != self._shape:
-            return "frame size changed", None, None, None, 0
+            return "frame size changed", None, None, None, 0, None
         if self._failed or not executor.has_cache:
-            return "previous frame failed", None, None, None, 0
+            return "previous frame failed", None, None, None, 0, None
         if self.keyframe_interval and self._index - self._last_full >= self.keyframe_interval:
-            return "keyframe", None, None, None, 0
+            return "keyframe", None, None, None, 0, None
         n_matches = 0
+        features = None
+        if matrix_given is None and self.still_fraction > 0:
+            # a still camera: the previous frame's reference explains all but a little of this one, and
+            # keypoint matching (about half a small frame's inference) would find the identity anyway
+            still = change_mask(pixels, self._reference, self.cell, self.threshold, None)
+            if still.recompute_fraction <= self.still_fraction:
+                return None, np.eye(3), still, self._reference, 0, None
         if matrix_given is not None:
             matrix = matrix_given
         else:
+            features = self._estimator.detect(pixels)
             prev = self._prev_features or self._estimator.detect(self._prev_pixels)
             result = self._estimator.match(prev, features)
             n_matches = result.n_matches
             if not result.ok:
-                return f"match failed: {result.reason}", None, None, None, n_matches
+                return f"match failed: {result.reason}", None, None, None, n_matches, features
             matrix = result.matrix
         size = pixels.shape[:2]
         if corner_distance(matrix, np.eye(3), size) < self.min_motion:
@@ -323,8 +338,9 @@ class StreamSession:
         mask = change_mask(pixels, warped, self.cell, self.threshold, valid)
         fraction = mask.recompute_fraction
         if fraction > self.max_ratio:
-            return f"changed fraction {fraction:.2f} > max_ratio {self.max_ratio:g}", matrix, mask, None, n_matches
-        return None, matrix, mask, warped, n_matches
+            return (f"changed fraction {fraction:.2f} > max_ratio {self.max_ratio:g}", matrix, mask, None, n_matches,
+                    features)
+        return None, matrix, mask, warped, n_matches, features
 
     def _commit(self, reason: str | None, pixels: np.ndarray, raw_size: tuple[int, int], shape: tuple[int, ...],
                 features: FrameFeatures | None, mask, warped: np.ndarray | None) -> None:
