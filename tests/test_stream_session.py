@@ -356,7 +356,8 @@ def test_still_camera_skips_keypoint_matching(zoo, photo):
     model = zoo["mobilenet_v2"]
     frame = _crop(photo, 40, 60)
     changed = frame.copy()
-    changed[30:42, 50:62] = 255 - changed[30:42, 50:62]  # a local change on a still background
+    # a local change on a still background (the phase-correlation peak stays clear)
+    changed[30:42, 50:62] = np.clip(changed[30:42, 50:62].astype(int) + 60, 0, 255)
     moved = _crop(photo, 46, 72)  # the camera moved: most cells change under the identity
     gated, always = StreamSession(model), StreamSession(model, still_fraction=0.0)
     for session in (gated, always):

@@ -12,6 +12,7 @@ cache) on the first frame, a failed match, a frame size change, too large a chan
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_d
 from incrinf.stream.sparse import CacheMemory, SparseExecutor
 from incrinf.stream.warp import warp_image, warp_valid_mask
 
+# Phase-correlation peak (1 for identical frames) below which a frame is not taken as a still camera.
+_STILL_RESPONSE = 0.8
 _MIN_SIDE = 64  # frames smaller than this are upscaled: a CNN's deep maps would vanish
 _LOCAL_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
 _LOCAL_FUNCTIONS = {torch.nn.functional.conv2d, torch.conv2d, torch.nn.functional.max_pool2d,
@@ -124,9 +127,10 @@ class StreamSession:
             back into pixels for matching (defaults: EfficientNet-Lite's 0.5, 0.5).
         matcher_options: extra :class:`HomographyEstimator` arguments (default ``{"refine": False,
             "max_features": 500}``: ECC refinement is more precise and costs about 10 ms per frame).
-        still_fraction: when the previous frame, unmoved, explains all but at most this fraction of the new
-            one (its change mask under the identity), the camera is taken as still and keypoint matching is
-            skipped (it costs about half an inference of a small frame); 0 always estimates the homography.
+        still_fraction: when phase correlation with the previous frame finds a clear global shift below
+            ``min_motion / 2`` and the unmoved previous frame explains all but at most this fraction of the
+            new one (its change mask under the identity), the camera is taken as still and keypoint matching
+            is skipped (it costs about half an inference of a small frame); 0 always estimates the homography.
 
     Raises:
         CaptureError: the model cannot be traced.
@@ -311,9 +315,8 @@ class StreamSession:
             return "keyframe", None, None, None, 0, None
         n_matches = 0
         features = None
-        if matrix_given is None and self.still_fraction > 0:
-            # a still camera: the previous frame's reference explains all but a little of this one, and
-            # keypoint matching (about half a small frame's inference) would find the identity anyway
+        if matrix_given is None and self.still_fraction > 0 and self._looks_still(pixels):
+            # a still camera: keypoint matching (about half a small frame's inference) would find the identity
             still = change_mask(pixels, self._reference, self.cell, self.threshold, None)
             if still.recompute_fraction <= self.still_fraction:
                 return None, np.eye(3), still, self._reference, 0, None
@@ -342,6 +345,21 @@ class StreamSession:
                     features)
         return None, matrix, mask, warped, n_matches, features
 
+    def _looks_still(self, pixels: np.ndarray) -> bool:
+        """Whether phase correlation with the previous frame finds a clear, sub-``min_motion`` global shift.
+
+        A weak correlation peak (a panning camera over repetitive texture, a zoom, a scene cut) is not taken
+        as stillness: a low change fraction alone is not enough, since smooth regions hide real motion."""
+        gray = cv2.cvtColor(pixels, cv2.COLOR_RGB2GRAY).astype(np.float32)
+        prev = self._prev_gray
+        if prev is None or prev.shape != gray.shape:
+            prev = cv2.cvtColor(self._prev_pixels, cv2.COLOR_RGB2GRAY).astype(np.float32)
+        if self._window is None or self._window.shape != gray.shape:
+            self._window = cv2.createHanningWindow((gray.shape[1], gray.shape[0]), cv2.CV_32F)
+        (dx, dy), response = cv2.phaseCorrelate(prev, gray, self._window)
+        self._gray = gray
+        return response >= _STILL_RESPONSE and math.hypot(dx, dy) < max(self.min_motion / 2, 0.5)
+
     def _commit(self, reason: str | None, pixels: np.ndarray, raw_size: tuple[int, int], shape: tuple[int, ...],
                 features: FrameFeatures | None, mask, warped: np.ndarray | None) -> None:
         """The frame succeeded: it becomes the previous frame."""
@@ -355,6 +373,7 @@ class StreamSession:
                 if other_shape != shape:
                     executor.reset()  # another frame size: free its cache
         self._prev_pixels = pixels
+        self._prev_gray, self._gray = self._gray, None
         self._prev_features = features
         self._raw_size = raw_size
         self._shape = shape
@@ -363,6 +382,9 @@ class StreamSession:
     def _reset_stream(self) -> None:
         self._prev_pixels: np.ndarray | None = None
         self._prev_features: FrameFeatures | None = None
+        self._prev_gray: np.ndarray | None = None  # grey levels for the still-camera test
+        self._gray: np.ndarray | None = None
+        self._window: np.ndarray | None = None
         self._reference: np.ndarray | None = None
         self._raw_size: tuple[int, int] | None = None
         self._shape: tuple[int, ...] | None = None
