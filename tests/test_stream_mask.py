@@ -171,3 +171,17 @@ def test_boxes_tile_the_changed_cells_exactly(rows):
         cover[r0:r1, c0:c1] += 1
     np.testing.assert_array_equal(cover, cells.astype(int))  # covers every changed cell once, nothing else
     assert len(merge_cell_boxes(cells)) <= int(cells.sum())
+
+
+@settings(max_examples=40, deadline=None)
+@given(h=st.integers(1, 70), w=st.integers(1, 70), cell=st.integers(1, 20), threshold=st.integers(0, 80),
+       gray=st.booleans(), seed=st.integers(0, 2**16))
+def test_uint8_fast_path_equals_float_path(h, w, cell, threshold, gray, seed):
+    rng = np.random.default_rng(seed)
+    shape = (h, w) if gray else (h, w, 3)
+    curr = rng.integers(0, 256, shape, dtype=np.uint8)
+    prev = np.where(rng.random(shape) < 0.7, curr, rng.integers(0, 256, shape, dtype=np.uint8)).astype(np.uint8)
+    fast = change_mask(curr, prev, cell=cell, threshold=threshold)
+    slow = change_mask(curr.astype(np.float64), prev.astype(np.float64), cell=cell, threshold=threshold)
+    np.testing.assert_array_equal(fast.cells, slow.cells)
+    np.testing.assert_allclose(fast.cell_diff, slow.cell_diff, rtol=1e-6)

@@ -374,3 +374,30 @@ def test_still_camera_skips_keypoint_matching(zoo, photo):
     assert gated.stats[3].recompute_fraction > gated.still_fraction
     with pytest.raises(ValueError, match="still_fraction"):
         StreamSession(model, still_fraction=1.5)
+
+
+def test_back_off_after_frames_that_cannot_use_the_cache(zoo, photo):
+    model = zoo["mobilenet_v2"]
+    session = StreamSession(model, keyframe_interval=None, max_backoff=4)
+    session._estimator = _CountingEstimator(session._estimator)
+    rng = np.random.default_rng(1)
+    noise = [rng.integers(0, 256, (H, W, 3), dtype=np.uint8) for _ in range(12)]  # nothing to match
+    frame = _crop(photo, 40, 60)
+    reasons = []
+    for image in [frame, *noise, frame, frame, frame, frame]:
+        out = session(image)
+        reasons.append(session.stats[-1].reason.split(":")[0])
+        _assert_close(out, _full(model, image))
+    # three misses, 2 frames off, a probe (miss), 4 off (the cap), a probe (miss), 4 off ... then recovery
+    assert reasons[:13] == ["first frame", *["match failed"] * 3, *["backing off"] * 2, "match failed",
+                            *["backing off"] * 4, "match failed", "backing off"]
+    assert reasons[13:] == ["backing off", "backing off", "backing off", "ok"]  # the probe reuses the cache
+    assert session.stats[-1].mode == "cached" and session._skip == session._backoff == 0
+    detections = session._estimator.detections
+    assert detections < 2 * 6  # no keypoints were detected on the frames run without trying
+    never = StreamSession(model, keyframe_interval=None, max_backoff=0)
+    for image in [frame, *noise[:5]]:
+        never(image)
+    assert all(s.reason.startswith("match failed") for s in never.stats[1:])
+    with pytest.raises(ValueError, match="max_backoff"):
+        StreamSession(model, max_backoff=-1)

@@ -34,6 +34,9 @@ from incrinf.stream.warp import warp_image, warp_valid_mask
 
 # Phase-correlation peak (1 for identical frames) below which a frame is not taken as a still camera.
 _STILL_RESPONSE = 0.8
+# Frames that tried the cache in vain; this many in a row start a back-off (see max_backoff).
+_MISSES = ("match failed", "cache unusable")
+_BACKOFF_AFTER = 3
 _MIN_SIDE = 64  # frames smaller than this are upscaled: a CNN's deep maps would vanish
 _LOCAL_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
 _LOCAL_FUNCTIONS = {torch.nn.functional.conv2d, torch.conv2d, torch.nn.functional.max_pool2d,
@@ -131,6 +134,10 @@ class StreamSession:
             ``min_motion / 2`` and the unmoved previous frame explains all but at most this fraction of the
             new one (its change mask under the identity), the camera is taken as still and keypoint matching
             is skipped (it costs about half an inference of a small frame); 0 always estimates the homography.
+        max_backoff: after 3 frames in a row that could not use the cache (failed match, too much change,
+            cache misaligned by the motion), run the next frames fully without matching, 2, 4, ... up to this
+            many before trying again, so a constantly moving camera costs about plain inference instead of
+            matching for nothing (0: try every frame).
 
     Raises:
         CaptureError: the model cannot be traced.
@@ -167,6 +174,7 @@ class StreamSession:
         std: tuple[float, float, float] = (0.5, 0.5, 0.5),
         matcher_options: dict[str, Any] | None = None,
         still_fraction: float = 0.25,
+        max_backoff: int = 16,
         *,
         offload: str | None = None,
         policy: str | None = None,
@@ -185,6 +193,8 @@ class StreamSession:
             raise ValueError(f"feature_threshold must be >= 0, got {feature_threshold}")
         if not 0.0 <= still_fraction <= 1.0:
             raise ValueError(f"still_fraction must be in [0, 1], got {still_fraction}")
+        if int(max_backoff) != max_backoff or max_backoff < 0:
+            raise ValueError(f"max_backoff must be a non-negative integer, got {max_backoff}")
         if not min_motion >= 0:
             raise ValueError(f"min_motion must be >= 0 pixels, got {min_motion}")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
@@ -208,6 +218,7 @@ class StreamSession:
         self.feature_threshold = float(feature_threshold)
         self.min_motion = float(min_motion)
         self.still_fraction = float(still_fraction)
+        self.max_backoff = int(max_backoff)
         self.max_misalignment = float(max_misalignment)
         if not 0.0 <= self.max_misalignment <= 0.5:
             raise ValueError(f"max_misalignment must be in [0, 0.5] positions, got {max_misalignment}")
@@ -313,6 +324,8 @@ class StreamSession:
             return "previous frame failed", None, None, None, 0, None
         if self.keyframe_interval and self._index - self._last_full >= self.keyframe_interval:
             return "keyframe", None, None, None, 0, None
+        if self._skip > 0:
+            return f"backing off: {self._misses} frames in a row could not use the cache", None, None, None, 0, None
         n_matches = 0
         features = None
         if matrix_given is None and self.still_fraction > 0 and self._looks_still(pixels):
@@ -372,12 +385,25 @@ class StreamSession:
             for other_shape, executor in self._executors.items():
                 if other_shape != shape:
                     executor.reset()  # another frame size: free its cache
+        self._count_miss(reason)
         self._prev_pixels = pixels
         self._prev_gray, self._gray = self._gray, None
         self._prev_features = features
         self._raw_size = raw_size
         self._shape = shape
         self._failed = False
+
+    def _count_miss(self, reason: str | None) -> None:
+        """Back-off bookkeeping: frames that tried the cache in vain lengthen the next full-only stretch."""
+        if reason is None:
+            self._misses = self._backoff = self._skip = 0
+        elif reason.startswith("backing off"):
+            self._skip -= 1
+        elif reason.split(":")[0] in _MISSES or reason.startswith("changed fraction"):
+            self._misses += 1
+            if self.max_backoff and self._misses >= _BACKOFF_AFTER:
+                self._backoff = min(max(2 * self._backoff, 2), self.max_backoff)
+                self._skip = self._backoff
 
     def _reset_stream(self) -> None:
         self._prev_pixels: np.ndarray | None = None
@@ -389,6 +415,7 @@ class StreamSession:
         self._raw_size: tuple[int, int] | None = None
         self._shape: tuple[int, ...] | None = None
         self._last_full = 0
+        self._misses = self._backoff = self._skip = 0
         self._failed = False
 
     def _join(self) -> None:
