@@ -7,10 +7,11 @@ frame-to-frame homography (an index map per feature resolution, shared by every 
 
 - **row steps** (1x1 stride-1 convolutions with the batch norm after them folded in, pointwise ops) run on the
   packed rows of the changed positions only (``F.linear`` for the convolutions);
-- **window steps** (k x k convolutions and pools, strided ops) grow the changed set by their kernel. Depthwise
-  convolutions and pools cost about one pass over their map, so they run on the whole merged map; dense
-  convolutions cut the output grid into ``T x T`` blocks, gather every active block's read-in window with one
-  ``index_select`` (index tables built once per node) and run with padding 0 on the batch of windows;
+- **window steps** (k x k convolutions and pools, strided ops) grow the changed set by their kernel, cut the
+  output grid into ``T x T`` blocks, gather every active block's read-in window with one ``index_select``
+  (index tables built once per node) and run with padding 0 on the batch of windows; when most blocks are
+  active (40% of the map for depthwise convolutions and pools, which cost about one pass over their map,
+  75% for the others) they run on the whole merged map instead;
 - **merges** (residual adds, concatenations) work on the union of their inputs' changed sets, reading the
   positions an input did not change from its merged map;
 - once half of a *cut point* (a cached tensor through which everything later flows) has changed, the rest would
@@ -57,6 +58,9 @@ _INPLACE_FUNCTIONS = {operator.iadd, operator.imul, operator.isub, operator.itru
 # Above this share of a map's positions a window node runs densely on the whole map: block gathers stop
 # paying for themselves, and downstream row operators skip their gathers too.
 _DENSE_RATIO = 0.75
+# The same for depthwise convolutions and pools, whose compute per position is too small to pay for much
+# gathering (measured on EfficientNet-Lite0 streams: blocks win below about 40% of the map).
+_CHEAP_DENSE_RATIO = 0.4
 # When this share of a cut point's map (a tensor through which everything later flows) changed, the rest of
 # the local part would be recomputed nearly everywhere: run it as compiled code instead (see _run_suffix).
 _DENSE_CUT = 0.5
@@ -510,14 +514,14 @@ class SparseExecutor:
         rows = frame_rows if win.source == input_name else buffers[win.source]
         th, tw = win.block
         gh, gw = -(-ho // th), -(-wo // tw)
-        if win.cheap:
-            dense = True  # a depthwise conv or pool costs about one pass over its map: cheaper than gathering
-        else:
-            padded = np.zeros((gh * th, gw * tw), bool)
-            padded[:ho, :wo] = mask
-            active = padded.reshape(gh, th, gw, tw).any(axis=(1, 3))
-            n_blocks = int(active.sum())
-            dense = n_blocks * th * tw >= _DENSE_RATIO * ho * wo
+        padded = np.zeros((gh * th, gw * tw), bool)
+        padded[:ho, :wo] = mask
+        active = padded.reshape(gh, th, gw, tw).any(axis=(1, 3))
+        n_blocks = int(active.sum())
+        # a depthwise conv or pool costs about one pass over its map: gathering blocks pays only when few are
+        # active
+        ratio = _CHEAP_DENSE_RATIO if win.cheap else _DENSE_RATIO
+        dense = n_blocks * th * tw >= ratio * ho * wo
         if dense:
             out = win.op(_padded_map(win, rows, hs, ws))
             stats.flops += step.flops
