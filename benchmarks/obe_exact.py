@@ -20,6 +20,7 @@ from _common import machine, median, mib, peak_rss_in_child, timed
 from captum.attr import Occlusion as CaptumOcclusion
 
 from incrinf import models
+from incrinf.analysis import occlusion_grid
 from incrinf.captum import Occlusion as IncrinfOcclusion
 
 KRYPTON_CPU = {"vgg16": 5.4, "resnet18": 2.1, "inception_v3": 1.5}
@@ -47,14 +48,13 @@ def channels_last_full(model: torch.nn.Module, image: torch.Tensor, patch: int, 
                        target: int) -> torch.Tensor:
     """Plain batched re-inference of every occluded copy, with the model in channels-last layout (incrinf's
     layout): separates what incremental inference gains from what the memory layout alone gains."""
-    _, _, h, w = image.shape
-    corners = [(y, x) for y in range(0, h - patch + 1, stride) for x in range(0, w - patch + 1, stride)]
+    corners = occlusion_grid(tuple(image.shape[-2:]), (patch, patch), (stride, stride))  # Captum's grid
     out = []
     for lo in range(0, len(corners), batch):
         chunk = corners[lo:lo + batch]
         x = image.expand(len(chunk), -1, -1, -1).clone()
         for k, (y, xx) in enumerate(chunk):
-            x[k, :, y:y + patch, xx:xx + patch] = 0.0
+            x[k, :, y:y + patch, xx:xx + patch] = 0.0  # windows past the edge are cropped, as in Captum
         out.append(model(x.contiguous(memory_format=torch.channels_last))[:, target])
     return torch.cat(out)
 
