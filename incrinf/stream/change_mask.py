@@ -133,33 +133,22 @@ def _as_hwc(x: np.ndarray | torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _cell_sums(values: torch.Tensor, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum and pixel count of (H, W) values over each ``cell`` x ``cell`` block (edge blocks may be
+def _cell_sums(values: np.ndarray, cell: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sum (float64) and pixel count of (H, W) values over each ``cell`` x ``cell`` block (edge blocks may be
     smaller; unlike AdaptiveAvgPool's overlapping bins, blocks never overlap)."""
     h, w = values.shape
     gh, gw = -(-h // cell), -(-w // cell)
-    padded = torch.zeros(gh * cell, gw * cell, dtype=torch.float64)
-    counts = torch.zeros_like(padded)
+    padded = np.zeros((gh * cell, gw * cell), values.dtype)
     padded[:h, :w] = values
-    counts[:h, :w] = 1.0
-    return padded.view(gh, cell, gw, cell).sum(dim=(1, 3)), counts.view(gh, cell, gw, cell).sum(dim=(1, 3))
+    sums = padded.reshape(gh, cell, gw, cell).sum(axis=(1, 3), dtype=np.float64)
+    rows = np.minimum(cell, h - np.arange(gh) * cell)
+    cols = np.minimum(cell, w - np.arange(gw) * cell)
+    return sums, np.outer(rows, cols).astype(np.float64)
 
 
 def _both_uint8(a: object, b: object) -> bool:
     return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == np.uint8
             and b.dtype == np.uint8 and a.shape == b.shape and a.ndim in (2, 3))
-
-
-def _cell_sums_np(values: np.ndarray, cell: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_cell_sums` for (H, W) int64 numpy values: (sums as float64, pixel counts)."""
-    h, w = values.shape
-    gh, gw = -(-h // cell), -(-w // cell)
-    padded = np.zeros((gh * cell, gw * cell), np.int64)
-    padded[:h, :w] = values
-    sums = padded.reshape(gh, cell, gw, cell).sum(axis=(1, 3)).astype(np.float64)
-    rows = np.minimum(cell, h - np.arange(gh) * cell)
-    cols = np.minimum(cell, w - np.arange(gw) * cell)
-    return sums, np.outer(rows, cols).astype(np.float64)
 
 
 def change_mask(
@@ -196,25 +185,25 @@ def change_mask(
         n_channels = curr.shape[2] if curr.ndim == 3 else 1
         diff_u8 = cv2.absdiff(curr, warped_prev)
         per_pixel = diff_u8.sum(axis=2, dtype=np.int64) if diff_u8.ndim == 3 else diff_u8.astype(np.int64)
-        sums, counts = (torch.from_numpy(v) for v in _cell_sums_np(per_pixel, cell))
+        sums, counts = _cell_sums(per_pixel, cell)
     else:
         a, b = _as_hwc(curr), _as_hwc(warped_prev)
         if a.shape != b.shape:
             raise ValueError(f"frames differ in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
         h, w = a.shape[:2]
         n_channels = a.shape[2]
-        sums, counts = _cell_sums((a - b).abs().sum(dim=2), cell)
+        sums, counts = _cell_sums((a - b).abs().sum(dim=2).numpy(), cell)
     # Compare sums, not means: integer pixel sums are exact in float64, so ties with the threshold are exact.
     cells = sums >= threshold * counts * n_channels
     diff = sums / (counts * n_channels)
     if valid is not None:
-        valid_t = torch.as_tensor(np.asarray(valid) if not isinstance(valid, torch.Tensor) else valid.cpu())
-        if tuple(valid_t.shape) != (h, w):
-            raise ValueError(f"valid mask has shape {tuple(valid_t.shape)}, frame is {(h, w)}")
-        cells |= _cell_sums((~valid_t.bool()).double(), cell)[0] > 0
+        valid_np = np.asarray(valid.cpu() if isinstance(valid, torch.Tensor) else valid).astype(bool)
+        if valid_np.shape != (h, w):
+            raise ValueError(f"valid mask has shape {valid_np.shape}, frame is {(h, w)}")
+        cells |= _cell_sums(~valid_np, cell)[0] > 0
     return ChangeMask(
-        cells=cells.numpy(),
+        cells=cells,
         cell=cell,
         image_size=(h, w),
-        cell_diff=diff.float().numpy(),
+        cell_diff=diff.astype(np.float32),
     )
