@@ -34,8 +34,8 @@ from incrinf.stream.warp import warp_image, warp_valid_mask
 
 # Phase-correlation peak (1 for identical frames) below which a frame is not taken as a still camera.
 _STILL_RESPONSE = 0.8
-# Frames that tried the cache in vain; this many in a row start a back-off (see max_backoff).
-_MISSES = ("match failed", "cache unusable")
+# Reasons of frames that tried the cache in vain; this many in a row start a back-off (see max_backoff).
+_MISSES = ("match failed", "cache unusable", "changed fraction")
 _BACKOFF_AFTER = 3
 _MIN_SIDE = 64  # frames smaller than this are upscaled: a CNN's deep maps would vanish
 _LOCAL_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
@@ -327,7 +327,7 @@ class StreamSession:
         if self._skip > 0:
             return f"backing off: {self._misses} frames in a row could not use the cache", None, None, None, 0, None
         n_matches = 0
-        features = None
+        features = still = None
         if matrix_given is None and self.still_fraction > 0 and self._looks_still(pixels):
             # a still camera: keypoint matching (about half a small frame's inference) would find the identity
             still = change_mask(pixels, self._reference, self.cell, self.threshold, None)
@@ -347,11 +347,11 @@ class StreamSession:
         if corner_distance(matrix, np.eye(3), size) < self.min_motion:
             matrix = np.eye(3)
         if np.array_equal(matrix, np.eye(3)):
-            warped, valid = self._reference, None  # a still camera: nothing to warp, nothing uncovered
+            warped = self._reference  # a still camera: nothing to warp, nothing uncovered
+            mask = still if still is not None else change_mask(pixels, warped, self.cell, self.threshold, None)
         else:
             warped = warp_image(self._reference, matrix)
-            valid = warp_valid_mask(matrix, size)
-        mask = change_mask(pixels, warped, self.cell, self.threshold, valid)
+            mask = change_mask(pixels, warped, self.cell, self.threshold, warp_valid_mask(matrix, size))
         fraction = mask.recompute_fraction
         if fraction > self.max_ratio:
             return (f"changed fraction {fraction:.2f} > max_ratio {self.max_ratio:g}", matrix, mask, None, n_matches,
@@ -364,8 +364,8 @@ class StreamSession:
         A weak correlation peak (a panning camera over repetitive texture, a zoom, a scene cut) is not taken
         as stillness: a low change fraction alone is not enough, since smooth regions hide real motion."""
         gray = cv2.cvtColor(pixels, cv2.COLOR_RGB2GRAY).astype(np.float32)
-        prev = self._prev_gray
-        if prev is None or prev.shape != gray.shape:
+        prev = self._prev_gray  # None when the previous frame skipped this test
+        if prev is None:
             prev = cv2.cvtColor(self._prev_pixels, cv2.COLOR_RGB2GRAY).astype(np.float32)
         if self._window is None or self._window.shape != gray.shape:
             self._window = cv2.createHanningWindow((gray.shape[1], gray.shape[0]), cv2.CV_32F)
@@ -399,7 +399,7 @@ class StreamSession:
             self._misses = self._backoff = self._skip = 0
         elif reason.startswith("backing off"):
             self._skip -= 1
-        elif reason.split(":")[0] in _MISSES or reason.startswith("changed fraction"):
+        elif reason.startswith(_MISSES):
             self._misses += 1
             if self.max_backoff and self._misses >= _BACKOFF_AFTER:
                 self._backoff = min(max(2 * self._backoff, 2), self.max_backoff)
