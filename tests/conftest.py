@@ -62,3 +62,13 @@ def naive_occlusion(model: torch.nn.Module, image: torch.Tensor, positions: np.n
         with torch.no_grad():
             outs.append(model(batch))
     return torch.cat(outs)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module: tiny maps and latency decisions need steady compute times (two
+    OpenMP threads on two busy cores stall for tens of milliseconds per op, and CI runs two workers)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

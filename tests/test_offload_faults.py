@@ -21,14 +21,7 @@ MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 N_FRAMES, KILL_AT, RESTART_AT = 200, 50, 120
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Latency decisions need steady compute times: one intra-op thread (two OpenMP threads on two busy
-    cores stall for tens of milliseconds per op)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_model() -> nn.Module:

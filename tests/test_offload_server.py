@@ -28,14 +28,7 @@ SIZE = 96
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Latency decisions need steady compute times: one intra-op thread (two OpenMP threads on two busy
-    cores stall for tens of milliseconds per op)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class TinyNet(nn.Module):

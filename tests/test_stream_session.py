@@ -15,13 +15,7 @@ from incrinf.stream.sparse import SparseExecutor
 H, W = 80, 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny maps: intra-op threads only add synchronisation (and CI runs two workers on two cores)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
