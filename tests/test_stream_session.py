@@ -215,7 +215,7 @@ def test_a_failure_inside_a_frame_does_not_corrupt_the_next(zoo, photo, monkeypa
     def boom(*args, **kwargs):
         raise RuntimeError("simulated failure in the middle of the cached path")
 
-    monkeypatch.setattr(SparseExecutor, "_window", boom)
+    monkeypatch.setattr(SparseExecutor, "_run_chain", boom)
     changed = frame.copy()
     changed[10:20, 10:20] = 0
     with pytest.raises(RuntimeError, match="simulated"):

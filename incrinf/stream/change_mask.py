@@ -18,6 +18,7 @@ threshold 10 ~20-80. No mean-based setting is exact; lower both for tighter reus
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import cv2
@@ -48,14 +49,14 @@ class ChangeMask:
     image_size: tuple[int, int]
     cell_diff: np.ndarray
 
-    @property
+    @functools.cached_property
     def pixel_mask(self) -> np.ndarray:
-        """(H, W) bool, the cell mask upsampled to pixels (True = recompute)."""
+        """(H, W) bool, the cell mask upsampled to pixels (True = recompute); computed once."""
         h, w = self.image_size
         up = np.repeat(np.repeat(self.cells, self.cell, axis=0), self.cell, axis=1)
         return up[:h, :w]
 
-    @property
+    @functools.cached_property
     def recompute_fraction(self) -> float:
         """Changed pixels / all pixels (edge cells count only their pixels inside the frame)."""
         return float(self.pixel_mask.mean())
@@ -134,13 +135,18 @@ def _as_hwc(x: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 
 def _cell_sums(values: np.ndarray, cell: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sum (float64) and pixel count of (H, W) values over each ``cell`` x ``cell`` block (edge blocks may be
-    smaller; unlike AdaptiveAvgPool's overlapping bins, blocks never overlap)."""
-    h, w = values.shape
+    """Sum (float64, over channels too) and pixel count of (H, W) or (H, W, C) values over each ``cell`` x
+    ``cell`` block (edge blocks may be smaller; unlike AdaptiveAvgPool's overlapping bins, blocks never
+    overlap)."""
+    h, w = values.shape[:2]
     gh, gw = -(-h // cell), -(-w // cell)
-    padded = np.zeros((gh * cell, gw * cell), values.dtype)
-    padded[:h, :w] = values
-    sums = padded.reshape(gh, cell, gw, cell).sum(axis=(1, 3), dtype=np.float64)
+    if (gh * cell, gw * cell) != (h, w):
+        padded = np.zeros((gh * cell, gw * cell, *values.shape[2:]), values.dtype)
+        padded[:h, :w] = values
+        values = padded
+    # one pass: integer sums are exact, float64 keeps ties with the threshold exact for the float path
+    dtype = np.int64 if values.dtype.kind in "ub" else np.float64
+    sums = values.reshape(gh, cell, gw, -1).sum(axis=(1, 3), dtype=dtype).astype(np.float64)
     rows = np.minimum(cell, h - np.arange(gh) * cell)
     cols = np.minimum(cell, w - np.arange(gw) * cell)
     return sums, np.outer(rows, cols).astype(np.float64)
@@ -184,8 +190,7 @@ def change_mask(
         h, w = curr.shape[:2]
         n_channels = curr.shape[2] if curr.ndim == 3 else 1
         diff_u8 = cv2.absdiff(curr, warped_prev)
-        per_pixel = diff_u8.sum(axis=2, dtype=np.int64) if diff_u8.ndim == 3 else diff_u8.astype(np.int64)
-        sums, counts = _cell_sums(per_pixel, cell)
+        sums, counts = _cell_sums(diff_u8, cell)
     else:
         a, b = _as_hwc(curr), _as_hwc(warped_prev)
         if a.shape != b.shape:

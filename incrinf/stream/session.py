@@ -287,7 +287,8 @@ class StreamSession:
             raise
         if reason is None and executor.last.full_reason:
             reason = f"cache unusable: {executor.last.full_reason}"
-        commit = (reason, pixels, raw_size, tuple(x.shape), features, mask, warped)
+        refreshed = executor.last.refreshed if reason is None else None
+        commit = (reason, pixels, raw_size, tuple(x.shape), features, mask, warped, refreshed)
         if self.background_update:
             self._worker = threading.Thread(target=self._commit, args=commit, daemon=True)
             self._worker.start()
@@ -374,11 +375,13 @@ class StreamSession:
         return response >= _STILL_RESPONSE and math.hypot(dx, dy) < max(self.min_motion / 2, 0.5)
 
     def _commit(self, reason: str | None, pixels: np.ndarray, raw_size: tuple[int, int], shape: tuple[int, ...],
-                features: FrameFeatures | None, mask, warped: np.ndarray | None) -> None:
+                features: FrameFeatures | None, mask, warped: np.ndarray | None,
+                refreshed: np.ndarray | None = None) -> None:
         """The frame succeeded: it becomes the previous frame."""
         if reason is None:
-            # the reference is what the cache stands for: stale where the mask kept cached values
-            self._reference = np.where(mask.pixel_mask[:, :, None], pixels, warped)
+            # the reference is what the cache stands for: stale where the frame kept cached values
+            fresh = mask.pixel_mask if refreshed is None else refreshed
+            self._reference = np.where(fresh[:, :, None], pixels, warped)
         else:
             self._reference = pixels
             self._last_full = self._index

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from incrinf.engine import unpadded_operator
 from incrinf.graph import Graph, Node, NodeKind
 from incrinf.kernels.gather import from_rows, to_rows
+from incrinf.stream.boxes import EMPTY, Bounds, Box, bounding_box, grow_bounds, padded_crop, shrink, union
 from incrinf.stream.matching import scale_homography
 
 _INPLACE_FUNCTIONS = {operator.iadd, operator.imul, operator.isub, operator.itruediv}
@@ -106,6 +107,8 @@ class ExecStats:
     dense_nodes: int = 0
     warped: int = 0
     full_reason: str = ""  # set when the frame ran as full inference instead (and why)
+    # (H, W) bool, input pixels whose current values the cache now stands for (None: the changed mask only)
+    refreshed: np.ndarray | None = None
 
     @property
     def flops_ratio(self) -> float:
@@ -266,6 +269,8 @@ class SparseExecutor:
         self._suffixes: dict[str, tuple[torch.fx.GraphModule, list[str]]] = {}
         self._suffix_flops: dict[str, float] = {}
         self.dense_cut = _DENSE_CUT
+        self.boxes = True
+        self._last_out: Any = None
         self._shapes = {n.name: n.shape for n in graph.nodes}
         self._resolutions = sorted({tuple(self._shapes[m][-2:]) for m in self._plan.materialized
                                     if m != graph.input.name} | {tuple(graph.input_shape[-2:])})
@@ -275,6 +280,12 @@ class SparseExecutor:
         self._full_flops = float(sum(n.flops for n in graph.nodes))
         self._local_names = {n.name for n in self._plan.local}
         self._tail_flops = float(sum(n.flops for n in graph.nodes if n.name not in self._local_names))
+        self._live = _live_inputs(self._plan, graph.input.name)
+        users = _users(graph)
+        # boundary tensors whose values (not just sizes) the rest of the model reads
+        self._read_boundary = [name for name in self._plan.boundary if any(
+            u.name not in self._local_names and u.kind != NodeKind.META for u in users[name])]
+        self._chains: dict[str, list[Callable[[torch.Tensor], Any]]] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._scales: dict[str, float] = {}
         self._drift: dict[tuple[int, int], np.ndarray] = {}
@@ -330,6 +341,7 @@ class SparseExecutor:
         self._drift = {r: np.zeros((2, *r)) for r in self._resolutions if r != self._input_hw}
         n_windows = sum(step.window is not None for step in self._plan.steps)
         self.last = ExecStats(self._full_flops, self._full_flops, dense_nodes=n_windows)
+        self._last_out = _clone_output(out)  # callers own what they get; a dead change returns a copy of it
         return out
 
     # --- cached inference --------------------------------------------------------------------------------
@@ -373,12 +385,44 @@ class SparseExecutor:
             self.last.full_reason = f"{unusable.mean():.0%} of the cache misaligned by the motion"
             return out
         buffers = dict(self._buffers)
-        warped: set[str] = set()
         stats = ExecStats(self._tail_flops, self._full_flops)
+        fresh: dict[tuple[int, int], np.ndarray] = {}
+        if self.boxes and all(w.index is None and w.invalid is None and not w.new_padding for w in warps.values()):
+            box = Box(bounding_box(changed))
+            out = self._propagate_box(x, box.bounds, buffers, fresh, stats)
+            stats.refreshed = box.mask(image_hw)
+        else:
+            out = self._propagate_positions(x, changed, warps, buffers, fresh, stats)
+        if out is None:
+            inputs = []
+            for name in self._plan.boundary:
+                if name == self.graph.input.name:
+                    inputs.append(x)
+                else:
+                    shape = self._shapes[name]
+                    inputs.append(from_rows(buffers[name], 1, shape[-2], shape[-1]))
+            out = self._tail_gm(*inputs)
+        self._buffers = buffers
+        for res, warp in warps.items():
+            if res == self._input_hw:
+                continue
+            drift = warp.drift
+            if res in fresh:
+                drift[:, fresh[res]] = 0.0
+            self._drift[res] = drift
+        self.last = stats
+        self._last_out = _clone_output(out)  # callers own what they get; a dead change returns a copy of it
+        return out
+
+    def _propagate_positions(self, x: torch.Tensor, changed: np.ndarray, warps: dict[tuple[int, int], _Warp],
+                             buffers: dict[str, torch.Tensor], fresh: dict[tuple[int, int], np.ndarray],
+                             stats: ExecStats) -> Any:
+        """Carry the changed positions through the local part, updating ``buffers`` in place; the output when
+        a cut point ran the rest of the model, else None (the caller runs the tail)."""
+        warped: set[str] = set()
         states: dict[str, _State] = {}
         frame_rows = to_rows(x)
         input_name = self.graph.input.name
-        fresh: dict[tuple[int, int], np.ndarray] = {}
         changed_flat = np.flatnonzero(changed)
         state = _State(changed, changed_flat, None, dense=len(changed_flat) == changed.size)
         if state.dense:
@@ -402,25 +446,92 @@ class SparseExecutor:
                 out = self._run_suffix(step.out, x, buffers, fresh, stats)
                 break
         stats.warped = len(warped)
-        if out is None:
-            inputs = []
-            for name in self._plan.boundary:
-                if name == input_name:
-                    inputs.append(x)
-                else:
-                    shape = self._shapes[name]
-                    inputs.append(from_rows(buffers[name], 1, shape[-2], shape[-1]))
-            out = self._tail_gm(*inputs)
-        self._buffers = buffers
-        for res, warp in warps.items():
-            if res == self._input_hw:
-                continue
-            drift = warp.drift
-            if res in fresh:
-                drift[:, fresh[res]] = 0.0
-            self._drift[res] = drift
-        self.last = stats
         return out
+
+    def _propagate_box(self, x: torch.Tensor, bounds: Bounds, buffers: dict[str, torch.Tensor],
+                       fresh: dict[tuple[int, int], np.ndarray], stats: ExecStats) -> Any:
+        """:meth:`_propagate_positions` for a still camera: one changed rectangle per tensor
+        (:mod:`incrinf.stream.boxes`), every operator run densely on a crop of its merged input."""
+        input_name = self.graph.input.name
+        y0, y1, x0, x1 = bounds
+        boxes = {input_name: Box(bounds, x[:, :, y0:y1, x0:x1])}
+        for step, live in zip(self._plan.steps, self._live):
+            if all(boxes[name].empty for name in live):
+                break  # the change has died out (feature threshold): every later tensor keeps its cache
+            hw = step.hw[0] * step.hw[1]
+            box = self._box_window(step, boxes, buffers, x) if step.window is not None else \
+                self._box_rows(step, boxes, buffers)
+            stats.positions += box.area
+            stats.flops += step.flops * box.area / hw
+            if step.out in self._materialized:
+                box = self._box_commit(step.out, box, buffers)
+                done = box.mask(step.hw)
+                fresh[step.hw] = done if step.hw not in fresh else fresh[step.hw] & done
+            boxes[step.out] = box
+            if step.out in self._cuts and box.area >= self.dense_cut * hw:
+                return self._run_suffix(step.out, x, buffers, fresh, stats)
+        if self._last_out is not None and all(boxes.get(name, Box(EMPTY)).empty for name in self._read_boundary):
+            stats.flops -= self._tail_flops  # nothing the classifier reads changed: neither does its output
+            return _clone_output(self._last_out)
+        return None
+
+    def _box_window(self, step: _Step, boxes: dict[str, Box], buffers: dict[str, torch.Tensor],
+                    x: torch.Tensor) -> Box:
+        win = step.window
+        src = boxes[win.source]
+        if src.empty:
+            return Box(EMPTY)
+        bounds = grow_bounds(src.bounds, win, step.hw)
+        if bounds == EMPTY:
+            return Box(EMPTY)
+        if win.source == self.graph.input.name:
+            source = x
+        else:
+            hs, ws = self._shapes[win.source][-2:]
+            source = from_rows(buffers[win.source], 1, hs, ws)
+        return Box(bounds, self._run_chain(step, win.op(padded_crop(source, bounds, win))))
+
+    def _box_rows(self, step: _Step, boxes: dict[str, Box], buffers: dict[str, torch.Tensor]) -> Box:
+        spatial = step.inputs
+        ins = [boxes[s] for s in spatial]
+        bounds = union([b.bounds for b in ins])
+        if bounds == EMPTY:
+            return Box(EMPTY)
+        y0, y1, x0, x1 = bounds
+        values = {}
+        for name, box in zip(spatial, ins):
+            if box.bounds == bounds:
+                values[name] = box.values
+            else:  # merge inputs are cached: read the rest of the union from the merged map
+                shape = self._shapes[name]
+                values[name] = from_rows(buffers[name], 1, shape[-2], shape[-1])[:, :, y0:y1, x0:x1]
+        if step.linear is not None:
+            result = from_rows(F.linear(to_rows(values[spatial[0]]), *step.linear), 1, y1 - y0, x1 - x0)
+        else:
+            first = spatial[0]
+            if step.head.name in self._inplace and first in buffers and \
+                    values[first].untyped_storage().data_ptr() == buffers[first].untyped_storage().data_ptr():
+                values[first] = values[first].clone()
+            result = self._invoke(step.head, values)
+        return Box(bounds, self._run_chain(step, result))
+
+    def _box_commit(self, name: str, box: Box, buffers: dict[str, torch.Tensor]) -> Box:
+        """Write a box's values into its cache (in place); with a feature threshold, first cut the box to the
+        positions that moved by more than it."""
+        if box.empty:
+            return box
+        h, w = self._shapes[name][-2:]
+        y0, y1, x0, x1 = box.bounds
+        target = from_rows(buffers[name], 1, h, w)[:, :, y0:y1, x0:x1]
+        eps = self.feature_threshold * self._scales.get(name, 0.0)
+        if eps > 0:
+            box = shrink(box, (box.values - target).abs().mean(dim=1)[0] > eps)
+            if box.empty:
+                return box
+            y0, y1, x0, x1 = box.bounds
+            target = from_rows(buffers[name], 1, h, w)[:, :, y0:y1, x0:x1]
+        target.copy_(box.values)
+        return box
 
     def _run_suffix(self, cut: str, x: torch.Tensor, buffers: dict[str, torch.Tensor],
                     fresh: dict[tuple[int, int], np.ndarray], stats: ExecStats) -> Any:
@@ -484,9 +595,30 @@ class SparseExecutor:
         return _State(out.mask, out.flat, self._run_chain(step, result), out.dense, out._index)
 
     def _run_chain(self, step: _Step, values: torch.Tensor) -> torch.Tensor:
-        for node, source in step.chain:
-            values = self._invoke(node, {source: values})
+        fns = self._chains.get(step.out)
+        if fns is None:
+            fns = self._chains[step.out] = [self._unary(node, source) for node, source in step.chain]
+        for fn in fns:
+            values = fn(values)
         return values
+
+    def _unary(self, node: Node, source: str) -> Callable[[torch.Tensor], Any]:
+        """``node`` as a function of its one local input, its other arguments bound once (a chain runs about a
+        hundred small calls per frame: resolving arguments through ``torch.fx`` each time costs as much as
+        the operators themselves)."""
+        fx_node = self._fx[node.name]
+        if fx_node.kwargs or not fx_node.args or any(isinstance(a, torch.fx.Node) for a in fx_node.args[1:]) \
+                or not isinstance(fx_node.args[0], torch.fx.Node) or fx_node.args[0].name != source:
+            return lambda v: self._invoke(node, {source: v})
+        rest = tuple(fx_node.args[1:])
+        if fx_node.op == "call_module":
+            fn = self._modules[str(fx_node.target)]
+        elif fx_node.op == "call_function":
+            fn = fx_node.target
+        else:
+            method = str(fx_node.target)
+            return lambda v: getattr(v, method)(*rest)
+        return (lambda v: fn(v, *rest)) if rest else fn
 
     def _window(self, step: _Step, states: dict[str, _State], buffers: dict[str, torch.Tensor],
                 warps: dict[tuple[int, int], _Warp], frame_rows: torch.Tensor, input_name: str,
@@ -932,6 +1064,28 @@ def _steps(graph: Graph, gm: torch.fx.GraphModule, env: dict[str, Any], ordered:
             step.linear = (weight.reshape(weight.shape[0], -1).contiguous(), bias)
         steps.append(step)
     return steps
+
+
+def _live_inputs(plan: _Plan, input_name: str) -> list[list[str]]:
+    """Per step, the tensors made before it (the frame included) that it or a later step reads."""
+    reads = [[step.window.source] if step.window is not None else list(step.inputs) for step in plan.steps]
+    made = [input_name] + [step.out for step in plan.steps]
+    live = []
+    for i in range(len(plan.steps)):
+        later = {name for r in reads[i:] for name in r}
+        live.append([name for name in made[: i + 1] if name in later])
+    return live
+
+
+def _clone_output(out: Any) -> Any:
+    """A copy of a model output (tensors cloned, containers rebuilt), so callers never share one."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (list, tuple)):
+        return type(out)(_clone_output(o) for o in out)
+    if isinstance(out, dict):
+        return {k: _clone_output(v) for k, v in out.items()}
+    return out
 
 
 def _conv_unpadded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, dilation: Any,
