@@ -91,6 +91,23 @@ def grow_bounds(bounds: Bounds, win: _Window, out_hw: tuple[int, int]) -> Bounds
     return (y0, y1, x0, x1) if y0 < y1 and x0 < x1 else EMPTY
 
 
+def round_up(bounds: Bounds, hw: tuple[int, int], quantum: int) -> Bounds:
+    """``bounds`` grown to sides that are multiples of ``quantum`` (or the whole axis), staying inside ``hw``.
+
+    oneDNN builds (JIT-compiles) a kernel per input shape and caches it: boxes of a few recurring sizes reuse
+    those kernels, where exact sizes would make nearly every frame's shapes new (about as costly as the
+    convolution itself on a small box).
+    """
+    if bounds == EMPTY or quantum <= 1:
+        return bounds
+    out = []
+    for lo, hi, size in ((bounds[0], bounds[1], hw[0]), (bounds[2], bounds[3], hw[1])):
+        n = min(size, -(-(hi - lo) // quantum) * quantum)
+        hi = min(size, lo + n)
+        out.extend((hi - n, hi))
+    return out[0], out[1], out[2], out[3]
+
+
 def padded_crop(source: torch.Tensor, bounds: Bounds, win: _Window) -> torch.Tensor:
     """The read-in window of the output box ``bounds``: a crop of ``source`` (1, C, hs, ws), padded where it
     reaches beyond the map (first the PAD views' border value, then the operator's own padding value).

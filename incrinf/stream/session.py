@@ -492,8 +492,10 @@ class StreamSession:
                 shrink = size[0] * size[1] < raw_size[0] * raw_size[1]
                 pixels = cv2.resize(pixels, (size[1], size[0]),
                                     interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
-            x = torch.from_numpy(pixels).to(self.device).permute(2, 0, 1)[None].float().div_(255.0)
-            x = ((x - self._mean.to(self.device)) / self._std.to(self.device))
+            # (pixels / 255 - mean) / std as one multiply-add; an HWC array permuted is channels-last already
+            scale = (1.0 / (255.0 * self._std)).to(self.device)
+            x = torch.from_numpy(pixels).to(self.device).permute(2, 0, 1)[None].float()
+            x = torch.addcmul((-self._mean / self._std).to(self.device), x, scale)
             return x.contiguous(memory_format=torch.channels_last), pixels, raw_size
         if isinstance(frame, torch.Tensor):
             x = self._check_tensor(frame, "frame")

@@ -34,11 +34,12 @@ marked and ``feature_threshold=0`` the output equals full inference to float tol
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,7 @@ import torch.nn.functional as F
 from incrinf.engine import unpadded_operator
 from incrinf.graph import Graph, Node, NodeKind
 from incrinf.kernels.gather import from_rows, to_rows
-from incrinf.stream.boxes import EMPTY, Bounds, Box, bounding_box, grow_bounds, padded_crop, shrink, union
+from incrinf.stream.boxes import EMPTY, Bounds, Box, bounding_box, grow_bounds, padded_crop, round_up, shrink, union
 from incrinf.stream.matching import scale_homography
 
 _INPLACE_FUNCTIONS = {operator.iadd, operator.imul, operator.isub, operator.itruediv}
@@ -270,6 +271,8 @@ class SparseExecutor:
         self._suffix_flops: dict[str, float] = {}
         self.dense_cut = _DENSE_CUT
         self.boxes = True
+        self.box_quantum = 4
+        self.step_threads: int | None = 1
         self._last_out: Any = None
         self._shapes = {n.name: n.shape for n in graph.nodes}
         self._resolutions = sorted({tuple(self._shapes[m][-2:]) for m in self._plan.materialized
@@ -455,21 +458,26 @@ class SparseExecutor:
         input_name = self.graph.input.name
         y0, y1, x0, x1 = bounds
         boxes = {input_name: Box(bounds, x[:, :, y0:y1, x0:x1])}
-        for step, live in zip(self._plan.steps, self._live):
-            if all(boxes[name].empty for name in live):
-                break  # the change has died out (feature threshold): every later tensor keeps its cache
-            hw = step.hw[0] * step.hw[1]
-            box = self._box_window(step, boxes, buffers, x) if step.window is not None else \
-                self._box_rows(step, boxes, buffers)
-            stats.positions += box.area
-            stats.flops += step.flops * box.area / hw
-            if step.out in self._materialized:
-                box = self._box_commit(step.out, box, buffers)
-                done = box.mask(step.hw)
-                fresh[step.hw] = done if step.hw not in fresh else fresh[step.hw] & done
-            boxes[step.out] = box
-            if step.out in self._cuts and box.area >= self.dense_cut * hw:
-                return self._run_suffix(step.out, x, buffers, fresh, stats)
+        cut = None
+        with _threads(self.step_threads):
+            for step, live in zip(self._plan.steps, self._live):
+                if all(boxes[name].empty for name in live):
+                    break  # the change has died out (feature threshold): every later tensor keeps its cache
+                hw = step.hw[0] * step.hw[1]
+                box = self._box_window(step, boxes, buffers, x) if step.window is not None else \
+                    self._box_rows(step, boxes, buffers)
+                stats.positions += box.area
+                stats.flops += step.flops * box.area / hw
+                if step.out in self._materialized:
+                    box = self._box_commit(step.out, box, buffers)
+                    done = box.mask(step.hw)
+                    fresh[step.hw] = done if step.hw not in fresh else fresh[step.hw] & done
+                boxes[step.out] = box
+                if step.out in self._cuts and box.area >= self.dense_cut * hw:
+                    cut = step.out
+                    break
+        if cut is not None:
+            return self._run_suffix(cut, x, buffers, fresh, stats)
         if self._last_out is not None and all(boxes.get(name, Box(EMPTY)).empty for name in self._read_boundary):
             stats.flops -= self._tail_flops  # nothing the classifier reads changed: neither does its output
             return _clone_output(self._last_out)
@@ -481,7 +489,7 @@ class SparseExecutor:
         src = boxes[win.source]
         if src.empty:
             return Box(EMPTY)
-        bounds = grow_bounds(src.bounds, win, step.hw)
+        bounds = round_up(grow_bounds(src.bounds, win, step.hw), step.hw, self.box_quantum)
         if bounds == EMPTY:
             return Box(EMPTY)
         if win.source == self.graph.input.name:
@@ -1064,6 +1072,20 @@ def _steps(graph: Graph, gm: torch.fx.GraphModule, env: dict[str, Any], ordered:
             step.linear = (weight.reshape(weight.shape[0], -1).contiguous(), bias)
         steps.append(step)
     return steps
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """At most ``n`` intra-op threads inside the block (None: unchanged)."""
+    before = torch.get_num_threads()
+    if n is None or n >= before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _live_inputs(plan: _Plan, input_name: str) -> list[list[str]]:
