@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from incrinf.graph import capture
-from incrinf.stream.boxes import EMPTY, Box, bounding_box, grow_bounds, padded_crop, shrink, union
+from incrinf.stream.boxes import EMPTY, Box, bounding_box, grow_bounds, padded_crop, round_up, union
 from incrinf.stream.sparse import SparseExecutor, _grow, _padded_map, _Window
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -73,20 +73,28 @@ def test_padded_crop_equals_the_slice_of_the_padded_map(geometry):
     torch.testing.assert_close(crop, expected, rtol=0, atol=0)
 
 
-def test_bounding_box_union_and_shrink():
+def test_bounding_box_union_and_round_up():
     mask = np.zeros((6, 8), bool)
     assert bounding_box(mask) == EMPTY
     mask[1, 2] = mask[4, 6] = True
     assert bounding_box(mask) == (1, 5, 2, 7)
     assert union([EMPTY, (1, 3, 2, 4), (2, 6, 0, 3)]) == (1, 6, 0, 4)
     assert union([EMPTY, EMPTY]) == EMPTY
-    values = torch.arange(12.0).reshape(1, 1, 3, 4)
-    keep = torch.zeros(3, 4, dtype=torch.bool)
-    assert shrink(Box((2, 5, 1, 5), values), keep).empty
-    keep[1, 2] = keep[2, 3] = True
-    cut = shrink(Box((2, 5, 1, 5), values), keep)
-    assert cut.bounds == (3, 5, 3, 5)
-    torch.testing.assert_close(cut.values, values[:, :, 1:3, 2:4])
+    assert round_up((1, 3, 2, 7), (10, 8), 4) == (1, 5, 0, 8)  # 5 columns -> 8, pushed back from the edge
+    assert round_up((7, 9, 0, 4), (10, 8), 4) == (6, 10, 0, 4)
+    assert round_up(EMPTY, (10, 8), 4) == EMPTY
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.integers(1, 9), st.data())
+def test_round_up_contains_the_box_and_has_quantised_sides(h, w, quantum, data):
+    y0 = data.draw(st.integers(0, h - 1))
+    x0 = data.draw(st.integers(0, w - 1))
+    box = (y0, data.draw(st.integers(y0 + 1, h)), x0, data.draw(st.integers(x0 + 1, w)))
+    out = round_up(box, (h, w), quantum)
+    assert 0 <= out[0] <= box[0] and box[1] <= out[1] <= h and 0 <= out[2] <= box[2] and box[3] <= out[3] <= w
+    for size, side in ((h, out[1] - out[0]), (w, out[3] - out[2])):
+        assert side % quantum == 0 or side == size
 
 
 def _frames(size=(64, 72)) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:

@@ -75,7 +75,7 @@ def test_identity_motion_threshold_zero_reproduces_full_inference(zoo, photo, na
 @pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet_lite0"])
 def test_local_change_recomputes_only_what_it_reaches(zoo, photo, name):
     model = zoo[name]
-    session = StreamSession(model, threshold=0.01)
+    session = StreamSession(model, threshold=0.01, feature_threshold=0.0)
     frame = _crop(photo, 40, 60)
     session(frame)
     changed = frame.copy()
@@ -91,7 +91,7 @@ def test_local_change_recomputes_only_what_it_reaches(zoo, photo, name):
 def test_integer_pan_by_the_largest_stride_is_exact(zoo, photo):
     # a 32 px shift is a whole number of positions at every stride of ResNet-18: the cache is reused exactly
     model = zoo["resnet18"]
-    session = StreamSession(model, keyframe_interval=None)
+    session = StreamSession(model, keyframe_interval=None, feature_threshold=0.0)
     session(_crop(photo, 40, 40))
     for k in (1, 2):
         frame = _crop(photo, 40, 40 + 32 * k)
@@ -103,7 +103,7 @@ def test_integer_pan_by_the_largest_stride_is_exact(zoo, photo):
 
 def test_estimated_pan_stays_close_to_full_inference(zoo, photo):
     model = zoo["efficientnet_lite0"]
-    session = StreamSession(model, keyframe_interval=None, matcher_options={"refine": True})
+    session = StreamSession(model, keyframe_interval=None, matcher_options={"refine": True}, feature_threshold=0.0)
     errors, agree = [], 0
     for k in range(6):
         frame = _crop(photo, 50 + 2 * k, 40 + 4 * k)  # pure integer shifts, estimated by matching
@@ -208,7 +208,7 @@ def test_bad_homography_is_rejected(zoo, photo):
 
 def test_a_failure_inside_a_frame_does_not_corrupt_the_next(zoo, photo, monkeypatch):
     model = zoo["mobilenet_v2"]
-    session = StreamSession(model, threshold=0.01)
+    session = StreamSession(model, threshold=0.01, feature_threshold=0.0)
     frame = _crop(photo, 40, 60)
     session(frame)
 
@@ -267,7 +267,8 @@ def test_reset_cache_memory_and_stats(zoo, photo):
 
 def test_feature_threshold_prunes_work_and_stays_close(zoo, photo):
     model = zoo["efficientnet_lite0"]
-    exact, pruned = StreamSession(model, threshold=0.01), StreamSession(model, threshold=0.01, feature_threshold=0.2)
+    exact = StreamSession(model, threshold=0.01, feature_threshold=0.0)
+    pruned = StreamSession(model, threshold=0.01, feature_threshold=0.2)
     frame = _crop(photo, 40, 60)
     changed = frame.copy()
     changed[20:36, 30:46] = np.clip(changed[20:36, 30:46].astype(int) + 40, 0, 255).astype(np.uint8)

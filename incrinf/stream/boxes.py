@@ -130,12 +130,3 @@ def padded_crop(source: torch.Tensor, bounds: Bounds, win: _Window) -> torch.Ten
     if any(own):
         crop = F.pad(crop, (own[2], own[3], own[0], own[1]), value=win.pad_value)
     return crop
-
-
-def shrink(box: Box, keep: torch.Tensor) -> Box:
-    """``box`` cut to the bounding box of ``keep`` ((h, w) bool over the box), values sliced to match."""
-    a, b, c, d = bounding_box(keep.cpu().numpy())  # numpy: cheaper than torch on a few hundred flags
-    if a >= b:
-        return Box(EMPTY)
-    y0, _, x0, _ = box.bounds
-    return Box((y0 + a, y0 + b, x0 + c, x0 + d), box.values[:, :, a:b, c:d])

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from incrinf.cli_args import positive_int as _positive_int
+from incrinf.stream.defaults import DEFAULT_FEATURE_THRESHOLD, DEFAULT_THRESHOLD
 
 _CSV_FIELDS = ("index", "mode", "reason", "homography_found", "recompute_fraction", "flops_ratio", "seconds",
                "full_seconds", "top1", "full_top1", "relative_error")
@@ -45,13 +46,14 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("video", nargs="?", help="video file (default: the bundled carphone_pristine.mp4)")
     p.add_argument("--model", default="efficientnet_lite0", help="zoo model (default: efficientnet_lite0)")
     p.add_argument("--weights", help="state-dict file for a torchvision architecture")
-    p.add_argument("--threshold", type=_non_negative, default=15.0,
-                   help="change threshold per cell in 0-255 pixel levels (default 15)")
+    p.add_argument("--threshold", type=_non_negative, default=DEFAULT_THRESHOLD,
+                   help=f"change threshold per cell in 0-255 pixel levels (default {DEFAULT_THRESHOLD:g})")
     p.add_argument("--cell", type=_positive_int, default=16, help="change-mask cell side in pixels (default 16)")
     p.add_argument("--max-ratio", type=float, default=0.6, help="changed fraction above which a frame runs full")
     p.add_argument("--keyframe-interval", type=int, default=30, help="full inference every N frames (0: never)")
-    p.add_argument("--feature-threshold", type=_non_negative, default=0.0,
-                   help="drop recomputed positions whose features moved less than this share (0: exact)")
+    p.add_argument("--feature-threshold", type=_non_negative, default=DEFAULT_FEATURE_THRESHOLD,
+                   help="drop recomputed positions whose features moved less than this share of the tensor's mean "
+                        f"magnitude (default {DEFAULT_FEATURE_THRESHOLD:g}; 0: exact propagation)")
     p.add_argument("--size", type=_size, help="resize frames to HxW (default: the video's size)")
     p.add_argument("--max-frames", type=_positive_int, help="stop after this many frames")
     p.add_argument("--csv", help="write per-frame statistics to this CSV file")

@@ -18,6 +18,16 @@ frame-to-frame homography (an index map per feature resolution, shared by every 
   be recomputed nearly everywhere: it runs as one compiled module and its tensors become the new caches;
 - the rest of the model (global pooling, classifier) runs as usual on the merged maps at the *cache point*.
 
+A still camera (every index map the identity, the common case on a robot that stops or a fixed camera) takes
+the **box path** instead (:mod:`incrinf.stream.boxes`): the change is one rectangle per tensor, each operator
+runs densely on a crop of its merged input (slicing is free, no index tables, no gathers) and writes back with
+one slice copy, rectangles rounded up to multiples of 4 so oneDNN reuses its per-shape kernels; the steps run
+on one intra-op thread (they are too small to share). The cache then stands for the current frame over the
+whole input rectangle, and when the feature threshold stops the change before the cache point the previous
+output is returned without running the classifier. On carphone (default thresholds) it takes about 80% of
+the time of the position path with about half its output error, since the rectangle refreshes more of the
+cache than the changed cells.
+
 Only the tensors read outside their own changed set are cached (inputs of window operators, merge inputs and
 the cache point): the row steps between two window operators are fused onto the first one's output and need
 no cache of their own (the seed's halo fusion); :meth:`SparseExecutor.cache_memory` reports the saving. Caches
@@ -28,7 +38,8 @@ maps, exact only for shifts that are whole positions at every resolution (a per-
 keeps the rounding from accumulating over frames, and positions misplaced by more than ``max_misalignment``
 are recomputed); pixels under the change threshold are reused stale; an optional ``feature_threshold`` drops
 recomputed positions whose new values differ from the cache by less than that fraction of the tensor's mean
-magnitude, so changes that fade out stop spreading (CBinfer-style). With identity motion, every changed pixel
+magnitude, so changes that fade out stop spreading (CBinfer-style; the box path cuts its rectangle to the
+positions above it). With identity motion, every changed pixel
 marked and ``feature_threshold=0`` the output equals full inference to float tolerance.
 """
 
@@ -53,7 +64,7 @@ import torch.nn.functional as F
 from incrinf.engine import unpadded_operator
 from incrinf.graph import Graph, Node, NodeKind
 from incrinf.kernels.gather import from_rows, to_rows
-from incrinf.stream.boxes import EMPTY, Bounds, Box, bounding_box, grow_bounds, padded_crop, round_up, shrink, union
+from incrinf.stream.boxes import EMPTY, Bounds, Box, bounding_box, grow_bounds, padded_crop, round_up, union
 from incrinf.stream.matching import scale_homography
 
 _INPLACE_FUNCTIONS = {operator.iadd, operator.imul, operator.isub, operator.itruediv}
@@ -502,8 +513,8 @@ class SparseExecutor:
     def _box_rows(self, step: _Step, boxes: dict[str, Box], buffers: dict[str, torch.Tensor]) -> Box:
         spatial = step.inputs
         ins = [boxes[s] for s in spatial]
-        bounds = union([b.bounds for b in ins])
-        if bounds == EMPTY:
+        bounds = ins[0].bounds if len(ins) == 1 else union([b.bounds for b in ins])
+        if bounds == EMPTY or bounds[0] >= bounds[1]:
             return Box(EMPTY)
         y0, y1, x0, x1 = bounds
         values = {}
@@ -533,11 +544,12 @@ class SparseExecutor:
         target = from_rows(buffers[name], 1, h, w)[:, :, y0:y1, x0:x1]
         eps = self.feature_threshold * self._scales.get(name, 0.0)
         if eps > 0:
-            box = shrink(box, (box.values - target).abs().mean(dim=1)[0] > eps)
-            if box.empty:
-                return box
-            y0, y1, x0, x1 = box.bounds
-            target = from_rows(buffers[name], 1, h, w)[:, :, y0:y1, x0:x1]
+            a, b, c, d = bounding_box((torch.sub(box.values, target).abs_().mean(dim=1)[0] > eps).numpy())
+            if a >= b:
+                return Box(EMPTY)
+            if (a, b, c, d) != (0, y1 - y0, 0, x1 - x0):
+                box = Box((y0 + a, y0 + b, x0 + c, x0 + d), box.values[:, :, a:b, c:d])
+                target = target[:, :, a:b, c:d]
         target.copy_(box.values)
         return box
 
