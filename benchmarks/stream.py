@@ -33,6 +33,7 @@ try:
 except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from incrinf import models
+from incrinf.stream.defaults import DEFAULT_CELL, DEFAULT_FEATURE_THRESHOLD, DEFAULT_THRESHOLD
 from incrinf.stream.matching import corner_distance
 from incrinf.stream.session import StreamSession
 from incrinf.stream.synthetic import synthetic_scene
@@ -42,13 +43,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402
 
 CONFIGS = {
-    # defaults: exact propagation of the changed cells; cached features misplaced by more than 1/4 position
-    # (sub-stride camera motion) are recomputed
+    # defaults: changed cells (threshold 10) propagate until their features move by less than 35% of the
+    # tensor's mean magnitude; cached features misplaced by more than 1/4 position (sub-stride camera motion)
+    # are recomputed
     "session": {},
-    # approximate propagation: drop recomputed positions whose features moved < 15% of the tensor's mean
-    "ft=0.15": {"feature_threshold": 0.15},
-    # and reuse features however the motion rounds (CacheInf's nearest-neighbour warp)
-    "ft=0.15 reuse<=.5": {"feature_threshold": 0.15, "max_misalignment": 0.5},
+    # exact propagation of the changed cells
+    "ft=0 (exact prop.)": {"feature_threshold": 0.0},
+    # reuse features however the motion rounds (CacheInf's nearest-neighbour warp)
+    "reuse<=.5": {"max_misalignment": 0.5},
 }
 
 
@@ -141,8 +143,9 @@ def main() -> None:
     model = models.load("efficientnet_lite0")
     print(machine())
     print(f"load average at start: {' '.join(f'{v:.1f}' for v in os.getloadavg())}; EfficientNet-Lite0 (ImageNet "
-          f"weights), {args.frames} frames per clip; session defaults: threshold 15, cell 16, max_ratio 0.6, "
-          "keyframe every 30 frames, ORB (500 features, no ECC), min_motion 2 px, max_misalignment 0.25")
+          f"weights), {args.frames} frames per clip; session defaults: threshold {DEFAULT_THRESHOLD:g}, cell "
+          f"{DEFAULT_CELL}, feature_threshold {DEFAULT_FEATURE_THRESHOLD:g}, max_ratio 0.6, keyframe every 30 "
+          "frames, ORB (500 features, no ECC), min_motion 2 px, max_misalignment 0.25")
     for title, frames, known in _clips(args):
         print(f"\n{title}, {len(frames)} frames")
         _run_clip(model, frames, known, CONFIGS)
