@@ -150,7 +150,7 @@ def test_a_change_that_dies_out_returns_a_copy_of_the_previous_output():
     out = executor.cached(x1, (x1 != x0).any(dim=1)[0].numpy(), np.eye(3))
     torch.testing.assert_close(out, first)
     assert out is not first and out.data_ptr() != first.data_ptr()
-    assert executor.last.flops_ratio > 100  # neither the local part nor the classifier ran
+    assert executor.last.flops_ratio > 1000  # only the stem ran (the classifier alone would cap this near 27)
     out.add_(1.0)  # the caller owns its copy
     again = executor.cached(x1, np.zeros(changed.shape, bool), np.eye(3))
     torch.testing.assert_close(again, first)

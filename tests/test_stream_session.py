@@ -57,7 +57,7 @@ def test_static_frames_equal_full_inference(zoo, photo, name):
     assert (first.mode, first.reason) == ("full", "first frame")
     for stats in cached:
         assert (stats.mode, stats.reason, stats.recompute_fraction) == ("cached", "ok", 0.0)
-        assert stats.flops_ratio > 10  # only the classifier ran
+        assert stats.flops_ratio == float("inf")  # nothing ran: the previous output was reused
         assert np.allclose(stats.homography, np.eye(3))
 
 

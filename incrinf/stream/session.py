@@ -57,7 +57,8 @@ class FrameStats:
         homography: that (3, 3) matrix in the model input's pixel coords (identity when the motion was below
             ``min_motion``), or None.
         recompute_fraction: share of the frame's pixels marked changed (1.0 for full inference).
-        flops_ratio: full-inference FLOPs / FLOPs computed for this frame (1.0 for full inference).
+        flops_ratio: full-inference FLOPs / FLOPs computed for this frame (1.0 for full inference; ``inf`` when
+            nothing was computed: no feature changed enough and the previous output was returned).
         seconds: wall time of the call, preprocessing and matching included.
         n_matches: keypoint matches that passed the ratio test (0 when matching did not run).
     """

@@ -124,8 +124,8 @@ class ExecStats:
 
     @property
     def flops_ratio(self) -> float:
-        """Full FLOPs / computed FLOPs."""
-        return self.full_flops / max(self.flops, 1.0)
+        """Full FLOPs / computed FLOPs (``inf`` when the frame computed nothing: its output was reused)."""
+        return self.full_flops / self.flops if self.flops >= 1.0 else math.inf
 
 
 @dataclass
