@@ -77,6 +77,8 @@ _CHEAP_DENSE_RATIO = 0.4
 # When this share of a cut point's map (a tensor through which everything later flows) changed, the rest of
 # the local part would be recomputed nearly everywhere: run it as compiled code instead (see _run_suffix).
 _DENSE_CUT = 0.5
+# Every this many positions of a cached tensor estimate its mean magnitude (the feature threshold's unit).
+_SCALE_STRIDE = 7
 
 
 @dataclass(frozen=True)
@@ -350,7 +352,8 @@ class SparseExecutor:
                 buffers[name] = rows.clone() if ptr in storages else rows
                 storages.add(ptr)
         if self.feature_threshold > 0:
-            self._scales = {name: float(rows.abs().mean()) for name, rows in buffers.items()}
+            # a strided sample of positions estimates the mean magnitude well at a fraction of a full pass
+            self._scales = {name: float(rows[::_SCALE_STRIDE].abs().mean()) for name, rows in buffers.items()}
         self._buffers = buffers
         self._drift = {r: np.zeros((2, *r)) for r in self._resolutions if r != self._input_hw}
         n_windows = sum(step.window is not None for step in self._plan.steps)
@@ -389,8 +392,8 @@ class SparseExecutor:
         changed = np.asarray(changed, dtype=bool)
         if changed.shape != image_hw:
             raise ValueError(f"change mask has shape {changed.shape}, frame is {image_hw}")
-        warps = self._warp_maps(np.asarray(matrix, dtype=np.float64), image_hw)
         first = self._plan.steps[0].hw if self._plan.steps else None
+        warps = self._warp_maps(np.asarray(matrix, dtype=np.float64), image_hw, first)
         unusable = warps[first].invalid if first in warps else None
         if unusable is not None and unusable.mean() > self.dense_cut:
             # the motion leaves most of the first cached map without a usable source: everything after it
@@ -764,8 +767,11 @@ class SparseExecutor:
 
     # --- warping -----------------------------------------------------------------------------------------
 
-    def _warp_maps(self, matrix: np.ndarray, image_hw: tuple[int, int]) -> dict[tuple[int, int], _Warp]:
-        """Per cached resolution, where each current position reads the previous map.
+    def _warp_maps(self, matrix: np.ndarray, image_hw: tuple[int, int], first: tuple[int, int] | None = None
+                   ) -> dict[tuple[int, int], _Warp]:
+        """Per cached resolution, where each current position reads the previous map (``first`` first: when
+        the motion leaves most of that map without a source, only it is returned, since the frame then runs
+        as full inference).
 
         Nearest-neighbour reads round every frame; to keep that rounding from adding up over frames (a 3 px
         pan is 0.09 of a stride-32 position: rounded to 0 every frame, the deep cache would never move), each
@@ -774,8 +780,11 @@ class SparseExecutor:
         error; recomputed positions have none.
         """
         still = np.allclose(matrix, np.eye(3), rtol=0.0, atol=1e-12)
-        warps = {}
-        for res in self._resolutions:
+        warps: dict[tuple[int, int], _Warp] = {}
+        for res in sorted(self._resolutions, key=lambda r: r != first):
+            if warps.get(first) is not None and warps[first].invalid is not None \
+                    and warps[first].invalid.mean() > self.dense_cut:
+                break
             h, w = res
             drift = self._drift.get(res)
             cached = res != self._input_hw
