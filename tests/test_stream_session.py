@@ -396,3 +396,23 @@ def test_back_off_after_frames_that_cannot_use_the_cache(zoo, photo):
     assert all(s.reason.startswith("match failed") for s in never.stats[1:])
     with pytest.raises(ValueError, match="max_backoff"):
         StreamSession(model, max_backoff=-1)
+
+
+def test_sub_stride_motion_is_found_unusable_before_the_change_mask(zoo, photo, monkeypatch):
+    # a 3 px pan is 1.5 positions of the first (stride-2) map: every cached position would be read half a
+    # position off, so the frame runs fully; the session sees that from the homography alone
+    model = zoo["mobilenet_v2"]
+    calls = []
+    original = session_module.change_mask
+    monkeypatch.setattr(session_module, "change_mask", lambda *a, **k: calls.append(1) or original(*a, **k))
+    session = StreamSession(model, still_fraction=0)
+    session(_crop(photo, 40, 60))
+    moved = _crop(photo, 40, 63)
+    out = session(moved, homography=np.array([[1.0, 0, -3], [0, 1, 0], [0, 0, 1]]))
+    stats = session.stats[-1]
+    assert stats.mode == "full" and stats.reason.startswith("cache unusable") and "misaligned" in stats.reason
+    assert stats.homography_found and calls == []
+    _assert_close(out, _full(model, moved))
+    out = session(moved, homography=np.eye(3))  # the full frame refilled the cache
+    assert session.stats[-1].mode == "cached"
+    _assert_close(out, _full(model, moved))

@@ -355,6 +355,10 @@ class StreamSession:
             warped = self._reference  # a still camera: nothing to warp, nothing uncovered
             mask = still if still is not None else change_mask(pixels, warped, self.cell, self.threshold, None)
         else:
+            unusable = executor.unusable_fraction(matrix)
+            if unusable > executor.dense_cut:  # checked before the warp and mask it would make useless
+                return (f"cache unusable: {unusable:.0%} of the cache misaligned by the motion", matrix, None, None,
+                        n_matches, features)
             warped = warp_image(self._reference, matrix)
             mask = change_mask(pixels, warped, self.cell, self.threshold, warp_valid_mask(matrix, size))
         fraction = mask.recompute_fraction

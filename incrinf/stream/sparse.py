@@ -77,6 +77,9 @@ _CHEAP_DENSE_RATIO = 0.4
 # When this share of a cut point's map (a tensor through which everything later flows) changed, the rest of
 # the local part would be recomputed nearly everywhere: run it as compiled code instead (see _run_suffix).
 _DENSE_CUT = 0.5
+# Changes whose input rectangle covers at most this share of the frame run their steps on one thread (crops of
+# a few hundred positions are too small to share; larger ones gain from a second core).
+_ONE_THREAD_BOX = 0.25
 # Every this many positions of a cached tensor estimate its mean magnitude (the feature threshold's unit).
 _SCALE_STRIDE = 7
 
@@ -386,6 +389,14 @@ class SparseExecutor:
             self.reset()  # caches may be half updated in place: the next frame must refill them
             raise
 
+    def unusable_fraction(self, matrix: np.ndarray) -> float:
+        """Share of the first cached map that the motion ``matrix`` (3, 3, previous -> current, input pixel
+        coords) leaves without a usable source; above ``dense_cut`` :meth:`cached` runs full inference, so a
+        caller can skip preparing the change mask."""
+        first = self._plan.steps[0].hw if self._plan.steps else None
+        warps = self._warp_maps(np.asarray(matrix, dtype=np.float64), self._input_hw, first)
+        return _unusable_fraction(warps, first)
+
     def _cached(self, x: torch.Tensor, changed: np.ndarray, matrix: np.ndarray) -> Any:
         x = x.to(self.device).contiguous(memory_format=torch.channels_last)
         image_hw = tuple(x.shape[-2:])
@@ -394,12 +405,12 @@ class SparseExecutor:
             raise ValueError(f"change mask has shape {changed.shape}, frame is {image_hw}")
         first = self._plan.steps[0].hw if self._plan.steps else None
         warps = self._warp_maps(np.asarray(matrix, dtype=np.float64), image_hw, first)
-        unusable = warps[first].invalid if first in warps else None
-        if unusable is not None and unusable.mean() > self.dense_cut:
+        unusable = _unusable_fraction(warps, first)
+        if unusable > self.dense_cut:
             # the motion leaves most of the first cached map without a usable source: everything after it
             # would be recomputed, and full inference does that with less bookkeeping
             out = self.full(x)
-            self.last.full_reason = f"{unusable.mean():.0%} of the cache misaligned by the motion"
+            self.last.full_reason = f"{unusable:.0%} of the cache misaligned by the motion"
             return out
         buffers = dict(self._buffers)
         stats = ExecStats(self._tail_flops, self._full_flops)
@@ -473,7 +484,8 @@ class SparseExecutor:
         y0, y1, x0, x1 = bounds
         boxes = {input_name: Box(bounds, x[:, :, y0:y1, x0:x1])}
         cut = None
-        with _threads(self.step_threads):
+        small = Box(bounds).area <= _ONE_THREAD_BOX * self._input_hw[0] * self._input_hw[1]
+        with _threads(self.step_threads if small else None):
             for step, live in zip(self._plan.steps, self._live):
                 if all(boxes[name].empty for name in live):
                     break  # the change has died out (feature threshold): every later tensor keeps its cache
@@ -1093,6 +1105,11 @@ def _steps(graph: Graph, gm: torch.fx.GraphModule, env: dict[str, Any], ordered:
             step.linear = (weight.reshape(weight.shape[0], -1).contiguous(), bias)
         steps.append(step)
     return steps
+
+
+def _unusable_fraction(warps: dict[tuple[int, int], _Warp], res: tuple[int, int] | None) -> float:
+    invalid = warps[res].invalid if res in warps else None
+    return float(invalid.mean()) if invalid is not None else 0.0
 
 
 @contextlib.contextmanager
