@@ -416,3 +416,17 @@ def test_sub_stride_motion_is_found_unusable_before_the_change_mask(zoo, photo, 
     out = session(moved, homography=np.eye(3))  # the full frame refilled the cache
     assert session.stats[-1].mode == "cached"
     _assert_close(out, _full(model, moved))
+
+
+def test_a_frame_buffer_refilled_in_place_is_not_taken_as_the_reference(zoo, photo):
+    # camera loops often decode every frame into the same array: the session must keep its own copy
+    model = zoo["mobilenet_v2"]
+    session = StreamSession(model, threshold=0.01, feature_threshold=0.0)
+    first, second = _crop(photo, 40, 60), _crop(photo, 40, 60)
+    second[20:30, 30:40] = 255 - second[20:30, 30:40]
+    buffer = first.copy()
+    session(buffer)
+    buffer[...] = second  # the caller refills its buffer with the next frame
+    out = session(buffer, homography=np.eye(3))
+    assert session.stats[-1].mode == "cached" and 0 < session.stats[-1].recompute_fraction < 0.5
+    _assert_close(out, _full(model, second))

@@ -384,12 +384,16 @@ class StreamSession:
 
     def _commit(self, reason: str | None, pixels: np.ndarray, raw_size: tuple[int, int], shape: tuple[int, ...],
                 features: FrameFeatures | None, mask, warped: np.ndarray | None,
-                refreshed: np.ndarray | None = None) -> None:
+                refreshed: tuple[int, int, int, int] | None = None) -> None:
         """The frame succeeded: it becomes the previous frame."""
         if reason is None:
             # the reference is what the cache stands for: stale where the frame kept cached values
-            fresh = mask.pixel_mask if refreshed is None else refreshed
-            self._reference = np.where(fresh[:, :, None], pixels, warped)
+            if refreshed is None:
+                self._reference = np.where(mask.pixel_mask[:, :, None], pixels, warped)
+            else:
+                y0, y1, x0, x1 = refreshed
+                self._reference = warped.copy()
+                self._reference[y0:y1, x0:x1] = pixels[y0:y1, x0:x1]
         else:
             self._reference = pixels
             self._last_full = self._index
@@ -495,7 +499,9 @@ class StreamSession:
                 x = self._check_tensor(self.preprocess(frame), "preprocess output")
                 return x, self._to_pixels(x), raw_size
             size = self._target_size(*raw_size)
-            pixels = np.ascontiguousarray(frame)
+            # the session keeps these pixels as its reference: never the caller's buffer, which a camera loop
+            # may refill in place
+            pixels = np.array(frame, order="C", copy=True)
             if size != raw_size:
                 shrink = size[0] * size[1] < raw_size[0] * raw_size[1]
                 pixels = cv2.resize(pixels, (size[1], size[0]),

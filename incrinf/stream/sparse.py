@@ -124,8 +124,8 @@ class ExecStats:
     dense_nodes: int = 0
     warped: int = 0
     full_reason: str = ""  # set when the frame ran as full inference instead (and why)
-    # (H, W) bool, input pixels whose current values the cache now stands for (None: the changed mask only)
-    refreshed: np.ndarray | None = None
+    # (y0, y1, x0, x1) input pixels whose current values the cache now stands for (None: the changed mask only)
+    refreshed: tuple[int, int, int, int] | None = None
 
     @property
     def flops_ratio(self) -> float:
@@ -416,9 +416,9 @@ class SparseExecutor:
         stats = ExecStats(self._tail_flops, self._full_flops)
         fresh: dict[tuple[int, int], np.ndarray] = {}
         if self.boxes and all(w.index is None and w.invalid is None and not w.new_padding for w in warps.values()):
-            box = Box(bounding_box(changed))
-            out = self._propagate_box(x, box.bounds, buffers, fresh, stats)
-            stats.refreshed = box.mask(image_hw)
+            bounds = bounding_box(changed)
+            out = self._propagate_box(x, bounds, buffers, fresh, stats)
+            stats.refreshed = bounds
         else:
             out = self._propagate_positions(x, changed, warps, buffers, fresh, stats)
         if out is None:
