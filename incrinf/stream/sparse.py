@@ -484,6 +484,7 @@ class SparseExecutor:
         y0, y1, x0, x1 = bounds
         boxes = {input_name: Box(bounds, x[:, :, y0:y1, x0:x1])}
         cut = None
+        drifting = any(d.any() for d in self._drift.values())
         small = Box(bounds).area <= _ONE_THREAD_BOX * self._input_hw[0] * self._input_hw[1]
         with _threads(self.step_threads if small else None):
             for step, live in zip(self._plan.steps, self._live):
@@ -496,8 +497,9 @@ class SparseExecutor:
                 stats.flops += step.flops * box.area / hw
                 if step.out in self._materialized:
                     box = self._box_commit(step.out, box, buffers)
-                    done = box.mask(step.hw)
-                    fresh[step.hw] = done if step.hw not in fresh else fresh[step.hw] & done
+                    if drifting:  # recomputed positions lose their drift (see _warp_maps)
+                        done = box.mask(step.hw)
+                        fresh[step.hw] = done if step.hw not in fresh else fresh[step.hw] & done
                 boxes[step.out] = box
                 if step.out in self._cuts and box.area >= self.dense_cut * hw:
                     cut = step.out
