@@ -77,9 +77,9 @@ _CHEAP_DENSE_RATIO = 0.4
 # When this share of a cut point's map (a tensor through which everything later flows) changed, the rest of
 # the local part would be recomputed nearly everywhere: run it as compiled code instead (see _run_suffix).
 _DENSE_CUT = 0.5
-# Changes whose input rectangle covers at most this share of the frame run their steps on one thread (crops of
-# a few hundred positions are too small to share; larger ones gain from a second core).
-_ONE_THREAD_BOX = 0.25
+# Box-path operators on fewer output elements than this run on one intra-op thread: below it a second thread
+# costs more than it saves (depthwise 3x3 and 1x1 convolutions measured on 2 cores: break-even near 50-100k).
+_PARALLEL_ELEMENTS = 65536
 # Every this many positions of a cached tensor estimate its mean magnitude (the feature threshold's unit).
 _SCALE_STRIDE = 7
 
@@ -283,8 +283,8 @@ class SparseExecutor:
         self._full_gm = _full_module(self.gm, self._plan.materialized, self._clone)
         self._tail_gm = _tail_module(self.gm, graph, self._plan)
         self._cuts = _cut_points(graph, self._plan)
-        self._suffixes: dict[str, tuple[torch.fx.GraphModule, list[str]]] = {}
-        self._suffix_flops: dict[str, float] = {}
+        # built now, not on first use: generating and compiling one costs about a frame's inference
+        self._suffixes = {cut: _suffix_module(self.gm, graph, self._plan, cut, self._clone) for cut in self._cuts}
         self.dense_cut = _DENSE_CUT
         self.boxes = True
         self.box_quantum = 4
@@ -299,6 +299,8 @@ class SparseExecutor:
         self._full_flops = float(sum(n.flops for n in graph.nodes))
         self._local_names = {n.name for n in self._plan.local}
         self._tail_flops = float(sum(n.flops for n in graph.nodes if n.name not in self._local_names))
+        self._suffix_flops = {cut: float(sum(graph.by_name[n].flops for n in _suffix_nodes(graph, self._plan, cut)
+                                             if n in self._local_names)) for cut in self._cuts}  # tail excluded
         self._live = _live_inputs(self._plan, graph.input.name)
         users = _users(graph)
         # boundary tensors whose values (not just sizes) the rest of the model reads
@@ -483,29 +485,23 @@ class SparseExecutor:
         input_name = self.graph.input.name
         y0, y1, x0, x1 = bounds
         boxes = {input_name: Box(bounds, x[:, :, y0:y1, x0:x1])}
-        cut = None
         drifting = any(d.any() for d in self._drift.values())
-        small = Box(bounds).area <= _ONE_THREAD_BOX * self._input_hw[0] * self._input_hw[1]
-        with _threads(self.step_threads if small else None):
-            for step, live in zip(self._plan.steps, self._live):
-                if all(boxes[name].empty for name in live):
-                    break  # the change has died out (feature threshold): every later tensor keeps its cache
-                hw = step.hw[0] * step.hw[1]
-                box = self._box_window(step, boxes, buffers, x) if step.window is not None else \
-                    self._box_rows(step, boxes, buffers)
-                stats.positions += box.area
-                stats.flops += step.flops * box.area / hw
-                if step.out in self._materialized:
-                    box = self._box_commit(step.out, box, buffers)
-                    if drifting:  # recomputed positions lose their drift (see _warp_maps)
-                        done = box.mask(step.hw)
-                        fresh[step.hw] = done if step.hw not in fresh else fresh[step.hw] & done
-                boxes[step.out] = box
-                if step.out in self._cuts and box.area >= self.dense_cut * hw:
-                    cut = step.out
-                    break
-        if cut is not None:
-            return self._run_suffix(cut, x, buffers, fresh, stats)
+        for step, live in zip(self._plan.steps, self._live):
+            if all(boxes[name].empty for name in live):
+                break  # the change has died out (feature threshold): every later tensor keeps its cache
+            hw = step.hw[0] * step.hw[1]
+            box = self._box_window(step, boxes, buffers, x) if step.window is not None else \
+                self._box_rows(step, boxes, buffers)
+            stats.positions += box.area
+            stats.flops += step.flops * box.area / hw
+            if step.out in self._materialized:
+                box = self._box_commit(step.out, box, buffers)
+                if drifting:  # recomputed positions lose their drift (see _warp_maps)
+                    done = box.mask(step.hw)
+                    fresh[step.hw] = done if step.hw not in fresh else fresh[step.hw] & done
+            boxes[step.out] = box
+            if step.out in self._cuts and box.area >= self.dense_cut * hw:
+                return self._run_suffix(step.out, x, buffers, fresh, stats)
         if self._last_out is not None and all(boxes.get(name, Box(EMPTY)).empty for name in self._read_boundary):
             stats.flops -= self._tail_flops  # nothing the classifier reads changed: neither does its output
             return _clone_output(self._last_out)
@@ -525,7 +521,8 @@ class SparseExecutor:
         else:
             hs, ws = self._shapes[win.source][-2:]
             source = from_rows(buffers[win.source], 1, hs, ws)
-        return Box(bounds, self._run_chain(step, win.op(padded_crop(source, bounds, win))))
+        with self._threads_for(bounds, step.out):
+            return Box(bounds, self._run_chain(step, win.op(padded_crop(source, bounds, win))))
 
     def _box_rows(self, step: _Step, boxes: dict[str, Box], buffers: dict[str, torch.Tensor]) -> Box:
         spatial = step.inputs
@@ -541,15 +538,22 @@ class SparseExecutor:
             else:  # merge inputs are cached: read the rest of the union from the merged map
                 shape = self._shapes[name]
                 values[name] = from_rows(buffers[name], 1, shape[-2], shape[-1])[:, :, y0:y1, x0:x1]
-        if step.linear is not None:
-            result = from_rows(F.linear(to_rows(values[spatial[0]]), *step.linear), 1, y1 - y0, x1 - x0)
-        else:
-            first = spatial[0]
-            if step.head.name in self._inplace and first in buffers and \
-                    values[first].untyped_storage().data_ptr() == buffers[first].untyped_storage().data_ptr():
-                values[first] = values[first].clone()
-            result = self._invoke(step.head, values)
-        return Box(bounds, self._run_chain(step, result))
+        with self._threads_for(bounds, step.out):
+            if step.linear is not None:
+                result = from_rows(F.linear(to_rows(values[spatial[0]]), *step.linear), 1, y1 - y0, x1 - x0)
+            else:
+                first = spatial[0]
+                if step.head.name in self._inplace and first in buffers and \
+                        values[first].untyped_storage().data_ptr() == buffers[first].untyped_storage().data_ptr():
+                    values[first] = values[first].clone()
+                result = self._invoke(step.head, values)
+            return Box(bounds, self._run_chain(step, result))
+
+    def _threads_for(self, bounds: Bounds, name: str) -> contextlib.AbstractContextManager:
+        """One intra-op thread for an operator on a small box (sharing it costs more than it saves)."""
+        y0, y1, x0, x1 = bounds
+        small = (y1 - y0) * (x1 - x0) * self._shapes[name][1] < _PARALLEL_ELEMENTS
+        return _threads(self.step_threads if small else None)
 
     def _box_commit(self, name: str, box: Box, buffers: dict[str, torch.Tensor]) -> Box:
         """Write a box's values into its cache (in place); with a feature threshold, first cut the box to the
@@ -574,18 +578,13 @@ class SparseExecutor:
                     fresh: dict[tuple[int, int], np.ndarray], stats: ExecStats) -> Any:
         """Most of ``cut`` changed, and so will everything after it: finish the frame with the compiled rest
         of the model (no per-step bookkeeping) and take its tensors as the new caches."""
-        module, names = self._suffixes.get(cut, (None, None))
-        if module is None:
-            module, names = self._suffixes[cut] = _suffix_module(self.gm, self.graph, self._plan, cut, self._clone)
+        module, names = self._suffixes[cut]
         shape = self._shapes[cut]
         out, tensors = module(x, from_rows(buffers[cut], 1, shape[-2], shape[-1]))
         for name, t in zip(names, tensors):
             buffers[name] = to_rows(t)
             res = tuple(self._shapes[name][-2:])
             fresh[res] = np.ones(res, bool)
-        if cut not in self._suffix_flops:  # the tail's FLOPs are counted already
-            self._suffix_flops[cut] = float(sum(self.graph.by_name[n].flops for n in
-                                                _suffix_nodes(self.graph, self._plan, cut) if n in self._local_names))
         stats.flops += self._suffix_flops[cut]
         stats.dense_nodes += 1
         return out
