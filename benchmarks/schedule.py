@@ -43,6 +43,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from incrinf import models
 from incrinf.stream import wire
+from incrinf.stream.defaults import DEFAULT_CELL, DEFAULT_FEATURE_THRESHOLD, DEFAULT_THRESHOLD
 from incrinf.stream.netem import ShapingProxy
 from incrinf.stream.offload import OffloadingSession
 from incrinf.stream.synthetic import synthetic_camera
@@ -101,7 +102,8 @@ def main() -> int:
     blocks = ", ".join(f"{v:g}" for v in trace)
     print(f"link: {blocks} Mbit/s in equal blocks of frames, +{args.latency_ms:g} ms each way, "
           "shaped by a loopback proxy per policy, stepped per frame")
-    print("cached options: threshold 15, cell 16, max_ratio 0.6, keyframe every 30, ORB matching without ECC; "
+    print(f"cached options: threshold {DEFAULT_THRESHOLD:g}, cell {DEFAULT_CELL}, feature_threshold "
+          f"{DEFAULT_FEATURE_THRESHOLD:g}, max_ratio 0.6, keyframe every 30, ORB matching without ECC; "
           "local_cached = incrinf.stream.session.StreamSession (sparse executor)")
 
     model = models.load(args.model)

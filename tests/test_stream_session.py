@@ -91,7 +91,7 @@ def test_local_change_recomputes_only_what_it_reaches(zoo, photo, name):
 def test_integer_pan_by_the_largest_stride_is_exact(zoo, photo):
     # a 32 px shift is a whole number of positions at every stride of ResNet-18: the cache is reused exactly
     model = zoo["resnet18"]
-    session = StreamSession(model, keyframe_interval=None, feature_threshold=0.0)
+    session = StreamSession(model, keyframe_interval=None)
     session(_crop(photo, 40, 40))
     for k in (1, 2):
         frame = _crop(photo, 40, 40 + 32 * k)
@@ -103,7 +103,7 @@ def test_integer_pan_by_the_largest_stride_is_exact(zoo, photo):
 
 def test_estimated_pan_stays_close_to_full_inference(zoo, photo):
     model = zoo["efficientnet_lite0"]
-    session = StreamSession(model, keyframe_interval=None, matcher_options={"refine": True}, feature_threshold=0.0)
+    session = StreamSession(model, keyframe_interval=None, matcher_options={"refine": True})
     errors, agree = [], 0
     for k in range(6):
         frame = _crop(photo, 50 + 2 * k, 40 + 4 * k)  # pure integer shifts, estimated by matching
@@ -430,3 +430,41 @@ def test_a_frame_buffer_refilled_in_place_is_not_taken_as_the_reference(zoo, pho
     out = session(buffer, homography=np.eye(3))
     assert session.stats[-1].mode == "cached" and 0 < session.stats[-1].recompute_fraction < 0.5
     _assert_close(out, _full(model, second))
+
+
+def test_cached_frames_that_save_little_count_towards_the_back_off(zoo, photo):
+    # alternating unrelated crops change every cell: the cached frames recompute everything (saving ~1x), which
+    # the session treats like a miss, so after three of them it runs plain frames without matching for a while
+    model = zoo["mobilenet_v2"]
+    session = StreamSession(model, threshold=0.01, max_ratio=1.0, feature_threshold=0.0, keyframe_interval=None,
+                            max_backoff=4)
+    a, b = _crop(photo, 40, 60), _crop(photo, 100, 150)
+    for image in [a, b, a, b, a, b, a, a, a, a, a, a]:
+        out = session(image, homography=np.eye(3))
+        _assert_close(out, _full(model, image))
+    reasons = [s.reason.split(":")[0] for s in session.stats]
+    assert reasons[:7] == ["first frame", "ok", "ok", "ok", "backing off", "backing off", "ok"]
+    assert [s.flops_ratio < 1.25 for s in session.stats[1:4]] == [True] * 3
+    # the probe at 6 saved little again: 4 frames off, then a still frame probes, saves everything, resets
+    assert reasons[7:] == ["backing off"] * 4 + ["ok"]
+    assert session.stats[-1].flops_ratio == float("inf") and session._skip == session._backoff == 0
+
+
+def test_default_feature_threshold_prunes_still_frames_only(zoo, photo):
+    model = zoo["efficientnet_lite0"]
+    frame = _crop(photo, 40, 60)
+    changed = frame.copy()
+    changed[20:36, 30:46] = np.clip(changed[20:36, 30:46].astype(int) + 40, 0, 255).astype(np.uint8)
+    default, exact = StreamSession(model), StreamSession(model, feature_threshold=0.0)
+    for session in (default, exact):
+        session(frame)
+        session(changed, homography=np.eye(3))
+    executor = next(iter(default._executors.values()))
+    assert (executor.feature_threshold, executor.moving_feature_threshold) == (0.35, 0.0)
+    assert default.stats[-1].flops_ratio > exact.stats[-1].flops_ratio  # pruned on a still camera
+    ref = _full(model, changed)
+    assert float((default(changed, homography=np.eye(3)) - ref).norm() / ref.norm()) < 0.2
+    fixed = StreamSession(model, feature_threshold=0.1)
+    fixed(frame)
+    executor = next(iter(fixed._executors.values()))
+    assert (executor.feature_threshold, executor.moving_feature_threshold) == (0.1, 0.1)

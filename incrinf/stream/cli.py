@@ -51,9 +51,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--cell", type=_positive_int, default=16, help="change-mask cell side in pixels (default 16)")
     p.add_argument("--max-ratio", type=float, default=0.6, help="changed fraction above which a frame runs full")
     p.add_argument("--keyframe-interval", type=int, default=30, help="full inference every N frames (0: never)")
-    p.add_argument("--feature-threshold", type=_non_negative, default=DEFAULT_FEATURE_THRESHOLD,
+    p.add_argument("--feature-threshold", type=_non_negative, default=None,
                    help="drop recomputed positions whose features moved less than this share of the tensor's mean "
-                        f"magnitude (default {DEFAULT_FEATURE_THRESHOLD:g}; 0: exact propagation)")
+                        f"magnitude (default {DEFAULT_FEATURE_THRESHOLD:g} on still-camera frames, 0 under camera "
+                        "motion; 0: exact propagation)")
     p.add_argument("--size", type=_size, help="resize frames to HxW (default: the video's size)")
     p.add_argument("--max-frames", type=_positive_int, help="stop after this many frames")
     p.add_argument("--csv", help="write per-frame statistics to this CSV file")

@@ -38,6 +38,10 @@ _STILL_RESPONSE = 0.8
 # Reasons of frames that tried the cache in vain; this many in a row start a back-off (see max_backoff).
 _MISSES = ("match failed", "cache unusable", "changed fraction")
 _BACKOFF_AFTER = 3
+# A cached frame that computed more than 1 / this of the full FLOPs counts as a miss too: under camera motion
+# the change can reach nearly every position, and the bookkeeping then makes the frame slower than plain
+# inference (measured: 1.7x slower on a panning 128 px synthetic camera).
+_MIN_SAVING = 1.25
 _MIN_SIDE = 64  # frames smaller than this are upscaled: a CNN's deep maps would vanish
 _LOCAL_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
 _LOCAL_FUNCTIONS = {torch.nn.functional.conv2d, torch.conv2d, torch.nn.functional.max_pool2d,
@@ -117,9 +121,11 @@ class StreamSession:
             system is idle". The feature caches themselves are merged in place while the frame runs (later
             layers read them), so little is left to defer; outputs are identical either way.
         feature_threshold: drop recomputed positions whose features moved by at most this fraction of the
-            tensor's mean magnitude, so changes that fade out stop spreading (default 0.35: about 7x fewer
-            FLOPs on a still camera at an output error about that of reusing the previous frame's output; 0:
-            exact propagation, so that ``threshold=0`` and a still camera reproduce full inference).
+            tensor's mean magnitude, so changes that fade out stop spreading; 0: exact propagation (then
+            ``threshold=0`` and a still camera reproduce full inference). Default (None): 0.35 on still-camera
+            frames (about 7x fewer FLOPs on carphone at an output error about that of reusing the previous
+            frame's output) and 0 under camera motion, where cached features are already approximate (there
+            0.35 cost 16 points of top-1 agreement on a panning synthetic camera).
         min_motion: homographies that move no frame corner by this many pixels or more are treated as
             identity (keypoint noise on a still camera would otherwise shift the whole cache).
         max_misalignment: cached features are read at the nearest position of their map; where that lands
@@ -139,9 +145,9 @@ class StreamSession:
             new one (its change mask under the identity), the camera is taken as still and keypoint matching
             is skipped (it costs about half an inference of a small frame); 0 always estimates the homography.
         max_backoff: after 3 frames in a row that could not use the cache (failed match, too much change,
-            cache misaligned by the motion), run the next frames fully without matching, 2, 4, ... up to this
-            many before trying again, so a constantly moving camera costs about plain inference instead of
-            matching for nothing (0: try every frame).
+            cache misaligned by the motion) or computed more than 80% of the full FLOPs with it, run the next
+            frames fully without matching, 2, 4, ... up to this many before trying again, so a constantly
+            moving camera costs about plain inference instead of matching for nothing (0: try every frame).
 
     Raises:
         CaptureError: the model cannot be traced.
@@ -171,7 +177,7 @@ class StreamSession:
         preprocess: Callable[[np.ndarray], torch.Tensor] | None = None,
         device: torch.device | str | None = None,
         background_update: bool = False,
-        feature_threshold: float = DEFAULT_FEATURE_THRESHOLD,
+        feature_threshold: float | None = None,
         min_motion: float = 2.0,
         max_misalignment: float = 0.25,
         mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
@@ -193,8 +199,8 @@ class StreamSession:
             raise ValueError(f"max_ratio must be in [0, 1], got {max_ratio}")
         if keyframe_interval is not None and (int(keyframe_interval) != keyframe_interval or keyframe_interval < 0):
             raise ValueError(f"keyframe_interval must be a non-negative integer or None, got {keyframe_interval}")
-        if not feature_threshold >= 0:
-            raise ValueError(f"feature_threshold must be >= 0, got {feature_threshold}")
+        if feature_threshold is not None and not feature_threshold >= 0:
+            raise ValueError(f"feature_threshold must be >= 0 or None, got {feature_threshold}")
         if not 0.0 <= still_fraction <= 1.0:
             raise ValueError(f"still_fraction must be in [0, 1], got {still_fraction}")
         if int(max_backoff) != max_backoff or max_backoff < 0:
@@ -219,7 +225,7 @@ class StreamSession:
         self.device = torch.device(device) if device is not None else (
             param.device if param is not None else torch.device("cpu"))
         self.background_update = bool(background_update)
-        self.feature_threshold = float(feature_threshold)
+        self.feature_threshold = None if feature_threshold is None else float(feature_threshold)
         self.min_motion = float(min_motion)
         self.still_fraction = float(still_fraction)
         self.max_backoff = int(max_backoff)
@@ -292,7 +298,8 @@ class StreamSession:
         if reason is None and executor.last.full_reason:
             reason = f"cache unusable: {executor.last.full_reason}"
         refreshed = executor.last.refreshed if reason is None else None
-        commit = (reason, pixels, raw_size, tuple(x.shape), features, mask, warped, refreshed)
+        saving = executor.last.flops_ratio if reason is None else 1.0
+        commit = (reason, pixels, raw_size, tuple(x.shape), features, mask, warped, refreshed, saving)
         if self.background_update:
             self._worker = threading.Thread(target=self._commit, args=commit, daemon=True)
             self._worker.start()
@@ -330,7 +337,8 @@ class StreamSession:
         if self.keyframe_interval and self._index - self._last_full >= self.keyframe_interval:
             return "keyframe", None, None, None, 0, None
         if self._skip > 0:
-            return f"backing off: {self._misses} frames in a row could not use the cache", None, None, None, 0, None
+            return (f"backing off: {self._misses} frames in a row could not use the cache or saved little with it",
+                    None, None, None, 0, None)
         n_matches = 0
         features = still = None
         if matrix_given is None and self.still_fraction > 0 and self._looks_still(pixels):
@@ -384,7 +392,7 @@ class StreamSession:
 
     def _commit(self, reason: str | None, pixels: np.ndarray, raw_size: tuple[int, int], shape: tuple[int, ...],
                 features: FrameFeatures | None, mask, warped: np.ndarray | None,
-                refreshed: tuple[int, int, int, int] | None = None) -> None:
+                refreshed: tuple[int, int, int, int] | None = None, saving: float = math.inf) -> None:
         """The frame succeeded: it becomes the previous frame."""
         if reason is None:
             # the reference is what the cache stands for: stale where the frame kept cached values
@@ -400,7 +408,7 @@ class StreamSession:
             for other_shape, executor in self._executors.items():
                 if other_shape != shape:
                     executor.reset()  # another frame size: free its cache
-        self._count_miss(reason)
+        self._count_miss(reason, saving)
         self._prev_pixels = pixels
         self._prev_gray, self._gray = self._gray, None
         self._prev_features = features
@@ -408,13 +416,14 @@ class StreamSession:
         self._shape = shape
         self._failed = False
 
-    def _count_miss(self, reason: str | None) -> None:
-        """Back-off bookkeeping: frames that tried the cache in vain lengthen the next full-only stretch."""
-        if reason is None:
+    def _count_miss(self, reason: str | None, saving: float) -> None:
+        """Back-off bookkeeping: frames that tried the cache in vain (or saved little with it) lengthen the
+        next full-only stretch."""
+        if reason is None and saving >= _MIN_SAVING:
             self._misses = self._backoff = self._skip = 0
-        elif reason.startswith("backing off"):
+        elif reason is not None and reason.startswith("backing off"):
             self._skip -= 1
-        elif reason.startswith(_MISSES):
+        elif reason is None or reason.startswith(_MISSES):
             self._misses += 1
             if self.max_backoff and self._misses >= _BACKOFF_AFTER:
                 self._backoff = min(max(2 * self._backoff, 2), self.max_backoff)
@@ -442,8 +451,10 @@ class StreamSession:
         executor = self._executors.get(shape)
         if executor is None:
             graph = capture(self.model, shape)  # CaptureError when the model fails at this size
-            executor = SparseExecutor(graph, self.device, feature_threshold=self.feature_threshold,
-                                      max_misalignment=self.max_misalignment)
+            ft = self.feature_threshold
+            executor = SparseExecutor(graph, self.device, max_misalignment=self.max_misalignment,
+                                      feature_threshold=DEFAULT_FEATURE_THRESHOLD if ft is None else ft,
+                                      moving_feature_threshold=0.0 if ft is None else ft)
             self._executors[shape] = executor
         return executor
 

@@ -249,22 +249,32 @@ class SparseExecutor:
         feature_threshold: drop recomputed positions whose values changed by at most this fraction of the
             tensor's mean magnitude (0: keep every recomputed position; with exact inputs and identity motion
             the result then equals full inference).
+        max_misalignment: recompute cached positions whose content the nearest-neighbour warp misplaces by more
+            than this (in positions of their map).
         block: override the output block size of window operators (default: by map size).
+        moving_feature_threshold: ``feature_threshold`` for frames the camera moved in (default: the same).
 
     Raises:
         ValueError: the model has no local operator before its first global one (nothing to reuse).
     """
 
     def __init__(self, graph: Graph, device: torch.device | str = "cpu", feature_threshold: float = 0.0,
-                 max_misalignment: float = 0.5, block: int | None = None) -> None:
-        if feature_threshold < 0:
-            raise ValueError(f"feature_threshold must be >= 0, got {feature_threshold}")
+                 max_misalignment: float = 0.5, block: int | None = None,
+                 moving_feature_threshold: float | None = None) -> None:
+        if moving_feature_threshold is None:
+            moving_feature_threshold = feature_threshold
+        for name, value in (("feature_threshold", feature_threshold),
+                            ("moving_feature_threshold", moving_feature_threshold)):
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         if not 0.0 <= max_misalignment <= 0.5:
             raise ValueError(f"max_misalignment must be in [0, 0.5] positions, got {max_misalignment}")
         self.max_misalignment = float(max_misalignment)
         self.graph = graph
         self.device = torch.device(device)
         self.feature_threshold = float(feature_threshold)
+        self.moving_feature_threshold = float(moving_feature_threshold)
+        self._frame_threshold = self.feature_threshold  # the one the current frame uses
         self.gm = copy.deepcopy(graph.module).to(self.device).to(memory_format=torch.channels_last).eval()
         self._fx = {n.name: n for n in self.gm.graph.nodes}
         self._modules = dict(self.gm.named_modules())
@@ -356,7 +366,7 @@ class SparseExecutor:
                 # caches are updated in place: two of them must not share memory
                 buffers[name] = rows.clone() if ptr in storages else rows
                 storages.add(ptr)
-        if self.feature_threshold > 0:
+        if self.feature_threshold > 0 or self.moving_feature_threshold > 0:
             # a strided sample of positions estimates the mean magnitude well at a fraction of a full pass
             self._scales = {name: float(rows[::_SCALE_STRIDE].abs().mean()) for name, rows in buffers.items()}
         self._buffers = buffers
@@ -417,7 +427,9 @@ class SparseExecutor:
         buffers = dict(self._buffers)
         stats = ExecStats(self._tail_flops, self._full_flops)
         fresh: dict[tuple[int, int], np.ndarray] = {}
-        if self.boxes and all(w.index is None and w.invalid is None and not w.new_padding for w in warps.values()):
+        still = all(w.index is None and w.invalid is None and not w.new_padding for w in warps.values())
+        self._frame_threshold = self.feature_threshold if still else self.moving_feature_threshold
+        if self.boxes and still:
             bounds = bounding_box(changed)
             out = self._propagate_box(x, bounds, buffers, fresh, stats)
             stats.refreshed = bounds
@@ -563,7 +575,7 @@ class SparseExecutor:
         h, w = self._shapes[name][-2:]
         y0, y1, x0, x1 = box.bounds
         target = from_rows(buffers[name], 1, h, w)[:, :, y0:y1, x0:x1]
-        eps = self.feature_threshold * self._scales.get(name, 0.0)
+        eps = self._frame_threshold * self._scales.get(name, 0.0)
         if eps > 0:
             a, b, c, d = bounding_box((torch.sub(box.values, target).abs_().mean(dim=1)[0] > eps).numpy())
             if a >= b:
@@ -747,7 +759,7 @@ class SparseExecutor:
             return state
         rows = to_rows(state.values)
         index = state.index(self.device)
-        eps = self.feature_threshold * self._scales.get(name, 0.0)
+        eps = self._frame_threshold * self._scales.get(name, 0.0)
         if eps > 0:
             delta = (rows - buffers[name].index_select(0, index)).abs().mean(dim=1)
             keep = (delta > eps).cpu().numpy()
