@@ -38,9 +38,9 @@ _STILL_RESPONSE = 0.8
 # Reasons of frames that tried the cache in vain; this many in a row start a back-off (see max_backoff).
 _MISSES = ("match failed", "cache unusable", "changed fraction")
 _BACKOFF_AFTER = 3
-# A cached frame that computed more than 1 / this of the full FLOPs counts as a miss too: under camera motion
-# the change can reach nearly every position, and the bookkeeping then makes the frame slower than plain
-# inference (measured: 1.7x slower on a panning 128 px synthetic camera).
+# A cached frame of a moving camera that computed more than 1 / this of the full FLOPs counts as a miss too:
+# under camera motion the change can reach nearly every position, and the bookkeeping then makes the frame
+# slower than plain inference (measured: 1.7x slower on a panning 128 px synthetic camera).
 _MIN_SAVING = 1.25
 _MIN_SIDE = 64  # frames smaller than this are upscaled: a CNN's deep maps would vanish
 _LOCAL_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
@@ -145,7 +145,7 @@ class StreamSession:
             new one (its change mask under the identity), the camera is taken as still and keypoint matching
             is skipped (it costs about half an inference of a small frame); 0 always estimates the homography.
         max_backoff: after 3 frames in a row that could not use the cache (failed match, too much change,
-            cache misaligned by the motion) or computed more than 80% of the full FLOPs with it, run the next
+            cache misaligned by the motion) or moved and computed more than 80% of the full FLOPs, run the next
             frames fully without matching, 2, 4, ... up to this many before trying again, so a constantly
             moving camera costs about plain inference instead of matching for nothing (0: try every frame).
 
@@ -298,7 +298,9 @@ class StreamSession:
         if reason is None and executor.last.full_reason:
             reason = f"cache unusable: {executor.last.full_reason}"
         refreshed = executor.last.refreshed if reason is None else None
-        saving = executor.last.flops_ratio if reason is None else 1.0
+        # only a moving camera's low saving predicts the next frame's (a still camera's follows the scene)
+        moving = matrix is not None and not np.array_equal(matrix, np.eye(3))
+        saving = executor.last.flops_ratio if reason is None and moving else math.inf
         commit = (reason, pixels, raw_size, tuple(x.shape), features, mask, warped, refreshed, saving)
         if self.background_update:
             self._worker = threading.Thread(target=self._commit, args=commit, daemon=True)
