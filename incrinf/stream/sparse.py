@@ -18,15 +18,15 @@ frame-to-frame homography (an index map per feature resolution, shared by every 
   be recomputed nearly everywhere: it runs as one compiled module and its tensors become the new caches;
 - the rest of the model (global pooling, classifier) runs as usual on the merged maps at the *cache point*.
 
-A still camera (every index map the identity, the common case on a robot that stops or a fixed camera) takes
-the **box path** instead (:mod:`incrinf.stream.boxes`): the change is one rectangle per tensor, each operator
-runs densely on a crop of its merged input (slicing is free, no index tables, no gathers) and writes back with
-one slice copy, rectangles rounded up to multiples of 4 so oneDNN reuses its per-shape kernels; the steps run
-on one intra-op thread (they are too small to share). The cache then stands for the current frame over the
-whole input rectangle, and when the feature threshold stops the change before the cache point the previous
-output is returned without running the classifier. On carphone (default thresholds) it takes about 80% of
-the time of the position path with about half its output error, since the rectangle refreshes more of the
-cache than the changed cells.
+A still camera (every index map the identity, the common case on a robot that stops or a fixed camera) takes the
+**box path** instead (:mod:`incrinf.stream.boxes`): the change is one rectangle per tensor, each operator runs
+densely on a crop of its merged input (slicing is free, no index tables, no gathers) and writes back with one
+slice copy, rectangles rounded up to multiples of 4 so oneDNN reuses its per-shape kernels; operators on small
+crops run on one intra-op thread (a second one costs more than it saves there). The cache then stands for the
+current frame over the whole input rectangle, and when the feature threshold stops the change before the cache
+point the previous output is returned without running the classifier. On carphone (default thresholds) it takes
+about 80% of the time of the position path with about half its output error, since the rectangle refreshes more of
+the cache than the changed cells.
 
 Only the tensors read outside their own changed set are cached (inputs of window operators, merge inputs and
 the cache point): the row steps between two window operators are fused onto the first one's output and need
@@ -39,8 +39,8 @@ keeps the rounding from accumulating over frames, and positions misplaced by mor
 are recomputed); pixels under the change threshold are reused stale; an optional ``feature_threshold`` drops
 recomputed positions whose new values differ from the cache by less than that fraction of the tensor's mean
 magnitude, so changes that fade out stop spreading (CBinfer-style; the box path cuts its rectangle to the
-positions above it). With identity motion, every changed pixel
-marked and ``feature_threshold=0`` the output equals full inference to float tolerance.
+positions above it). With identity motion, every changed pixel marked and ``feature_threshold=0`` the output
+equals full inference to float tolerance.
 """
 
 from __future__ import annotations
@@ -253,6 +253,13 @@ class SparseExecutor:
             than this (in positions of their map).
         block: override the output block size of window operators (default: by map size).
         moving_feature_threshold: ``feature_threshold`` for frames the camera moved in (default: the same).
+
+    Attributes:
+        dense_cut: share of a cut point's map above which the rest of the model runs as compiled code.
+        boxes: take the box path on still-camera frames (False: the position path always; for comparisons).
+        box_quantum: box sides are rounded up to multiples of this (1: exact boxes).
+        step_threads: intra-op threads of box-path operators on small crops (None: leave torch's setting).
+        last: :class:`ExecStats` of the latest frame.
 
     Raises:
         ValueError: the model has no local operator before its first global one (nothing to reuse).
