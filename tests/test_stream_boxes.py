@@ -105,7 +105,8 @@ def _frames(size=(64, 72)) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     return x0, x1, (x1 != x0).any(dim=1)[0].numpy()
 
 
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "squeezenet1_1", "googlenet", "efficientnet_lite0"])
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "squeezenet1_1", "googlenet", "densenet121",
+                                  "shufflenet_v2_x1_0", "regnet_x_400mf", "efficientnet_lite0"])
 def test_box_and_position_paths_equal_full_inference(name):
     model = zoo_model(name)
     x0, x1, changed = _frames()
