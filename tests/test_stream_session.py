@@ -475,3 +475,20 @@ def test_default_feature_threshold_prunes_still_frames_only(zoo, photo):
     fixed(frame)
     executor = next(iter(fixed._executors.values()))
     assert (executor.feature_threshold, executor.moving_feature_threshold) == (0.1, 0.1)
+
+
+def test_background_update_gives_the_same_outputs(zoo, photo):
+    model = zoo["mobilenet_v2"]
+    sessions = [StreamSession(model, background_update=flag) for flag in (False, True)]
+    frames = [_crop(photo, 40, 60)]
+    for k in range(1, 6):
+        frame = _crop(photo, 40, 60 + (32 if k >= 3 else 0))
+        frame[10 + 5 * k:20 + 5 * k, 30:44] = 255 - frame[10 + 5 * k:20 + 5 * k, 30:44]
+        frames.append(frame)
+    pan = np.array([[1.0, 0, -32], [0, 1, 0], [0, 0, 1]])
+    homographies = [None, np.eye(3), np.eye(3), pan, np.eye(3), np.eye(3)]
+    for frame, homography in zip(frames, homographies):
+        a, b = (s(frame, homography=homography) for s in sessions)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert [s.mode for s in sessions[0].stats] == [s.mode for s in sessions[1].stats]
+    assert sum(s.mode == "cached" for s in sessions[1].stats) >= 4
