@@ -259,6 +259,8 @@ class SparseExecutor:
         boxes: take the box path on still-camera frames (False: the position path always; for comparisons).
         box_quantum: box sides are rounded up to multiples of this (1: exact boxes).
         step_threads: intra-op threads of box-path operators on small crops (None: leave torch's setting).
+            ``torch.set_num_threads`` is process-wide: other threads running torch at the same moment
+            also get this many for the few microseconds of such an operator.
         last: :class:`ExecStats` of the latest frame.
 
     Raises:
