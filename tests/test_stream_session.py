@@ -492,3 +492,18 @@ def test_background_update_gives_the_same_outputs(zoo, photo):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert [s.mode for s in sessions[0].stats] == [s.mode for s in sessions[1].stats]
     assert sum(s.mode == "cached" for s in sessions[1].stats) >= 4
+
+
+def test_a_moving_frame_builds_its_index_maps_once(zoo, photo, monkeypatch):
+    # the session asks whether the motion leaves the cache usable before the frame runs: the executor reuses
+    # those index maps for the frame instead of building them again
+    model = zoo["resnet18"]
+    session = StreamSession(model, keyframe_interval=None)
+    session(_crop(photo, 40, 40))
+    calls = []
+    original = SparseExecutor._warp_maps
+    monkeypatch.setattr(SparseExecutor, "_warp_maps", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    frame = _crop(photo, 40, 72)
+    out = session(frame, homography=np.array([[1.0, 0, -32], [0, 1, 0], [0, 0, 1]]))
+    assert session.stats[-1].mode == "cached" and calls == [1]
+    _assert_close(out, _full(model, frame))

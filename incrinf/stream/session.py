@@ -234,6 +234,9 @@ class StreamSession:
             raise ValueError(f"max_misalignment must be in [0, 0.5] positions, got {max_misalignment}")
         self._mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
         self._std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+        # (pixels / 255 - mean) / std as one multiply-add on the model's device
+        self._pixel_scale = (1.0 / (255.0 * self._std)).to(self.device)
+        self._pixel_shift = (-self._mean / self._std).to(self.device)
         # ECC refinement costs about as much as the rest of a cached frame; keypoint noise on a still camera
         # is absorbed by min_motion instead
         options = {"refine": False, "max_features": 500, **(matcher_options or {})}
@@ -519,10 +522,9 @@ class StreamSession:
                 shrink = size[0] * size[1] < raw_size[0] * raw_size[1]
                 pixels = cv2.resize(pixels, (size[1], size[0]),
                                     interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
-            # (pixels / 255 - mean) / std as one multiply-add; an HWC array permuted is channels-last already
-            scale = (1.0 / (255.0 * self._std)).to(self.device)
+            # an HWC array permuted is channels-last already
             x = torch.from_numpy(pixels).to(self.device).permute(2, 0, 1)[None].float()
-            x = torch.addcmul((-self._mean / self._std).to(self.device), x, scale)
+            x = torch.addcmul(self._pixel_shift, x, self._pixel_scale)
             return x.contiguous(memory_format=torch.channels_last), pixels, raw_size
         if isinstance(frame, torch.Tensor):
             x = self._check_tensor(frame, "frame")

@@ -329,6 +329,8 @@ class SparseExecutor:
         self._buffers: dict[str, torch.Tensor] = {}
         self._scales: dict[str, float] = {}
         self._drift: dict[tuple[int, int], np.ndarray] = {}
+        self._first_hw = self._plan.steps[0].hw if self._plan.steps else None  # the first cached map's size
+        self._warp_memo: tuple[tuple[bytes, tuple[int, int]], dict[tuple[int, int], _Warp]] | None = None
         self.last = ExecStats(0.0, self._full_flops)
 
     # --- introspection -----------------------------------------------------------------------------------
@@ -357,6 +359,7 @@ class SparseExecutor:
         """Drop the cache (the next frame must go through :meth:`full`)."""
         self._buffers = {}
         self._drift = {}
+        self._warp_memo = None
 
     # --- full inference ----------------------------------------------------------------------------------
 
@@ -414,9 +417,16 @@ class SparseExecutor:
         """Share of the first cached map that the motion ``matrix`` (3, 3, previous -> current, input pixel
         coords) leaves without a usable source; above ``dense_cut`` :meth:`cached` runs full inference, so a
         caller can skip preparing the change mask."""
-        first = self._plan.steps[0].hw if self._plan.steps else None
-        warps = self._warp_maps(np.asarray(matrix, dtype=np.float64), self._input_hw, first)
-        return _unusable_fraction(warps, first)
+        return _unusable_fraction(self._frame_warps(matrix, self._input_hw), self._first_hw)
+
+    def _frame_warps(self, matrix: np.ndarray, image_hw: tuple[int, int]) -> dict[tuple[int, int], _Warp]:
+        """:meth:`_warp_maps` of this frame's motion, computed once when :meth:`unusable_fraction` asked first
+        (the maps depend on the drift, which changes only when a frame ends: the memo is dropped then)."""
+        matrix = np.asarray(matrix, dtype=np.float64)
+        key = (matrix.tobytes(), image_hw)
+        if self._warp_memo is None or self._warp_memo[0] != key:
+            self._warp_memo = (key, self._warp_maps(matrix, image_hw, self._first_hw))
+        return self._warp_memo[1]
 
     def _cached(self, x: torch.Tensor, changed: np.ndarray, matrix: np.ndarray) -> Any:
         x = x.to(self.device).contiguous(memory_format=torch.channels_last)
@@ -424,9 +434,9 @@ class SparseExecutor:
         changed = np.asarray(changed, dtype=bool)
         if changed.shape != image_hw:
             raise ValueError(f"change mask has shape {changed.shape}, frame is {image_hw}")
-        first = self._plan.steps[0].hw if self._plan.steps else None
-        warps = self._warp_maps(np.asarray(matrix, dtype=np.float64), image_hw, first)
-        unusable = _unusable_fraction(warps, first)
+        warps = self._frame_warps(matrix, image_hw)
+        self._warp_memo = None
+        unusable = _unusable_fraction(warps, self._first_hw)
         if unusable > self.dense_cut:
             # the motion leaves most of the first cached map without a usable source: everything after it
             # would be recomputed, and full inference does that with less bookkeeping
@@ -549,7 +559,7 @@ class SparseExecutor:
         spatial = step.inputs
         ins = [boxes[s] for s in spatial]
         bounds = ins[0].bounds if len(ins) == 1 else union([b.bounds for b in ins])
-        if bounds == EMPTY or bounds[0] >= bounds[1]:
+        if bounds == EMPTY:
             return Box(EMPTY)
         y0, y1, x0, x1 = bounds
         values = {}
