@@ -42,7 +42,7 @@ except ImportError:  # run from a checkout without `pip install -e .`: use the p
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from incrinf.kernels import depthwise_int8 as dw
 from incrinf.kernels.quantize import per_channel_multipliers
-from incrinf.kernels.tflite_oracle import TfliteRunner, build_depthwise_model
+from incrinf.testing.tflite_oracle import TfliteRunner, build_depthwise_model
 
 MODELS = ("mobilenet_v2", "efficientnet_lite0")
 METHODS = ("ours", "ref-order", "REF", "opt", "xnnpack")

@@ -2,15 +2,15 @@
 
 Setup (all on this machine, loopback only):
 
-- the offload server is a separate process (``python -m incrinf.stream.serve_cli``, 1 torch thread);
+- the offload server is a separate process (``python -m incrinf.cli.serve``, 1 torch thread);
 - the client (this process, 1 torch thread) emulates a robot CPU ``--slowdown`` times slower than the
   server: every client-side computation (model, hybrid prefix, homography matching + change mask) sleeps
   ``slowdown - 1`` times its measured duration, and the client's profile is scaled by the same factor;
-- every policy talks to the server through its own :class:`~incrinf.stream.netem.ShapingProxy`; all proxies
+- every policy talks to the server through its own :class:`~incrinf.testing.shaping.ShapingProxy`; all proxies
   follow the same bandwidth trace, stepped *per frame* (frame ``k`` sees the same link under every policy),
   and the policies process the frames interleaved (frame ``k`` under every policy, in rotating order, before
   frame ``k + 1``), so the load of this shared machine hits all policies alike;
-- frames: a virtual camera panning over the sample photo with a moving object (``incrinf.stream.synthetic``).
+- frames: a virtual camera panning over the sample photo with a moving object (``incrinf.testing.synthetic``).
 
 The oracle is, per frame, the smallest latency actually measured for that frame among the fixed policies. It
 is a lower bound no online scheduler can reach: each fixed run keeps its own warm cache, so the oracle switches
@@ -42,11 +42,11 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from incrinf import models
-from incrinf.stream import wire
+from incrinf.offload import wire
 from incrinf.stream.defaults import DEFAULT_CELL, DEFAULT_FEATURE_THRESHOLD, DEFAULT_THRESHOLD
-from incrinf.stream.netem import ShapingProxy
-from incrinf.stream.offload import OffloadingSession
-from incrinf.stream.synthetic import synthetic_camera
+from incrinf.testing.shaping import ShapingProxy
+from incrinf.offload.session import OffloadingSession
+from incrinf.testing.synthetic import synthetic_camera
 
 FIXED = ["local_full", "local_cached", "offload_full", "offload_cached"]
 # Both cached paths match keypoints the same way: ORB + RANSAC, no ECC refinement (the offload uplink's choice).
@@ -54,7 +54,7 @@ LOCAL_OPTIONS = {"matcher_options": {"refine": False}}
 
 
 def start_server(model: str, size: int, threads: int) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "incrinf.stream.serve_cli", "--model", model, "--input", f"3x{size}x{size}",
+    cmd = [sys.executable, "-m", "incrinf.cli.serve", "--model", model, "--input", f"3x{size}x{size}",
            "--port", "0", "--threads", str(threads), "--workers", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300

@@ -41,7 +41,7 @@ except ImportError:  # a checkout without `pip install -e .`
 from incrinf.stream.defaults import DEFAULT_CELL, DEFAULT_FEATURE_THRESHOLD, DEFAULT_THRESHOLD
 from incrinf.stream.matching import corner_distance
 from incrinf.stream.session import StreamSession
-from incrinf.stream.synthetic import synthetic_scene
+from incrinf.testing.synthetic import synthetic_scene
 from incrinf.stream.video import bundled_video_path, read_frames
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -35,7 +35,7 @@ __version__ = "0.1.0"
 # Imported on first use: they pull in numba / OpenCV, which plain OBE users do not need.
 _LAZY = {
     "StreamSession": ("incrinf.stream.session", "StreamSession"),
-    "QuantizedDepthwiseConv2d": ("incrinf.quantized", "QuantizedDepthwiseConv2d"),
+    "QuantizedDepthwiseConv2d": ("incrinf.kernels.quantized_module", "QuantizedDepthwiseConv2d"),
     "depthwise_conv2d_int8": ("incrinf.kernels", "depthwise_conv2d_int8"),
 }
 

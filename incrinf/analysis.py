@@ -145,9 +145,9 @@ def analyze(
 
 
 def _captured(model: nn.Module, shape: tuple[int, ...]) -> Graph:
-    from incrinf.plan import captured_graph  # cached capture, shared with the engine
+    from incrinf.graph import captured_graph  # cached capture, shared with the engine
 
-    return captured_graph(model, shape)
+    return captured_graph(model, shape[1:])
 
 
 def _row(graph: Graph, node, region: Region) -> NodeRow:

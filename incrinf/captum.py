@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from incrinf.errors import CaptureError
 from incrinf.explain.runner import OcclusionRunner
-from incrinf.plan import captured_graph
+from incrinf.graph import captured_graph
 
 
 class Occlusion:
@@ -65,7 +65,7 @@ class Occlusion:
         reason = self._why_plain(inputs, sliding_window_shapes, additional_forward_args)
         if reason is None:
             try:
-                captured_graph(self.forward_func, (1, *inputs.shape[1:]))
+                captured_graph(self.forward_func, inputs.shape[1:])
             except CaptureError as exc:
                 reason = str(exc)
         if reason is not None:

@@ -44,7 +44,7 @@ def test_report_table_has_rows_and_totals() -> None:
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(input_shape=(3, 32), patch=4), "input_shape"),
+    (dict(input_shape=(3, 0, 32), patch=4), "input_shape"),
     (dict(input_shape=(3, 32, 32), patch=40), "larger than"),
     (dict(input_shape=(3, 32, 32), patch=4, stride=0), "stride"),
     (dict(input_shape=(3, 32, 32), patch=4, tau=0.0), "tau"),

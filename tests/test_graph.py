@@ -116,9 +116,16 @@ def test_non_module_is_rejected() -> None:
         capture(lambda x: x, (3, 8, 8))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("shape", [(3, 0, 8), (2, 3, 8, 8), "3x8", "axbxc", (3, 8), None])
+@pytest.mark.parametrize("shape", [(3, 0, 8), (1, 2, 3, 8, 8), "axbxc", (3,), None])
 def test_malformed_input_shape(shape) -> None:
     with pytest.raises(ValueError, match="input_shape"):
+        capture(nn.Conv2d(3, 3, 3), shape)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 8, 8), "3x8", (3, 8)])
+def test_input_shape_of_another_rank_names_the_axes(shape) -> None:
+    # (1, 3, 8, 8) is a 3-D volume with one channel: the batch axis is never part of input_shape
+    with pytest.raises(CaptureError, match="spatial axes"):
         capture(nn.Conv2d(3, 3, 3), shape)
 
 

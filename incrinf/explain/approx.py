@@ -144,12 +144,12 @@ def _check_profile(profile: TuningProfile, model: nn.Module, image: torch.Tensor
                    output: str) -> None:
     """A profile from another architecture (graph signature: structure and input shape, not weights) is an
     error; other sizes or settings only weaken the prediction (a warning)."""
-    from incrinf.plan import captured_graph
+    from incrinf.graph import captured_graph
 
     image = check_image(image)
     shape = [int(s) for s in image.shape]
     if shape == list(profile.input_shape):
-        signature = captured_graph(model, tuple(shape)).signature
+        signature = captured_graph(model, shape[1:]).signature
         if profile.signature and signature != profile.signature:
             raise ValueError(f"the tuning profile was made for another model ({profile.model}); tune this one "
                              "with incrinf.tune")

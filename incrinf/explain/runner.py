@@ -15,7 +15,8 @@ from incrinf.geometry import Propagation, RegionKind, full_flops, incremental_fl
 from incrinf.graph import Graph
 from incrinf.kernels.dispatch import free_device_memory, peak_device_memory, reset_peak_device_memory
 from incrinf.kernels.gather import from_rows, gather_windows, to_rows
-from incrinf.plan import box_rows, build_plan, captured_graph
+from incrinf.graph import captured_graph
+from incrinf.plan import box_rows, build_plan
 
 # Packed batches beyond this many positions stop paying on a CPU and only cost memory.
 CPU_BATCH_CAP = 64
@@ -107,7 +108,7 @@ class OcclusionRunner:
     """
 
     def __init__(self, model: nn.Module | Graph, image: torch.Tensor, tau: float = 1.0) -> None:
-        self.graph = model if isinstance(model, Graph) else captured_graph(model, tuple(image.shape))
+        self.graph = model if isinstance(model, Graph) else captured_graph(model, image.shape[1:])
         self.image = image
         self.tau = tau
         self.engine = IncrementalEngine(self.graph, image)

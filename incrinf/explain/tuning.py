@@ -375,7 +375,7 @@ def tune(
         ValueError: no images, images of different sizes, bad taus, target or coverage.
     """
     from incrinf.explain.occlusion import occlusion
-    from incrinf.plan import captured_graph
+    from incrinf.graph import captured_graph
 
     target_ssim = _check_target_ssim(target_ssim)
     coverage = _check_coverage(coverage)
@@ -396,7 +396,7 @@ def tune(
     patch_hw = check_patch(patch, (shape[-2], shape[-1]))
     stride_hw = check_stride(stride)
     model = model.eval()
-    graph = captured_graph(model, tuple(shape))
+    graph = captured_graph(model, shape[1:])
     start = time.perf_counter()
     rows: list[list[float]] = []
     bar = tqdm(total=len(images) * len(taus), desc="tuning tau", disable=not progress, leave=False)

@@ -2,7 +2,7 @@
 
 :class:`StreamSession` is the entry point; the other names are its parts (keypoint matching, warping, the change
 mask, the sparse executor) plus video input and a synthetic camera with known motion. Names are imported on
-first use, so ``import incrinf.stream.wire`` (say) does not pull in the model-side modules.
+first use, so ``import incrinf.offload.wire`` (say) does not pull in the model-side modules.
 """
 
 from __future__ import annotations

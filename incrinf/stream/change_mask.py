@@ -9,7 +9,7 @@ Defaults (cell 16, threshold 10 on 0-255 pixels) instead of CacheInf's ~40 px ce
 a mean over a cell dilutes a change by the fraction of the cell it covers, so the edge strip of an object
 moving 4 px/frame averages ~4/cell of its contrast. With 100 (40% of the range as a cell *average*) such
 changes, and even moderate-contrast objects covering half a cell, are reused stale. Measured on
-:mod:`~incrinf.stream.synthetic` pan+zoom scenes at 224 px with estimated homographies: with no moving object,
+:mod:`~incrinf.testing.synthetic` pan+zoom scenes at 224 px with estimated homographies: with no moving object,
 thresholds >= 15 flag nothing but the uncovered border (bilinear resampling and sub-pixel homography error
 average < 3 levels per pixel, though single edge pixels reach 40-50); with a moving object, cell 16 /
 threshold 15 misses ~100-200 truly changed pixels per frame, cell 32 / threshold 25 ~400-600, cell 8 /

@@ -134,7 +134,7 @@ class StreamSession:
             features by ~15%), so 0.5 (always reuse, as CacheInf) flips top-1 predictions on panning
             cameras; 0 reuses only whole-position shifts.
         offload, policy: give either to schedule frames among local, offloaded and hybrid execution: the
-            constructor then returns an :class:`~incrinf.stream.offload.OffloadingSession` built from the
+            constructor then returns an :class:`~incrinf.offload.session.OffloadingSession` built from the
             same arguments.
         mean, std: per-channel normalisation of the default preprocessing; also used to turn tensor frames
             back into pixels for matching (defaults: EfficientNet-Lite's 0.5, 0.5).
@@ -159,7 +159,7 @@ class StreamSession:
                 **kwargs: Any) -> Any:
         if offload is None and policy is None:
             return super().__new__(cls)
-        from incrinf.stream.offload import OffloadingSession
+        from incrinf.offload.session import OffloadingSession
 
         bound = inspect.signature(cls.__init__).bind(None, model, *args, **kwargs)
         options = {k: v for k, v in bound.arguments.items() if k not in ("self", "model")}
@@ -455,7 +455,7 @@ class StreamSession:
     def _executor(self, shape: tuple[int, ...]) -> SparseExecutor:
         executor = self._executors.get(shape)
         if executor is None:
-            graph = capture(self.model, shape)  # CaptureError when the model fails at this size
+            graph = capture(self.model, shape[1:])  # CaptureError when the model fails at this size
             ft = self.feature_threshold
             executor = SparseExecutor(graph, self.device, max_misalignment=self.max_misalignment,
                                       feature_threshold=DEFAULT_FEATURE_THRESHOLD if ft is None else ft,

@@ -9,8 +9,8 @@
   with exponential forgetting, predicts the time of any payload.
 - :class:`Backoff`: exponential, capped delays between retries of a server that failed.
 
-Payloads are :mod:`incrinf.stream.wire` messages; the server's endpoints are listed in
-:mod:`incrinf.stream.server`.
+Payloads are :mod:`incrinf.offload.wire` messages; the server's endpoints are listed in
+:mod:`incrinf.offload.server`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from incrinf.stream import wire
+from incrinf.offload import wire
 
 SESSION_HEADER = "X-Incrinf-Session"
 # Request line, headers and their response counterparts: counted as bytes on the wire.

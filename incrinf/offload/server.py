@@ -4,7 +4,7 @@ Stack: ``aiohttp`` (asyncio HTTP/1.1 with keep-alive, request-size limits and a 
 runs in a small thread pool so a slow inference never blocks the event loop, and one client's bad request
 never stops the others.
 
-Endpoints (binary bodies are :mod:`incrinf.stream.wire` tensor messages):
+Endpoints (binary bodies are :mod:`incrinf.offload.wire` tensor messages):
 
 =========================  ===================================================================================
 ``GET /health``            liveness + model identity (name, graph signature, weight digest); no token needed
@@ -16,7 +16,7 @@ Endpoints (binary bodies are :mod:`incrinf.stream.wire` tensor messages):
                            reference
 ``POST /infer/cached``     meta ``base_id``, ``frame_id``; tensors ``boxes`` (n, 4) int32, ``tiles`` uint8
                            and optionally ``matrix`` (3, 3) float64: the server warps its reference by the
-                           homography, pastes the tiles (:func:`~incrinf.stream.wire.apply_update`), runs
+                           homography, pastes the tiles (:func:`~incrinf.offload.wire.apply_update`), runs
                            the model on that frame and keeps it as the new reference. Only changed pixels
                            cross the uplink.
 ``POST /infer/suffix?k=N`` tensor ``tensor`` = the value live after split node ``N`` -> ``output``
@@ -52,8 +52,9 @@ import torch.nn as nn
 from aiohttp import web
 
 from incrinf.graph import capture
-from incrinf.stream import wire
-from incrinf.stream.profile import NodeProfile, SplitRunner, model_digest, profile_graph, split_points
+from incrinf.offload import wire
+from incrinf.graph import split_points
+from incrinf.offload.profile import NodeProfile, SplitRunner, model_digest, profile_graph
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class ModelService:
         model: the model (put in eval mode).
         input_shape: ``(C, H, W)`` or ``(1, C, H, W)``: the one input shape this server accepts.
         name: model name reported to clients.
-        mean: per-channel normalisation mean applied to uint8 frames (see :func:`~incrinf.stream.wire.
+        mean: per-channel normalisation mean applied to uint8 frames (see :func:`~incrinf.offload.wire.
             to_model_input`).
         std: per-channel normalisation std.
         profile_repeats: timed passes of the start-up profile.

@@ -20,26 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.fx
 
-from incrinf.graph import Graph, NodeKind
-
-
-@dataclass(frozen=True)
-class SplitPoint:
-    """A cut after node ``name`` (``index`` in the graph's topological order) where one tensor is live.
-
-    Attributes:
-        name: fx node name whose output crosses the network.
-        index: position of the node in ``Graph.nodes``.
-        shape: shape of that tensor (batch 1).
-        nbytes: its size in float32 bytes.
-    """
-
-    name: str
-    index: int
-    shape: tuple[int, ...]
-    nbytes: int
+from incrinf.graph import Graph, SplitPoint, split_points
+from incrinf.graph.execute import extract, run_nodes
 
 
 @dataclass
@@ -84,57 +67,10 @@ class NodeProfile:
         return cls(names, seconds, float(data["full_seconds"]), raw)
 
 
-def _input_dependent(graph: Graph) -> set[str]:
-    """Names of nodes whose value depends on the model input (the rest are constants)."""
-    dependent = {graph.input.name}
-    for node in graph.nodes[1:]:
-        if node.kind != NodeKind.CONSTANT and any(i in dependent for i in node.inputs):
-            dependent.add(node.name)
-    return dependent
-
-
-def _fx_users_index(graph: Graph) -> dict[str, int]:
-    """For each node, the index of its last user (itself if unused)."""
-    index = {n.name: i for i, n in enumerate(graph.nodes)}
-    last: dict[str, int] = {}
-    for i, node in enumerate(graph.nodes):
-        fx_node = node.fx_node
-        users = [index[u.name] for u in fx_node.users] if fx_node is not None else []
-        last[node.name] = max(users, default=i)
-    return last
-
-
-def split_points(graph: Graph) -> list[SplitPoint]:
-    """All cuts where exactly one input-dependent tensor is live, in graph order.
-
-    The cut after the last computing node (whose tensor is the output) is not listed: it is plain local
-    inference.
-    """
-    dependent = _input_dependent(graph)
-    last_use = _fx_users_index(graph)
-    out: list[SplitPoint] = []
-    live: set[str] = set()
-    output_index = len(graph.nodes) - 1
-    for i, node in enumerate(graph.nodes[:-1]):
-        if node.name in dependent:
-            live.add(node.name)
-        live = {n for n in live if last_use[n] > i}
-        if i == 0 or len(live) != 1:
-            continue
-        (name,) = live
-        if name != node.name or last_use[name] == output_index:
-            continue
-        shape = graph.by_name[name].shape
-        if shape is None or node.kind in (NodeKind.META,):
-            continue
-        out.append(SplitPoint(name, i, tuple(shape), int(np.prod(shape)) * 4))
-    return out
-
-
 class SplitRunner:
-    """Runs a captured graph in two halves around a :class:`SplitPoint`.
+    """Runs a captured graph in two halves around a :class:`~incrinf.graph.SplitPoint`.
 
-    Each half is a generated ``torch.fx.GraphModule`` (built once per split and kept), so it runs as plain
+    Each half is a module generated once per split (:func:`incrinf.graph.execute.extract`), so it runs as plain
     Python code without interpreter overhead, like the full model.
 
     Args:
@@ -144,37 +80,21 @@ class SplitRunner:
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
-        self.module = graph.module
-        self.fx_nodes = list(self.module.graph.nodes)
         self.splits = {s.name: s for s in split_points(graph)}
-        self._halves: dict[str, tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = {}
+        self._halves: dict[str, tuple[torch.nn.Module, torch.nn.Module]] = {}
 
     def split(self, name: str) -> SplitPoint:
         if name not in self.splits:
             raise KeyError(f"{name!r} is not a split point; choose one of {list(self.splits)}")
         return self.splits[name]
 
-    def halves(self, name: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    def halves(self, name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         """(prefix, suffix) modules of split ``name``: ``suffix(prefix(x)) == model(x)``."""
         if name not in self._halves:
-            index = self.split(name).index
-            prefix, env = torch.fx.Graph(), {}
-            for node in self.fx_nodes[: index + 1]:
-                env[node] = prefix.node_copy(node, lambda n: env[n])
-            prefix.output(env[self.fx_nodes[index]])
-            suffix = torch.fx.Graph()
-            env = {self.fx_nodes[index]: suffix.placeholder("split_input")}
-
-            def arg(n: torch.fx.Node) -> torch.fx.Node:
-                if n not in env:  # a constant defined before the cut: re-create it on this side
-                    if n.op != "get_attr":
-                        raise RuntimeError(f"{n.name} crosses the split but is not the split tensor")
-                    env[n] = suffix.node_copy(n, arg)
-                return env[n]
-
-            for node in self.fx_nodes[index + 1:]:
-                env[node] = suffix.node_copy(node, arg)
-            self._halves[name] = (torch.fx.GraphModule(self.module, prefix), torch.fx.GraphModule(self.module, suffix))
+            self.split(name)
+            prefix = extract(self.graph, [self.graph.input.name], [name])
+            suffix = extract(self.graph, [name], [self.graph.output.name])
+            self._halves[name] = (prefix, suffix)
         return self._halves[name]
 
     @torch.no_grad()
@@ -216,17 +136,18 @@ def profile_graph(graph: Graph, example: torch.Tensor, repeats: int = 5, warmup:
     Returns:
         The :class:`NodeProfile`.
     """
-    module = graph.module
-    fx_nodes = list(module.graph.nodes)
-    samples = np.zeros((repeats, len(fx_nodes)))
+    samples = np.zeros((repeats, len(graph.nodes)))
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
     for rep in range(warmup + repeats):
-        interp = torch.fx.Interpreter(module)
-        interp.env = {fx_nodes[0]: example}
-        for i, node in enumerate(fx_nodes[1:], start=1):
+        def timed(node, run, rep=rep):
             t0 = time.perf_counter()
-            interp.env[node] = interp.run_node(node)
+            value = run()
             if rep >= warmup:
-                samples[rep - warmup, i] = time.perf_counter() - t0
+                samples[rep - warmup, index[node.name]] = time.perf_counter() - t0
+            return value
+
+        run_nodes(graph, example, timed)
+    module = graph.module
     full = []
     for _ in range(max(repeats, 5)):  # the total is what predictions rest on: never fewer than 5 samples
         t0 = time.perf_counter()
@@ -235,7 +156,7 @@ def profile_graph(graph: Graph, example: torch.Tensor, repeats: int = 5, warmup:
     raw = np.median(samples, axis=0)
     full_seconds = statistics.median(full)
     scale = full_seconds / raw.sum() if raw.sum() > 0 else 1.0
-    return NodeProfile([n.name for n in fx_nodes], raw * scale, full_seconds, raw)
+    return NodeProfile([n.name for n in graph.nodes], raw * scale, full_seconds, raw)
 
 
 def model_digest(model: torch.nn.Module) -> str:

@@ -301,7 +301,7 @@ def test_stream_cli_runs_a_video_and_writes_stats(tmp_path, capsys):
     import argparse
     import csv
 
-    from incrinf.stream import cli
+    from incrinf.cli import stream as cli
 
     parser = argparse.ArgumentParser(prog="incrinf")
     cli.register(parser.add_subparsers(dest="command", required=True))

@@ -19,12 +19,37 @@ def positive_int(text: str) -> int:
     return value
 
 
+def number(text: str) -> float:
+    """argparse type: any real number."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def non_negative(text: str) -> float:
+    """argparse type: a number >= 0."""
+    value = number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def model_name(text: str) -> str:
+    """argparse type: a zoo model name (:mod:`incrinf.models`)."""
+    from incrinf import models
+
+    if text not in models.available():
+        raise argparse.ArgumentTypeError(f"unknown model {text!r}; try one of: {', '.join(models.ZOO)}")
+    return text
+
+
 def input_shape(text: str) -> tuple[int, ...]:
-    """argparse type: ``CxHxW``."""
+    """argparse type: ``CxHxW`` (``CxL``, ``CxDxHxW``) as ``(C, *spatial)``."""
     from incrinf.graph import parse_input_shape
 
     try:
-        return parse_input_shape(text)
+        return parse_input_shape(text)[1:]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -11,11 +11,11 @@ import torch
 import torch.nn as nn
 
 from incrinf.models import sample_image
-from incrinf.stream import wire
-from incrinf.stream.netem import ShapingProxy
-from incrinf.stream.offload import OffloadingSession
-from incrinf.stream.server import ModelService, OffloadServer
-from incrinf.stream.synthetic import synthetic_camera
+from incrinf.offload import wire
+from incrinf.testing.shaping import ShapingProxy
+from incrinf.offload.session import OffloadingSession
+from incrinf.offload.server import ModelService, OffloadServer
+from incrinf.testing.synthetic import synthetic_camera
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 N_FRAMES, KILL_AT, RESTART_AT = 200, 50, 120

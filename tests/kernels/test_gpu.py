@@ -20,7 +20,7 @@ from incrinf.kernels import dispatch
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gpu(fn):

@@ -1,7 +1,4 @@
-"""``incrinf stream VIDEO``: run a model on a video with :class:`StreamSession`, side by side with full inference.
-
-Wire it with ``incrinf.stream.cli.register(subparsers)``.
-"""
+"""``incrinf stream VIDEO``: run a model on a video with :class:`StreamSession`, side by side with full inference."""
 
 from __future__ import annotations
 
@@ -11,21 +8,11 @@ import statistics
 import time
 from pathlib import Path
 
-from incrinf.cli_args import positive_int as _positive_int
+from incrinf.cli.common import non_negative, positive_int
 from incrinf.stream.defaults import DEFAULT_FEATURE_THRESHOLD, DEFAULT_THRESHOLD
 
 _CSV_FIELDS = ("index", "mode", "reason", "homography_found", "recompute_fraction", "flops_ratio", "seconds",
                "full_seconds", "top1", "full_top1", "relative_error")
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -46,24 +33,24 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("video", nargs="?", help="video file (default: the bundled carphone_pristine.mp4)")
     p.add_argument("--model", default="efficientnet_lite0", help="zoo model (default: efficientnet_lite0)")
     p.add_argument("--weights", help="state-dict file for a torchvision architecture")
-    p.add_argument("--threshold", type=_non_negative, default=DEFAULT_THRESHOLD,
+    p.add_argument("--threshold", type=non_negative, default=DEFAULT_THRESHOLD,
                    help=f"change threshold per cell in 0-255 pixel levels (default {DEFAULT_THRESHOLD:g})")
-    p.add_argument("--cell", type=_positive_int, default=16, help="change-mask cell side in pixels (default 16)")
+    p.add_argument("--cell", type=positive_int, default=16, help="change-mask cell side in pixels (default 16)")
     p.add_argument("--max-ratio", type=float, default=0.6, help="changed fraction above which a frame runs full")
     p.add_argument("--keyframe-interval", type=int, default=30, help="full inference every N frames (0: never)")
-    p.add_argument("--feature-threshold", type=_non_negative, default=None,
+    p.add_argument("--feature-threshold", type=non_negative, default=None,
                    help="drop recomputed positions whose features moved less than this share of the tensor's mean "
                         f"magnitude (default {DEFAULT_FEATURE_THRESHOLD:g} on still-camera frames, 0 under camera "
                         "motion; 0: exact propagation)")
     p.add_argument("--size", type=_size, help="resize frames to HxW (default: the video's size)")
-    p.add_argument("--max-frames", type=_positive_int, help="stop after this many frames")
+    p.add_argument("--max-frames", type=positive_int, help="stop after this many frames")
     p.add_argument("--csv", help="write per-frame statistics to this CSV file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_stream)
+    p.set_defaults(func=run)
     return p
 
 
-def cmd_stream(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 

@@ -1,18 +1,12 @@
-"""``incrinf serve``: run the offload server for a zoo model.
-
-Wire into the main CLI with ``register(subparsers)``; also runnable alone:
-``python -m incrinf.stream.serve_cli --model efficientnet_lite0 --input 3x128x128``.
-"""
+"""``incrinf serve``: run the offload server for a zoo model."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import signal
-import sys
 
-from incrinf.cli_args import input_shape as _input_shape
-from incrinf.cli_args import positive_int as _positive_int
+from incrinf.cli.common import input_shape, positive_int
 
 
 def _port(text: str) -> int:
@@ -28,23 +22,23 @@ def _port(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="zoo model name (incrinf.models)")
     p.add_argument("--weights", help="state-dict file for a torchvision architecture")
-    p.add_argument("--input", type=_input_shape, help="frame shape served, e.g. 3x128x128 (default: model's)")
+    p.add_argument("--input", type=input_shape, help="frame shape served, e.g. 3x128x128 (default: model's)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; no TLS)")
     p.add_argument("--port", type=_port, default=8765, help="TCP port, 0 = any free one (default 8765)")
     p.add_argument("--token", default=os.environ.get("INCRINF_TOKEN"),
                    help="bearer token required from clients (default: $INCRINF_TOKEN; none = open)")
-    p.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
+    p.add_argument("--max-request-bytes", type=positive_int, default=16 << 20,
                    help="larger requests get 413 (default 16 MiB)")
-    p.add_argument("--threads", type=_positive_int, help="torch threads for inference")
-    p.add_argument("--workers", type=_positive_int, default=2, help="concurrent inference requests")
-    p.add_argument("--profile-repeats", type=_positive_int, default=5, help="timed passes of the start-up profile")
+    p.add_argument("--threads", type=positive_int, help="torch threads for inference")
+    p.add_argument("--workers", type=positive_int, default=2, help="concurrent inference requests")
+    p.add_argument("--profile-repeats", type=positive_int, default=5, help="timed passes of the start-up profile")
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from incrinf import models
-    from incrinf.stream.server import ModelService, OffloadServer
+    from incrinf.offload.server import ModelService, OffloadServer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,15 +68,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to the main ``incrinf`` parser."""
     p = subparsers.add_parser("serve", help="offload server for camera streams (full, cached, split inference)")
     add_arguments(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=run)
     return p
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="incrinf serve", description="Offload server for incrinf streams.")
-    add_arguments(parser)
-    return cmd_serve(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

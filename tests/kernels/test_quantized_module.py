@@ -9,7 +9,7 @@ from conftest import naive_occlusion
 
 from incrinf import NodeKind, capture
 from incrinf.explain.runner import OcclusionRunner
-from incrinf.quantized import QuantizedDepthwiseConv2d
+from incrinf.kernels.quantized_module import QuantizedDepthwiseConv2d
 
 
 def _model() -> nn.Module:

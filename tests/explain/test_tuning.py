@@ -21,7 +21,7 @@ from incrinf.explain.tuning import (
     profile_from_measurements,
     tune,
 )
-from incrinf.plan import captured_graph
+from incrinf.graph import captured_graph
 
 
 def small_net(seed: int = 3) -> nn.Module:
@@ -178,7 +178,7 @@ def test_tune_and_use_the_profile(tmp_path) -> None:
     assert profile.taus == [1.0, 0.8, 0.5]
     arr = np.asarray(profile.ssim)
     assert arr.shape == (2, 3) and (arr[:, 0] == 1.0).all() and (arr <= 1.0).all() and (arr[:, 2] < 1.0).all()
-    assert profile.signature == captured_graph(model, (1, 3, 64, 64)).signature
+    assert profile.signature == captured_graph(model, (3, 64, 64)).signature
     assert profile.input_shape == [1, 3, 64, 64] and profile.patch == [16, 16] and profile.stride == [8, 8]
     assert profile.model == "Sequential" and profile.images == ["image0", "image1"]
     path = profile.save(tmp_path / "p.json")
@@ -251,7 +251,7 @@ def test_tuned_tau_holds_on_held_out_photos() -> None:
 def test_cli_tune_writes_a_profile(tmp_path, capsys) -> None:
     import skimage.io
 
-    from incrinf.explain.cli_approx import main
+    from incrinf.cli import main
 
     paths = []
     for name in ("chelsea", "coffee"):

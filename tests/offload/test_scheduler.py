@@ -8,9 +8,10 @@ import torch
 import torch.nn as nn
 
 from incrinf.graph import capture
-from incrinf.stream.client import HTTP_OVERHEAD_BYTES, Backoff, LinkEstimator
-from incrinf.stream.profile import NodeProfile, SplitPoint, SplitRunner, profile_graph, split_points
-from incrinf.stream.scheduler import (
+from incrinf.offload.client import HTTP_OVERHEAD_BYTES, Backoff, LinkEstimator
+from incrinf.graph import SplitPoint, split_points
+from incrinf.offload.profile import NodeProfile, SplitRunner, profile_graph
+from incrinf.offload.scheduler import (
     LOCAL_CACHED,
     LOCAL_FULL,
     OFFLOAD_CACHED,

@@ -1,7 +1,7 @@
 """Offloading stream session: per frame, run locally, on the offload server, or split, with or without cache.
 
 :class:`OffloadingSession` is what ``StreamSession(model, offload=URL, policy=...)`` delegates to. Per frame
-it asks the :class:`~incrinf.stream.scheduler.Scheduler` for an option (cost model over profiles, the link
+it asks the :class:`~incrinf.offload.scheduler.Scheduler` for an option (cost model over profiles, the link
 measured online, the predicted change fraction, cache-rebuild costs, hysteresis), runs it, and records what
 was chosen, why, and predicted vs actual time in :attr:`OffloadingSession.stats`.
 
@@ -34,10 +34,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from incrinf.graph import NodeKind, capture
-from incrinf.stream import wire
+from incrinf.graph import cache_point, capture, split_points
+from incrinf.offload import wire
 from incrinf.stream.change_mask import DEFAULT_CELL, DEFAULT_THRESHOLD, change_mask
-from incrinf.stream.client import (
+from incrinf.offload.client import (
     Backoff,
     LinkEstimator,
     OffloadClient,
@@ -47,8 +47,8 @@ from incrinf.stream.client import (
     SessionLost,
 )
 from incrinf.stream.matching import HomographyEstimator
-from incrinf.stream.profile import NodeProfile, SplitRunner, model_digest, profile_graph, split_points
-from incrinf.stream.scheduler import (
+from incrinf.offload.profile import NodeProfile, SplitRunner, model_digest, profile_graph
+from incrinf.offload.scheduler import (
     HYBRID,
     LOCAL_CACHED,
     LOCAL_FULL,
@@ -192,7 +192,7 @@ class Update:
 
 class CachedUplink:
     """Client half of the cached offload protocol: the server's reference frame mirrored, the homography
-    estimator, the change mask and the tile packing (see :mod:`incrinf.stream.wire`).
+    estimator, the change mask and the tile packing (see :mod:`incrinf.offload.wire`).
 
     Args:
         cell: change-mask cell side in pixels.
@@ -415,7 +415,7 @@ class OffloadingSession:
         frame_bytes = channels * self.input_size[0] * self.input_size[1]
         out_shape = self.graph.output.shape or self.graph.nodes[-2].shape or (1,)
         payloads = Payloads(frame_bytes, int(np.prod(out_shape)) * 4, splits={s.name: s.nbytes for s in splits})
-        cost = CostModel(local_profile, server_profile, payloads, splits, _cache_point(self.graph))
+        cost = CostModel(local_profile, server_profile, payloads, splits, cache_point(self.graph))
         self.scheduler = Scheduler(cost, policy, lookahead, margin)
         if policy != "auto" and is_offload(policy) and self.client is None:
             raise ValueError(f"policy {policy!r} needs an offload URL")
@@ -759,14 +759,6 @@ def _zoo_size(name: str | None) -> tuple[int, int]:
 
     size = models.info(name).input_size
     return (size, size)
-
-
-def _cache_point(graph) -> int:
-    """Index of the last node before the first global one (CacheInf's cache point)."""
-    for i, node in enumerate(graph.nodes):
-        if node.kind == NodeKind.GLOBAL:
-            return max(0, i - 1)
-    return len(graph.nodes) - 1
 
 
 def _local_backend(factory, model, input_size, mean, std, threshold, cell, max_ratio, matcher, keyframe_interval,

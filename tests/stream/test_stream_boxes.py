@@ -114,7 +114,7 @@ def test_box_and_position_paths_equal_full_inference(name):
         ref = model(x1)
     flops = {}
     for boxes in (True, False):
-        executor = SparseExecutor(capture(model, tuple(x0.shape)))
+        executor = SparseExecutor(capture(model, x0.shape[1:]))
         executor.boxes = boxes
         executor.full(x0)
         out = executor.cached(x1, changed, np.eye(3))
@@ -132,7 +132,7 @@ def test_box_path_updates_the_cache_for_the_next_frame():
     x0, x1, changed = _frames()
     x2 = x1.clone()
     x2[:, :, 5:9, 5:12] += 1.0
-    executor = SparseExecutor(capture(model, tuple(x0.shape)))
+    executor = SparseExecutor(capture(model, x0.shape[1:]))
     executor.full(x0)
     executor.cached(x1, changed, np.eye(3))
     out = executor.cached(x2, (x2 != x1).any(dim=1)[0].numpy(), np.eye(3))
@@ -146,7 +146,7 @@ def test_a_change_that_dies_out_returns_a_copy_of_the_previous_output():
     x0, x1, changed = _frames()
     x1 = x0.clone()
     x1[:, :, 30, 30] += 1e-3  # far below a 50% feature threshold: pruned at the first cached tensor
-    executor = SparseExecutor(capture(model, tuple(x0.shape)), feature_threshold=0.5)
+    executor = SparseExecutor(capture(model, x0.shape[1:]), feature_threshold=0.5)
     first = executor.full(x0)
     out = executor.cached(x1, (x1 != x0).any(dim=1)[0].numpy(), np.eye(3))
     torch.testing.assert_close(out, first)
@@ -161,7 +161,7 @@ def test_dense_change_through_the_box_path_uses_the_compiled_suffix():
     model = zoo_model("resnet18")
     x0, _, _ = _frames()
     x1 = torch.randn_like(x0)
-    executor = SparseExecutor(capture(model, tuple(x0.shape)))
+    executor = SparseExecutor(capture(model, x0.shape[1:]))
     executor.full(x0)
     out = executor.cached(x1, np.ones(x0.shape[-2:], bool), np.eye(3))
     with torch.no_grad():

@@ -28,7 +28,7 @@ from incrinf.explain.runner import OcclusionRunner
 from incrinf.explain.tuning import heatmap_ssim
 from incrinf.geometry import RegionKind, input_region, propagate
 from incrinf.graph import NodeKind
-from incrinf.plan import captured_graph
+from incrinf.graph import captured_graph
 
 
 def small_net() -> nn.Module:
@@ -64,7 +64,7 @@ def _reference_truncated(model: nn.Module, x: torch.Tensor, pos: tuple[int, int]
                          tau: float) -> torch.Tensor:
     """The seed's truncated inference, one position, on full tensors: every local node sees its base input
     with only the tau-cropped input box replaced, and keeps new values only inside its output box."""
-    graph = captured_graph(model, tuple(x.shape))
+    graph = captured_graph(model, x.shape[1:])
     prop = propagate(graph, input_region(np.array([pos]), patch, x.shape[-2:]), tau=tau, uniform=True)
     base = IncrementalEngine(graph, x).base
     occluded = x.clone()
@@ -277,11 +277,10 @@ def test_target_ssim_needs_a_profile_and_excludes_tau(tmp_path) -> None:
 def test_explain_options(tmp_path) -> None:
     import argparse
 
-    from incrinf.explain.cli_approx import add_explain_options, apply_explain_options, describe_approximation
+    from incrinf.cli.explain import add_explain_options, apply_explain_options, describe_approximation
     from incrinf.explain.tuning import profile_from_measurements
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tau", type=float, default=1.0)  # the explain parser may already have it
     add_explain_options(parser)
     assert apply_explain_options(parser.parse_args([])) == {"tau": 1.0, "measure_quality": False}
     kwargs = apply_explain_options(parser.parse_args(["--tau", "0.7", "--drill-down", "0.1", "--target-speedup",

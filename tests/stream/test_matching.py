@@ -12,7 +12,7 @@ from incrinf.stream.matching import (
     estimate_homography,
     scale_homography,
 )
-from incrinf.stream.synthetic import synthetic_camera, synthetic_scene
+from incrinf.testing.synthetic import synthetic_camera, synthetic_scene
 from incrinf.stream.warp import warp_image, warp_valid_mask
 
 SIZE = (160, 160)

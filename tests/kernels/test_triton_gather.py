@@ -245,7 +245,7 @@ def test_real_plan_windows_and_scatters_match_torch(monkeypatch):
     torch.manual_seed(0)
     model = _Tiny().eval()
     image = torch.randn(1, 3, 16, 16)
-    graph = capture(model, tuple(image.shape))
+    graph = capture(model, image.shape[1:])
     engine = IncrementalEngine(graph, image)
     positions = np.array([[0, 0], [0, 12], [12, 0], [6, 5], [13, 13]])
     plan = build_plan(graph, positions, (3, 3))
@@ -284,7 +284,7 @@ def test_engine_outputs_equal_with_triton_kernels(monkeypatch):
     torch.manual_seed(1)
     model = _Tiny().eval()
     image = torch.randn(1, 3, 16, 16)
-    graph = capture(model, tuple(image.shape))
+    graph = capture(model, image.shape[1:])
     positions = np.array([[0, 0], [5, 9], [13, 2]])
     plan = build_plan(graph, positions, (3, 3))
     region = plan.prop.regions[graph.input.name]

@@ -1,43 +1,27 @@
-"""Command-line pieces for approximate occlusion: ``incrinf tune`` and the approximation options of
-``incrinf explain`` (``--tau``, ``--target-ssim``, ``--profile``, ``--drill-down``, ``--target-speedup``,
-``--measure-quality``)."""
+"""``incrinf explain``: an occlusion heat map of one image, exact or approximate (``--tau``, ``--target-ssim``,
+``--profile``, ``--drill-down``, ``--target-speedup``, ``--measure-quality``)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
+import time
 from typing import Any
 
 import numpy as np
 
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    return value
-
-
-def _taus(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 1,0.9,0.8, got {text!r}") from None
+from incrinf.cli.common import model_name, number, positive_int
 
 
 def add_explain_options(parser: argparse.ArgumentParser) -> None:
-    """Add the approximation options to the ``explain`` parser (``--tau`` only if it is not there yet)."""
+    """Add the approximation options to the ``explain`` parser."""
     group = parser.add_argument_group("approximation (faster, measured error)")
-    if "--tau" not in parser._option_string_actions:
-        group.add_argument("--tau", type=float, default=1.0, help="projective field threshold in (0, 1]; 1 = exact")
-    group.add_argument("--target-ssim", type=_fraction,
+    group.add_argument("--tau", type=float, default=1.0, help="projective field threshold in (0, 1]; 1 = exact")
+    group.add_argument("--target-ssim", type=number,
                        help="wanted heat-map SSIM; tau comes from --profile (see `incrinf tune`)")
     group.add_argument("--profile", help="tuning profile JSON written by `incrinf tune`")
-    group.add_argument("--drill-down", type=_fraction, metavar="FRACTION",
+    group.add_argument("--drill-down", type=number, metavar="FRACTION",
                        help="adaptive drill-down: recompute this fraction of the grid at --stride (e.g. 0.25)")
-    group.add_argument("--target-speedup", type=_fraction,
+    group.add_argument("--target-speedup", type=number,
                        help="drill-down target speedup in queries (default 3; implies --drill-down 0.25)")
     group.add_argument("--measure-quality", action="store_true",
                        help="also compute the exact heat map and print the measured SSIM")
@@ -89,61 +73,61 @@ def describe_approximation(stats: dict[str, Any]) -> str:
     return "approximate: " + "; ".join(parts)
 
 
+
+
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``incrinf tune``; returns its parser."""
-    p = subparsers.add_parser("tune", help="tune tau for a target heat-map SSIM on sample images")
-    p.add_argument("images", nargs="+", help="sample image files (the same domain as the images to explain)")
-    p.add_argument("--model", default="efficientnet_lite0")
+    """Add the ``explain`` subcommand."""
+    p = subparsers.add_parser("explain", help="occlusion heat map by incremental inference")
+    p.add_argument("image", nargs="?", help="image file (default: a shipped photo of a cat)")
+    p.add_argument("--model", type=model_name, default="efficientnet_lite0")
     p.add_argument("--weights", help="state-dict file for a torchvision architecture")
-    p.add_argument("--size", type=int, help="image size (default: the model's input size)")
-    p.add_argument("--patch", type=int, default=16)
-    p.add_argument("--stride", type=int, default=4)
-    p.add_argument("--target-ssim", type=_fraction, default=0.9)
-    p.add_argument("--taus", type=_taus, default=None, help="comma-separated taus (default 1,0.9,...,0.4)")
-    p.add_argument("--output", choices=["logit", "prob"], default="logit")
-    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--patch", type=positive_int, default=16)
+    p.add_argument("--stride", type=positive_int, default=4)
+    p.add_argument("--target", type=int, help="class to explain (default: predicted)")
+    p.add_argument("--output", choices=["logit", "prob"], default="prob")
+    p.add_argument("--batch-size", type=positive_int)
+    p.add_argument("--out", default="heatmap.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_tune)
+    add_explain_options(p)
+    p.set_defaults(func=run)
     return p
 
 
-def _read_rgb(path: str) -> np.ndarray:
-    from incrinf.cli_args import read_rgb
-
-    return read_rgb(path)
-
-
-def cmd_tune(args: argparse.Namespace) -> int:
-    """``incrinf tune``: tune tau on the given images and write the profile."""
+def _read_image(path: str | None) -> np.ndarray:
     from incrinf import models
-    from incrinf.explain.tuning import DEFAULT_TAUS, tune
+    from incrinf.cli.common import read_rgb
 
-    if args.model not in models.available():
-        raise ValueError(f"unknown model {args.model!r}; try one of: {', '.join(models.ZOO)}")
-    model = models.load(args.model, args.weights)
-    size = args.size or models.info(args.model).input_size
-    images = [models.preprocess(_read_rgb(path), args.model, size=size) for path in args.images]
-    profile = tune(model, images, target_ssim=args.target_ssim, taus=args.taus or DEFAULT_TAUS, patch=args.patch,
-                   stride=args.stride, output=args.output, progress=not args.quiet, name=args.model,
-                   image_names=[Path(p).name for p in args.images])
-    path = profile.save(args.out)
-    print(profile.summary())
-    print(f"tuned in {profile.seconds:.1f} s; profile written to {path}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m incrinf.explain.cli_approx tune ...``) until ``incrinf`` wires it."""
-    parser = argparse.ArgumentParser(prog="incrinf")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(argv)
+    if path is None:
+        return models.sample_image()
     try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"incrinf {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return read_rgb(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"incrinf explain: {exc}") from None
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(args: argparse.Namespace) -> int:
+    from incrinf import models
+    from incrinf.explain import approx
+
+    options = apply_explain_options(args)
+    image = _read_image(args.image)
+    model = models.load(args.model, args.weights)
+    x = models.preprocess(image, args.model)
+    start = time.perf_counter()
+    result = approx.occlusion(model, x, target=args.target, patch=args.patch, stride=args.stride,
+                              batch_size=args.batch_size if args.batch_size else "auto",
+                              output=args.output, progress=not args.quiet, **options)
+    elapsed = time.perf_counter() - start
+    out = result.save(args.out, image=models.unnormalize(x, args.model),
+                      title=f"{args.model}: class {result.target}")
+    s = result.stats
+    print(f"explained class {result.target} with {s['positions']} positions in {elapsed:.1f} s "
+          f"({s['batches']} batches of {s['batch_size']}); theoretical speedup {s['theoretical_speedup']:.2f}x, "
+          f"realized FLOP ratio {s['realized_flop_ratio']:.2f}x")
+    y, x_ = np.unravel_index(np.argmax(result.heatmap), result.heatmap.shape)
+    py, px = result.positions[y * result.heatmap.shape[1] + x_]
+    print(f"largest drop {result.heatmap.max():.3f} at window y={py}..{py + result.patch[0]}, "
+          f"x={px}..{px + result.patch[1]}")
+    print(describe_approximation(s))
+    print(f"heat map written to {out}")
+    return 0

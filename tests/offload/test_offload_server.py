@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from incrinf.models import sample_image
-from incrinf.stream import wire
-from incrinf.stream.client import OffloadClient, ReferenceMismatch, RemoteError, SessionLost
-from incrinf.stream.netem import ShapingProxy
-from incrinf.stream.offload import CachedUplink
-from incrinf.stream.profile import split_points
-from incrinf.stream.server import ModelService, OffloadServer, SessionNotFound, SessionStore
-from incrinf.stream.synthetic import synthetic_camera
+from incrinf.offload import wire
+from incrinf.offload.client import OffloadClient, ReferenceMismatch, RemoteError, SessionLost
+from incrinf.testing.shaping import ShapingProxy
+from incrinf.offload.session import CachedUplink
+from incrinf.graph import split_points
+from incrinf.offload.server import ModelService, OffloadServer, SessionNotFound, SessionStore
+from incrinf.testing.synthetic import synthetic_camera
 
 TOKEN = "correct horse battery staple"
 SIZE = 96

@@ -15,7 +15,7 @@ Cost model, per option, in seconds (every term is measured, none is a constant o
   online correction (EWMA of actual / profiled); cached local compute is CacheInf's
   ``x * T(before cache point) + T(after)``, times its own learned correction;
 - server compute: the server's ``GET /profile`` numbers, corrected by the compute times it reports;
-- network: :class:`~incrinf.stream.client.LinkEstimator` (RTT and bandwidth from real transfers) applied to
+- network: :class:`~incrinf.offload.client.LinkEstimator` (RTT and bandwidth from real transfers) applied to
   the option's payload: frame bytes, ``x`` x frame bytes + boxes, or the split tensor's bytes, plus output;
 - client overheads of offloading (encoding, matching + change mask for ``offload_cached``): EWMA of
   measured values;
@@ -33,7 +33,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from incrinf.stream.profile import NodeProfile, SplitPoint
+from incrinf.graph import SplitPoint
+from incrinf.offload.profile import NodeProfile
 
 LOCAL_FULL = "local_full"
 LOCAL_CACHED = "local_cached"
@@ -183,7 +184,7 @@ class CostModel:
 
     def predict(self, option: str, x: float, link) -> Prediction:
         """Predicted time of ``option`` with change fraction ``x`` on ``link`` (a ``LinkEstimator``)."""
-        from incrinf.stream.client import HTTP_OVERHEAD_BYTES
+        from incrinf.offload.client import HTTP_OVERHEAD_BYTES
 
         if option == LOCAL_FULL:
             return Prediction(self.local.full_seconds * self.local_scale.value, 0.0, 0.0, 0.0)

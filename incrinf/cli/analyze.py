@@ -1,0 +1,33 @@
+"""``incrinf analyze``: the theoretical speedup of incremental inference, per layer."""
+
+from __future__ import annotations
+
+import argparse
+
+from incrinf.cli.common import input_shape, model_name, positive_int
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``analyze`` subcommand."""
+    p = subparsers.add_parser("analyze", help="theoretical speedup of incremental inference, per layer")
+    p.add_argument("--model", type=model_name, default="resnet18")
+    p.add_argument("--weights", help="state-dict file for a torchvision architecture")
+    p.add_argument("--patch", type=positive_int, default=16)
+    p.add_argument("--stride", type=positive_int, default=4, help="used with --position all")
+    p.add_argument("--tau", type=float, default=1.0, help="projective field threshold in (0, 1]")
+    p.add_argument("--input", type=input_shape, help="input shape, e.g. 3x224x224")
+    p.add_argument("--position", default="center", choices=["center", "all"])
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from incrinf import models
+    from incrinf.analysis import analyze
+
+    size = models.info(args.model).input_size
+    model = models.load(args.model, args.weights)
+    report = analyze(model, args.input or (3, size, size), args.patch, stride=args.stride, tau=args.tau,
+                     position=args.position)
+    print(report.table())
+    return 0

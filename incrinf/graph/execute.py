@@ -1,0 +1,154 @@
+"""Running a captured graph's nodes without exposing ``torch.fx``: invoking one node, recording every node's
+value, timing node by node, and cutting the graph into modules (a prefix, a suffix, the part after a set of
+tensors).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from incrinf.graph.nodes import Graph, Node
+
+Value = Callable[[str], Any]
+
+
+def module_of(graph: Graph, node: Node) -> nn.Module | None:
+    """The module a node calls (``None`` for functions and methods)."""
+    fx_node = node.fx_node
+    return graph.module.get_submodule(str(fx_node.target)) if fx_node.op == "call_module" else None
+
+
+def function_of(node: Node) -> Any:
+    """The function a ``call_function`` node calls (``None`` otherwise)."""
+    return node.fx_node.target if node.fx_node.op == "call_function" else None
+
+
+def arguments(node: Node, value: Value) -> tuple[list, dict]:
+    """A node's positional and keyword arguments, every node reference replaced by ``value(name)``."""
+    fx_node = node.fx_node
+    args = list(torch.fx.node.map_arg(fx_node.args, lambda a: value(a.name)))
+    kwargs = dict(torch.fx.node.map_arg(fx_node.kwargs, lambda a: value(a.name)))
+    return args, kwargs
+
+
+def invoke(graph: Graph, node: Node, value: Value) -> Any:
+    """Run one node on the values ``value(name)`` gives for its inputs."""
+    fx_node = node.fx_node
+    args, kwargs = arguments(node, value)
+    if fx_node.op == "call_module":
+        return graph.module.get_submodule(str(fx_node.target))(*args, **kwargs)
+    if fx_node.op == "call_function":
+        return fx_node.target(*args, **kwargs)
+    if fx_node.op == "call_method":
+        return getattr(args[0], str(fx_node.target))(*args[1:], **kwargs)
+    if fx_node.op == "output":
+        return args[0]
+    raise AssertionError(f"cannot invoke {fx_node.op} node {node.name}")
+
+
+def unary(graph: Graph, node: Node, source: str, value: Value) -> Callable[[Any], Any]:
+    """``node`` as a function of its input ``source``, every other argument bound once from ``value``.
+
+    A stream frame runs about a hundred small operator calls: resolving their arguments per call costs about
+    as much as the operators themselves.
+    """
+    fx_node = node.fx_node
+    first = fx_node.args[0] if fx_node.args else None
+    if fx_node.kwargs or not isinstance(first, torch.fx.Node) or first.name != source \
+            or any(isinstance(a, torch.fx.Node) for a in fx_node.args[1:]):
+        return lambda v: invoke(graph, node, lambda name: v if name == source else value(name))
+    rest = tuple(fx_node.args[1:])
+    if fx_node.op == "call_method":
+        method = str(fx_node.target)
+        return lambda v: getattr(v, method)(*rest)
+    fn = graph.module.get_submodule(str(fx_node.target)) if fx_node.op == "call_module" else fx_node.target
+    return (lambda v: fn(v, *rest)) if rest else fn
+
+
+def materialize(graph: Graph, x: torch.Tensor, track_mutation: bool = False) -> tuple[dict[str, Any], set[str]]:
+    """Every node's value for input ``x``, and (with ``track_mutation``) the names of the tensors a later
+    in-place operation overwrote (their recorded values are then not what they were when made)."""
+    env: dict[str, Any] = {}
+    snapshots: dict[str, torch.Tensor] = {}
+
+    class _Recorder(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            out = super().run_node(n)
+            env[n.name] = out
+            if track_mutation and isinstance(out, torch.Tensor) and out.dim() >= 3:
+                snapshots[n.name] = out.clone()
+            return out
+
+    with torch.no_grad():
+        _Recorder(graph.module).run(x)
+    return env, {name for name, snap in snapshots.items() if not torch.equal(env[name], snap)}
+
+
+def run_nodes(graph: Graph, x: torch.Tensor, around: Callable[[Node, Callable[[], Any]], Any]) -> Any:
+    """Run the graph node by node, each through ``around(node, run)`` (which must call ``run()`` and return its
+    value), e.g. to time every node. Returns the output."""
+    interp = torch.fx.Interpreter(graph.module)
+    fx_nodes = list(graph.module.graph.nodes)
+    interp.env = {fx_nodes[0]: x}
+    out = None
+    for fx_node in fx_nodes[1:]:
+        node = graph.by_name[fx_node.name]
+        out = interp.env[fx_node] = around(node, lambda n=fx_node: interp.run_node(n))
+    return out
+
+
+def extract(graph: Graph, inputs: Iterable[str], outputs: Iterable[str], clone: Iterable[str] = ()) -> nn.Module:
+    """A module computing ``outputs`` from the tensors ``inputs`` (placeholders, in that order).
+
+    Nodes that the outputs do not need are dropped; constants (parameters) are re-created from the graph's
+    module; a value needed but neither an input nor computable from them is an error. Outputs listed in
+    ``clone`` are copied right after they are made (a later in-place operation would overwrite them).
+
+    Returns:
+        The module; it returns one value when one output is asked for, else a tuple.
+    """
+    inputs, outputs, clone = list(inputs), list(outputs), set(clone)
+    new = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {name: new.placeholder(name) for name in inputs}
+    fx_nodes = {n.name: n for n in graph.module.graph.nodes}
+
+    def need(fx_node: torch.fx.Node) -> torch.fx.Node:
+        if fx_node.name not in env:
+            if fx_node.op == "placeholder":
+                raise ValueError(f"{fx_node.name} is needed but is not among the inputs {inputs}")
+            env[fx_node.name] = new.node_copy(fx_node, need)
+        return env[fx_node.name]
+
+    results = []
+    for name in outputs:
+        fx_node = fx_nodes[name]
+        # the output node stands for the model's output (any structure of tensors)
+        value = torch.fx.node.map_arg(fx_node.args[0], need) if fx_node.op == "output" else need(fx_node)
+        if name in clone:
+            value = new.call_method("clone", (value,))
+        results.append(value)
+    new.output(results[0] if len(results) == 1 else tuple(results))
+    module = torch.fx.GraphModule(graph.module, new)
+    module.graph.eliminate_dead_code()
+    module.recompile()
+    return module
+
+
+def copy_graph(graph: Graph, device: torch.device | str, channels_last: bool = True) -> Graph:
+    """The same graph over a private copy of its module (moved to ``device``, weights channels-last), so an
+    executor may lay out and fold weights without touching the caller's model."""
+    module = copy.deepcopy(graph.module).to(device)
+    if channels_last:  # applies to 4-D weights only
+        module = module.to(memory_format=torch.channels_last)
+    module.eval()
+    fx_nodes = {n.name: n for n in module.graph.nodes}
+    nodes = [copy.copy(n) for n in graph.nodes]
+    for node in nodes:
+        node.fx_node = fx_nodes[node.name]
+    return Graph(module, nodes, graph.input_shape, graph.signature)
