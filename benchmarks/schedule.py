@@ -43,9 +43,9 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from incrinf import models
 from incrinf.offload import wire
+from incrinf.offload.session import OffloadingSession
 from incrinf.stream.defaults import DEFAULT_CELL, DEFAULT_FEATURE_THRESHOLD, DEFAULT_THRESHOLD
 from incrinf.testing.shaping import ShapingProxy
-from incrinf.offload.session import OffloadingSession
 from incrinf.testing.synthetic import synthetic_camera
 
 FIXED = ["local_full", "local_cached", "offload_full", "offload_cached"]

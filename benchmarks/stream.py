@@ -41,8 +41,8 @@ except ImportError:  # a checkout without `pip install -e .`
 from incrinf.stream.defaults import DEFAULT_CELL, DEFAULT_FEATURE_THRESHOLD, DEFAULT_THRESHOLD
 from incrinf.stream.matching import corner_distance
 from incrinf.stream.session import StreamSession
-from incrinf.testing.synthetic import synthetic_scene
 from incrinf.stream.video import bundled_video_path, read_frames
+from incrinf.testing.synthetic import synthetic_scene
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402

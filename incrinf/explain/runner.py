@@ -12,10 +12,9 @@ from tqdm.auto import tqdm
 
 from incrinf.engine import IncrementalEngine
 from incrinf.geometry import Propagation, RegionKind, full_flops, incremental_flops, input_region, propagate
-from incrinf.graph import Graph
+from incrinf.graph import Graph, captured_graph
 from incrinf.kernels.dispatch import free_device_memory, peak_device_memory, reset_peak_device_memory
 from incrinf.kernels.gather import from_rows, gather_windows, to_rows
-from incrinf.graph import captured_graph
 from incrinf.plan import box_rows, build_plan
 
 # Packed batches beyond this many positions stop paying on a CPU and only cost memory.

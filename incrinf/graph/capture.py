@@ -121,8 +121,9 @@ def capture(model: nn.Module, input_shape: Any) -> Graph:
                            ) from exc
     classifier = Classifier(gm, len(shape) - 2)
     nodes = [classifier.classify(fx_node) for fx_node in gm.graph.nodes]
-    if sum(n.kind == NodeKind.INPUT for n in nodes) != 1:
-        raise CaptureError(f"expected a model with one input tensor, found {sum(n.kind == NodeKind.INPUT for n in nodes)}")
+    n_inputs = sum(n.kind == NodeKind.INPUT for n in nodes)
+    if n_inputs != 1:
+        raise CaptureError(f"expected a model with one input tensor, found {n_inputs}")
     return Graph(gm, nodes, shape, _signature(nodes, shape))
 
 

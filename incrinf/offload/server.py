@@ -51,9 +51,8 @@ import torch
 import torch.nn as nn
 from aiohttp import web
 
-from incrinf.graph import capture
+from incrinf.graph import capture, split_points
 from incrinf.offload import wire
-from incrinf.graph import split_points
 from incrinf.offload.profile import NodeProfile, SplitRunner, model_digest, profile_graph
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,6 @@ import torch.nn as nn
 
 from incrinf.graph import cache_point, capture, split_points
 from incrinf.offload import wire
-from incrinf.stream.change_mask import DEFAULT_CELL, DEFAULT_THRESHOLD, change_mask
 from incrinf.offload.client import (
     Backoff,
     LinkEstimator,
@@ -46,7 +45,6 @@ from incrinf.offload.client import (
     ServerUnavailable,
     SessionLost,
 )
-from incrinf.stream.matching import HomographyEstimator
 from incrinf.offload.profile import NodeProfile, SplitRunner, model_digest, profile_graph
 from incrinf.offload.scheduler import (
     HYBRID,
@@ -61,6 +59,8 @@ from incrinf.offload.scheduler import (
     is_offload,
     split_of,
 )
+from incrinf.stream.change_mask import DEFAULT_CELL, DEFAULT_THRESHOLD, change_mask
+from incrinf.stream.matching import HomographyEstimator
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

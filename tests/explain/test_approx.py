@@ -27,8 +27,7 @@ from incrinf.explain.occlusion import occlusion as exact_occlusion
 from incrinf.explain.runner import OcclusionRunner
 from incrinf.explain.tuning import heatmap_ssim
 from incrinf.geometry import RegionKind, input_region, propagate
-from incrinf.graph import NodeKind
-from incrinf.graph import captured_graph
+from incrinf.graph import NodeKind, captured_graph
 
 
 def small_net() -> nn.Module:

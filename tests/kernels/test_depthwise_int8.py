@@ -35,8 +35,8 @@ from incrinf.kernels.quantize import (
     multiply_by_quantized_multiplier_np,
     per_channel_multipliers,
 )
-from incrinf.testing.tflite_oracle import TfliteRunner, build_depthwise_model
 from incrinf.kernels.quantized_module import QuantizedDepthwiseConv2d
+from incrinf.testing.tflite_oracle import TfliteRunner, build_depthwise_model
 
 
 @pytest.fixture(autouse=True)

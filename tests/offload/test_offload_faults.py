@@ -12,9 +12,9 @@ import torch.nn as nn
 
 from incrinf.models import sample_image
 from incrinf.offload import wire
-from incrinf.testing.shaping import ShapingProxy
-from incrinf.offload.session import OffloadingSession
 from incrinf.offload.server import ModelService, OffloadServer
+from incrinf.offload.session import OffloadingSession
+from incrinf.testing.shaping import ShapingProxy
 from incrinf.testing.synthetic import synthetic_camera
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)

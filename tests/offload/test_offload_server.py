@@ -14,13 +14,13 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from incrinf.graph import split_points
 from incrinf.models import sample_image
 from incrinf.offload import wire
 from incrinf.offload.client import OffloadClient, ReferenceMismatch, RemoteError, SessionLost
-from incrinf.testing.shaping import ShapingProxy
-from incrinf.offload.session import CachedUplink
-from incrinf.graph import split_points
 from incrinf.offload.server import ModelService, OffloadServer, SessionNotFound, SessionStore
+from incrinf.offload.session import CachedUplink
+from incrinf.testing.shaping import ShapingProxy
 from incrinf.testing.synthetic import synthetic_camera
 
 TOKEN = "correct horse battery staple"

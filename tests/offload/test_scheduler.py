@@ -7,9 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from incrinf.graph import capture
+from incrinf.graph import SplitPoint, capture, split_points
 from incrinf.offload.client import HTTP_OVERHEAD_BYTES, Backoff, LinkEstimator
-from incrinf.graph import SplitPoint, split_points
 from incrinf.offload.profile import NodeProfile, SplitRunner, profile_graph
 from incrinf.offload.scheduler import (
     LOCAL_CACHED,

@@ -12,8 +12,8 @@ from incrinf.stream.matching import (
     estimate_homography,
     scale_homography,
 )
-from incrinf.testing.synthetic import synthetic_camera, synthetic_scene
 from incrinf.stream.warp import warp_image, warp_valid_mask
+from incrinf.testing.synthetic import synthetic_camera, synthetic_scene
 
 SIZE = (160, 160)
 HAS_AKAZE = hasattr(cv2, "AKAZE_create")
