@@ -42,11 +42,12 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from incrinf import models
-from incrinf.offload import wire
 from incrinf.offload.session import OffloadingSession
-from incrinf.stream.defaults import DEFAULT_CELL, DEFAULT_FEATURE_THRESHOLD, DEFAULT_THRESHOLD
+from incrinf.stream.config import StreamConfig
 from incrinf.testing.shaping import ShapingProxy
 from incrinf.testing.synthetic import synthetic_camera
+
+DEFAULTS = StreamConfig()
 
 FIXED = ["local_full", "local_cached", "offload_full", "offload_cached"]
 # Both cached paths match keypoints the same way: ORB + RANSAC, no ECC refinement (the offload uplink's choice).
@@ -102,8 +103,9 @@ def main() -> int:
     blocks = ", ".join(f"{v:g}" for v in trace)
     print(f"link: {blocks} Mbit/s in equal blocks of frames, +{args.latency_ms:g} ms each way, "
           "shaped by a loopback proxy per policy, stepped per frame")
-    print(f"cached options: threshold {DEFAULT_THRESHOLD:g}, cell {DEFAULT_CELL}, feature_threshold "
-          f"{DEFAULT_FEATURE_THRESHOLD:g}, max_ratio 0.6, keyframe every 30, ORB matching without ECC; "
+    print(f"cached options: threshold {DEFAULTS.threshold:g}, cell {DEFAULTS.cell}, feature_threshold "
+          f"{DEFAULTS.still_feature_threshold:g}, max_ratio {DEFAULTS.max_ratio:g}, keyframe every "
+          f"{DEFAULTS.keyframe_interval}, ORB matching without ECC; "
           "local_cached = incrinf.stream.session.StreamSession (sparse executor)")
 
     model = models.load(args.model)
@@ -111,7 +113,7 @@ def main() -> int:
     frames = [f for f, _ in synthetic_camera(models.sample_image(), args.frames, size=(args.size, args.size),
                                              motion="pan", seed=args.seed, insert_object=True)]
     with torch.no_grad():
-        reference = [model(wire.to_model_input(f, meta.mean, meta.std)) for f in frames]
+        reference = [model(meta.normalization.tensor(f)) for f in frames]
 
     proc, port = start_server(args.model, args.size, args.server_threads)
     proxies, sessions = {}, {}

@@ -38,11 +38,13 @@ try:
 except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from incrinf import models
-from incrinf.stream.defaults import DEFAULT_CELL, DEFAULT_FEATURE_THRESHOLD, DEFAULT_THRESHOLD
+from incrinf.stream.config import StreamConfig
 from incrinf.stream.matching import corner_distance
 from incrinf.stream.session import StreamSession
 from incrinf.stream.video import bundled_video_path, read_frames
 from incrinf.testing.synthetic import synthetic_scene
+
+DEFAULTS = StreamConfig()
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402
@@ -170,9 +172,10 @@ def main() -> None:
     model = models.load("efficientnet_lite0")
     print(machine())
     print(f"load average at start: {' '.join(f'{v:.1f}' for v in os.getloadavg())}; EfficientNet-Lite0 (ImageNet "
-          f"weights), {args.frames} frames per clip; session defaults: threshold {DEFAULT_THRESHOLD:g}, cell "
-          f"{DEFAULT_CELL}, feature_threshold {DEFAULT_FEATURE_THRESHOLD:g}, max_ratio 0.6, keyframe every 30 "
-          "frames, ORB (500 features, no ECC), min_motion 2 px, max_misalignment 0.25; "
+          f"weights), {args.frames} frames per clip; session defaults: threshold {DEFAULTS.threshold:g}, cell "
+          f"{DEFAULTS.cell}, feature_threshold {DEFAULTS.still_feature_threshold:g}, max_ratio "
+          f"{DEFAULTS.max_ratio:g}, keyframe every {DEFAULTS.keyframe_interval} frames, ORB (500 features, no ECC), "
+          f"min_motion {DEFAULTS.min_motion:g} px, max_misalignment {DEFAULTS.max_misalignment:g}; "
           + ("interleaved frame by frame" if args.interleave else f"each configuration on its own, {args.rounds} "
              "rotating passes"))
     for title, frames, known in _clips(args):

@@ -1,17 +1,41 @@
 """incrinf: incremental CNN inference for occlusion explanations and camera streams.
 
-Public API: :func:`analyze` (theoretical speedup), :func:`occlusion` (heat maps), ``incrinf.captum.Occlusion``
-(Captum drop-in), :class:`RuntimeCache` / :func:`runtime_cache` (plan cache), ``incrinf.models`` (zoo).
+Entry points: :func:`analyze` (theoretical speedup), :func:`occlusion` (heat maps) and :func:`tune`,
+``incrinf.captum`` (Captum drop-ins), :class:`StreamSession` (camera streams) with :class:`StreamConfig`,
+:class:`OffloadingSession` (streams with an offload server), :func:`runtime_cache` (plan cache),
+:func:`capture` (the typed graph), and the submodules ``incrinf.models`` (zoo) and ``incrinf.kernels``.
+Everything beyond the occlusion path loads on first use, so ``import incrinf`` stays light.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from incrinf.analysis import AnalysisReport, analyze
 from incrinf.cache import LookupStatus, RuntimeCache, make_key, runtime_cache
-from incrinf.errors import CaptureError
+from incrinf.errors import CaptureError, MissingExtraError
 from incrinf.explain.approx import occlusion
 from incrinf.explain.drilldown import DrillDown
 from incrinf.explain.occlusion import OcclusionResult
 from incrinf.explain.tuning import TuningProfile, tune
 from incrinf.graph import Graph, NodeKind, capture
+
+__version__ = "0.1.0"
+
+# name -> (module, attribute or None for the module itself): loaded on first use (PEP 562)
+_LAZY = {
+    "StreamSession": ("incrinf.stream.session", "StreamSession"),
+    "StreamConfig": ("incrinf.stream.config", "StreamConfig"),
+    "OffloadingSession": ("incrinf.offload.session", "OffloadingSession"),
+    "QuantizedDepthwiseConv2d": ("incrinf.kernels.quantized_module", "QuantizedDepthwiseConv2d"),
+    "depthwise_conv2d_int8": ("incrinf.kernels.depthwise_int8", "depthwise_conv2d_int8"),
+    "models": ("incrinf.models", None),
+    "captum": ("incrinf.captum", None),
+    "kernels": ("incrinf.kernels", None),
+    "stream": ("incrinf.stream", None),
+    "offload": ("incrinf.offload", None),
+}
 
 __all__ = [
     "AnalysisReport",
@@ -19,6 +43,7 @@ __all__ = [
     "DrillDown",
     "Graph",
     "LookupStatus",
+    "MissingExtraError",
     "NodeKind",
     "OcclusionResult",
     "RuntimeCache",
@@ -29,21 +54,17 @@ __all__ = [
     "occlusion",
     "runtime_cache",
     "tune",
+    *_LAZY,
 ]
-__version__ = "0.1.0"
-
-# Imported on first use: they pull in numba / OpenCV, which plain OBE users do not need.
-_LAZY = {
-    "StreamSession": ("incrinf.stream.session", "StreamSession"),
-    "QuantizedDepthwiseConv2d": ("incrinf.kernels.quantized_module", "QuantizedDepthwiseConv2d"),
-    "depthwise_conv2d_int8": ("incrinf.kernels", "depthwise_conv2d_int8"),
-}
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'incrinf' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    return value if attr is None else getattr(value, attr)
 
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'incrinf' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

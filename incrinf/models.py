@@ -12,8 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from incrinf.normalization import IMAGENET_MEAN, IMAGENET_STD, Normalization
 
 
 @dataclass(frozen=True)
@@ -25,6 +24,10 @@ class ModelInfo:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     pretrained: bool
+
+    @property
+    def normalization(self) -> Normalization:
+        return Normalization(self.mean, self.std)
 
 
 ZOO = (
@@ -135,15 +138,9 @@ def preprocess(image: np.ndarray, name: str = "efficientnet_lite0", size: int | 
     if crop:
         top, left = (nh - size) // 2, (nw - size) // 2
         x = x[:, top:top + size, left:left + size]
-    mean = torch.tensor(meta.mean).view(3, 1, 1)
-    std = torch.tensor(meta.std).view(3, 1, 1)
-    return ((x - mean) / std).contiguous()
+    return meta.normalization.normalize(x).contiguous()
 
 
 def unnormalize(x: torch.Tensor, name: str = "efficientnet_lite0") -> np.ndarray:
     """Inverse of :func:`preprocess` to an HxWx3 float image in [0, 1] (for overlays)."""
-    meta = info(name)
-    mean = torch.tensor(meta.mean).view(3, 1, 1)
-    std = torch.tensor(meta.std).view(3, 1, 1)
-    img = (x.detach().cpu().reshape(3, *x.shape[-2:]) * std + mean).clamp(0, 1)
-    return img.permute(1, 2, 0).numpy()
+    return info(name).normalization.image(x)

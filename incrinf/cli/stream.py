@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 from incrinf.cli.common import non_negative, positive_int
-from incrinf.stream.defaults import DEFAULT_FEATURE_THRESHOLD, DEFAULT_THRESHOLD
+from incrinf.stream.config import StreamConfig
+
+_DEFAULTS = StreamConfig()
 
 _CSV_FIELDS = ("index", "mode", "reason", "homography_found", "recompute_fraction", "flops_ratio", "seconds",
                "full_seconds", "top1", "full_top1", "relative_error")
@@ -33,15 +35,18 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("video", nargs="?", help="video file (default: the bundled carphone_pristine.mp4)")
     p.add_argument("--model", default="efficientnet_lite0", help="zoo model (default: efficientnet_lite0)")
     p.add_argument("--weights", help="state-dict file for a torchvision architecture")
-    p.add_argument("--threshold", type=non_negative, default=DEFAULT_THRESHOLD,
-                   help=f"change threshold per cell in 0-255 pixel levels (default {DEFAULT_THRESHOLD:g})")
-    p.add_argument("--cell", type=positive_int, default=16, help="change-mask cell side in pixels (default 16)")
-    p.add_argument("--max-ratio", type=float, default=0.6, help="changed fraction above which a frame runs full")
-    p.add_argument("--keyframe-interval", type=int, default=30, help="full inference every N frames (0: never)")
+    p.add_argument("--threshold", type=non_negative, default=_DEFAULTS.threshold,
+                   help=f"change threshold per cell in 0-255 pixel levels (default {_DEFAULTS.threshold:g})")
+    p.add_argument("--cell", type=positive_int, default=_DEFAULTS.cell,
+                   help=f"change-mask cell side in pixels (default {_DEFAULTS.cell})")
+    p.add_argument("--max-ratio", type=float, default=_DEFAULTS.max_ratio,
+                   help=f"changed fraction above which a frame runs full (default {_DEFAULTS.max_ratio:g})")
+    p.add_argument("--keyframe-interval", type=int, default=_DEFAULTS.keyframe_interval,
+                   help=f"full inference every N frames (0: never; default {_DEFAULTS.keyframe_interval})")
     p.add_argument("--feature-threshold", type=non_negative, default=None,
                    help="drop recomputed positions whose features moved less than this share of the tensor's mean "
-                        f"magnitude (default {DEFAULT_FEATURE_THRESHOLD:g} on still-camera frames, 0 under camera "
-                        "motion; 0: exact propagation)")
+                        f"magnitude (default {_DEFAULTS.still_feature_threshold:g} on still-camera frames, 0 under "
+                        "camera motion; 0: exact propagation)")
     p.add_argument("--size", type=_size, help="resize frames to HxW (default: the video's size)")
     p.add_argument("--max-frames", type=positive_int, help="stop after this many frames")
     p.add_argument("--csv", help="write per-frame statistics to this CSV file")
@@ -62,11 +67,9 @@ def run(args: argparse.Namespace) -> int:
     frames = read_frames(path, max_frames=args.max_frames, size=args.size)  # fails here on a bad file
     model = models.load(args.model, args.weights)
     meta = models.info(args.model)
-    session = StreamSession(model, threshold=args.threshold, cell=args.cell, max_ratio=args.max_ratio,
-                            keyframe_interval=args.keyframe_interval or None,
-                            feature_threshold=args.feature_threshold, mean=meta.mean, std=meta.std)
-    mean = torch.tensor(meta.mean).view(1, 3, 1, 1)
-    std = torch.tensor(meta.std).view(1, 3, 1, 1)
+    config = StreamConfig(threshold=args.threshold, cell=args.cell, max_ratio=args.max_ratio,
+                          keyframe_interval=args.keyframe_interval, feature_threshold=args.feature_threshold)
+    session = StreamSession(model, config, mean=meta.mean, std=meta.std)
     rows, outputs = [], []
     # the session and the reference run in separate passes over the clip, as each would run on its own (run
     # frame by frame in turn they evict each other's caches, which slows the session by about a third)
@@ -86,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
         for row, out, frame in zip(rows, outputs, tqdm(reference, total=len(rows), unit="frame", disable=args.quiet,
                                                         desc=f"{path.name} (full inference)")):
             start = time.perf_counter()
-            x = torch.from_numpy(frame).permute(2, 0, 1)[None].float().div_(255.0)
-            ref = model((x - mean) / std)
+            ref = model(meta.normalization.tensor(frame))
             row["full_seconds"] = round(time.perf_counter() - start, 5)
             row["full_top1"] = int(ref.argmax())
             row["relative_error"] = round(float((out - ref).norm() / ref.norm().clamp_min(1e-12)), 5)

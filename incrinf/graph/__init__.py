@@ -6,7 +6,7 @@ groups, padding values, in-place flags, users); :func:`captured_graph` keeps one
 graph into modules, so nothing downstream needs ``torch.fx``.
 """
 
-from incrinf.graph.capture import capture, captured_graph, forget_graphs, parse_input_shape, trace
+from incrinf.graph.capture import capture, captured_graph, forget_graphs, has_windows, parse_input_shape, trace
 from incrinf.graph.nodes import Graph, LocalGeometry, Node, NodeKind, Operator
 from incrinf.graph.passes import SplitPoint, cache_point, input_dependent, last_uses, single_live_points, split_points
 
@@ -21,6 +21,7 @@ __all__ = [
     "capture",
     "captured_graph",
     "forget_graphs",
+    "has_windows",
     "input_dependent",
     "last_uses",
     "parse_input_shape",

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from incrinf.errors import CaptureError
-from incrinf.graph.classify import Classifier
+from incrinf.graph.classify import WINDOW_FUNCTIONS, WINDOW_MODULES, Classifier
 from incrinf.graph.nodes import Graph, Node, NodeKind
 
 _TRACE_LOCK = threading.RLock()
@@ -86,6 +86,21 @@ def _innermost_frame(exc: BaseException) -> str:
         return ""
     code = last.tb_frame.f_code
     return f" (in {code.co_name}, {code.co_filename}:{last.tb_lineno})"
+
+
+def has_windows(model: nn.Module) -> bool:
+    """Whether the traced model calls any convolution or pooling window, without capturing it for a shape.
+
+    Raises:
+        CaptureError: the model cannot be traced.
+    """
+    gm = trace(model)
+    for fx_node in gm.graph.nodes:
+        if fx_node.op == "call_module" and isinstance(gm.get_submodule(str(fx_node.target)), WINDOW_MODULES):
+            return True
+        if fx_node.op == "call_function" and fx_node.target in WINDOW_FUNCTIONS:
+            return True
+    return False
 
 
 def capture(model: nn.Module, input_shape: Any) -> Graph:

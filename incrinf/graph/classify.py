@@ -50,6 +50,8 @@ _ARITH_FUNCTIONS = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.iadd, operator.imul, operator.isub,
     operator.itruediv, torch.add, torch.sub, torch.mul, torch.div,
 }
+WINDOW_MODULES = _CONV_MODULES + _MAX_POOL_MODULES + _AVG_POOL_MODULES
+WINDOW_FUNCTIONS = set(_CONV_FUNCTIONS) | set(_MAX_POOL_FUNCTIONS) | set(_AVG_POOL_FUNCTIONS)
 _INPLACE_FUNCTIONS = {operator.iadd, operator.imul, operator.isub, operator.itruediv}
 _ARITH_METHODS = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_"}
 _CAT_FUNCTIONS = {torch.cat, torch.concat}

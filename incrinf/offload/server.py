@@ -52,6 +52,7 @@ import torch.nn as nn
 from aiohttp import web
 
 from incrinf.graph import capture, split_points
+from incrinf.normalization import IMAGENET_MEAN, IMAGENET_STD, Normalization
 from incrinf.offload import wire
 from incrinf.offload.profile import NodeProfile, SplitRunner, model_digest, profile_graph
 
@@ -59,8 +60,6 @@ log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Incrinf-Session"
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class SessionNotFound(LookupError):
@@ -131,10 +130,10 @@ class ModelService:
 
     Args:
         model: the model (put in eval mode).
-        input_shape: ``(C, H, W)`` or ``(1, C, H, W)``: the one input shape this server accepts.
+        input_shape: ``(C, H, W)``: the one input shape this server accepts.
         name: model name reported to clients.
-        mean: per-channel normalisation mean applied to uint8 frames (see :func:`~incrinf.offload.wire.
-            to_model_input`).
+        mean: per-channel normalisation mean applied to uint8 frames (:class:`~incrinf.normalization.
+            Normalization`).
         std: per-channel normalisation std.
         profile_repeats: timed passes of the start-up profile.
         max_sessions: most per-client caches kept.
@@ -148,8 +147,9 @@ class ModelService:
         self.name = name
         self.graph = capture(model, input_shape)
         self.input_shape = tuple(self.graph.input_shape)
-        self.mean, self.std = tuple(map(float, mean)), tuple(map(float, std))
-        if len(self.mean) != self.input_shape[1] or len(self.std) != self.input_shape[1]:
+        self.normalization = Normalization(mean, std)
+        self.mean, self.std = self.normalization.mean, self.normalization.std
+        if self.normalization.channels != self.input_shape[1]:
             raise ValueError("mean and std need one value per input channel")
         self.runner = SplitRunner(self.graph)
         self.digest = model_digest(model)
@@ -186,7 +186,7 @@ class ModelService:
     def _frame_input(self, frame: np.ndarray) -> torch.Tensor:
         if frame.shape != self.frame_shape:
             raise wire.PayloadError(f"frame must be {self.frame_shape} uint8, got {frame.shape}")
-        return wire.to_model_input(frame, self.mean, self.std)
+        return self.normalization.tensor(frame)
 
     def infer_full(self, msg: wire.Message, owner: str, session: str | None) -> tuple[np.ndarray, float, str | None]:
         """Full inference on a frame or a model input; with a session the frame becomes its reference.

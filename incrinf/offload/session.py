@@ -1,9 +1,9 @@
 """Offloading stream session: per frame, run locally, on the offload server, or split, with or without cache.
 
-:class:`OffloadingSession` is what ``StreamSession(model, offload=URL, policy=...)`` delegates to. Per frame
-it asks the :class:`~incrinf.offload.scheduler.Scheduler` for an option (cost model over profiles, the link
-measured online, the predicted change fraction, cache-rebuild costs, hysteresis), runs it, and records what
-was chosen, why, and predicted vs actual time in :attr:`OffloadingSession.stats`.
+Per frame, :class:`OffloadingSession` (``OffloadingSession(model, offload=URL, policy=...)``) asks the
+:class:`~incrinf.offload.scheduler.Scheduler` for an option (cost model over profiles, the link measured online,
+the predicted change fraction, cache-rebuild costs, hysteresis), runs it, and records what was chosen, why, and
+predicted vs actual time in :attr:`OffloadingSession.stats`.
 
 Faults: an offload that fails (refused, reset, timed out, server error) is completed locally within the same
 call: no frame is dropped or duplicated, outputs come back in order. The server is then in back-off
@@ -28,13 +28,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from incrinf.graph import cache_point, capture, split_points
+from incrinf.normalization import IMAGENET_MEAN, IMAGENET_STD, Normalization
 from incrinf.offload import wire
 from incrinf.offload.client import (
     Backoff,
@@ -59,11 +60,9 @@ from incrinf.offload.scheduler import (
     is_offload,
     split_of,
 )
-from incrinf.stream.change_mask import DEFAULT_CELL, DEFAULT_THRESHOLD, change_mask
+from incrinf.stream.change_mask import change_mask
+from incrinf.stream.config import StreamConfig
 from incrinf.stream.matching import HomographyEstimator
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class SlowDevice:
@@ -89,35 +88,20 @@ class SlowDevice:
                 time.sleep((time.perf_counter() - t0) * (self.slowdown - 1))
 
 
-class LocalCachedBackend(Protocol):
-    """What the session needs from a local cached stream engine."""
-
-    def __call__(self, frame: np.ndarray) -> torch.Tensor: ...
-
-    def reset(self) -> None: ...
-
-    @property
-    def last_recompute_fraction(self) -> float: ...
-
-    @property
-    def last_flops_ratio(self) -> float: ...
-
-
 class FullInferenceStandIn:
     """Stand-in for the local incremental session: plain full inference, recompute fraction 1.
 
     Args:
         model: the model.
-        mean: normalisation mean.
-        std: normalisation std.
+        normalization: how frames become model inputs.
     """
 
-    def __init__(self, model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
-        self.model, self.mean, self.std = model, mean, std
+    def __init__(self, model: nn.Module, normalization: Normalization) -> None:
+        self.model, self.normalization = model, normalization
 
     @torch.no_grad()
     def __call__(self, frame: np.ndarray) -> torch.Tensor:
-        return self.model(wire.to_model_input(frame, self.mean, self.std))
+        return self.model(self.normalization.tensor(frame))
 
     def reset(self) -> None:
         pass
@@ -195,19 +179,14 @@ class CachedUplink:
     estimator, the change mask and the tile packing (see :mod:`incrinf.offload.wire`).
 
     Args:
-        cell: change-mask cell side in pixels.
-        threshold: change threshold (0-255 units).
-        max_ratio: changed-cell fraction at or above which a full frame is sent.
-        matcher: keypoint matcher for the homography.
-        keyframe_interval: send a full frame every this many frames (None: only when needed).
+        config: the stream settings (change threshold and cell, ``max_ratio`` of changed cells at or above which
+            a full frame is sent, matcher, keyframe interval).
     """
 
-    def __init__(self, cell: int = DEFAULT_CELL, threshold: float = DEFAULT_THRESHOLD, max_ratio: float = 0.6,
-                 matcher: str = "orb", keyframe_interval: int | None = None) -> None:
-        self.cell, self.threshold, self.max_ratio = cell, threshold, max_ratio
-        self.keyframe_interval = keyframe_interval
+    def __init__(self, config: StreamConfig | None = None) -> None:
+        self.config = config or StreamConfig()
         # ECC refinement costs ~10x the keypoint fit at these sizes; the mask catches what the fit misses.
-        self.estimator = HomographyEstimator(matcher=matcher, refine=False)
+        self.estimator = HomographyEstimator(matcher=self.config.matcher, refine=False)
         self.reference: np.ndarray | None = None
         self.reference_id: int | None = None
         self._last_seen: int | None = None
@@ -227,12 +206,13 @@ class CachedUplink:
             return Update(True, "no reference", frame.copy(), 1.0)
         if not result.ok:
             return Update(True, f"matching failed: {result.reason}", frame.copy(), 1.0)
-        if self.keyframe_interval and self._since_full >= self.keyframe_interval:
+        config = self.config
+        if config.keyframe_interval and self._since_full >= config.keyframe_interval:
             return Update(True, "keyframe", frame.copy(), 1.0)
         warped, valid = wire.warp_frame_nearest(self.reference, result.matrix)
-        mask = change_mask(frame, warped, self.cell, self.threshold, valid)
-        if mask.changed_cell_fraction >= self.max_ratio:
-            return Update(True, f"changed cells {mask.changed_cell_fraction:.2f} >= {self.max_ratio}", frame.copy(),
+        mask = change_mask(frame, warped, config.cell, config.threshold, valid)
+        if mask.changed_cell_fraction > config.max_ratio:  # the session's rule (StreamConfig.max_ratio)
+            return Update(True, f"changed cells {mask.changed_cell_fraction:.2f} > {config.max_ratio}", frame.copy(),
                           1.0)
         boxes = np.array(mask.boxes(), dtype=np.int32).reshape(-1, 4)
         tiles = wire.pack_tiles(frame, boxes)
@@ -348,16 +328,14 @@ class OffloadingSession:
         mean: normalisation mean of uint8 frames (default: the zoo model's, else ImageNet).
         std: normalisation std.
         token: bearer token of the server.
-        threshold: change threshold (0-255) of cached options.
-        cell: change-mask cell in pixels.
-        max_ratio: changed-cell fraction from which a cached option sends / computes the full frame.
-        matcher: keypoint matcher for homographies.
-        keyframe_interval: full frame (local inference or upload) every this many cached frames (None: only
-            when needed).
+        config: stream settings of the cached options (:class:`~incrinf.stream.config.StreamConfig`): change
+            threshold and cell, ``max_ratio`` of changed cells from which a cached option sends / computes the
+            full frame, matcher, keyframe interval (a full frame, local or uploaded, every that many frames), and
+            the local session's feature threshold and the rest.
         local_session: factory of the local cached engine (a ``StreamSession``-like callable); default: the
             incremental :class:`~incrinf.stream.session.StreamSession` with the settings above, or
             :class:`FullInferenceStandIn` for models it cannot cache.
-        local_options: extra ``StreamSession`` arguments (``matcher_options``, ``feature_threshold``, ...).
+        local_options: extra ``StreamSession`` arguments (``device``, ...).
         budget: seconds a frame may take; offload timeouts are chosen so a failed offload can still finish
             locally within it (None: ``max_timeout``).
         max_timeout: longest offload timeout in seconds.
@@ -374,13 +352,14 @@ class OffloadingSession:
     def __init__(self, model: nn.Module | str, offload: str | None = None, policy: str = "auto", *,
                  input_size: tuple[int, int] | None = None, mean: tuple[float, ...] | None = None,
                  std: tuple[float, ...] | None = None, token: str | None = None,
-                 threshold: float = DEFAULT_THRESHOLD, cell: int = DEFAULT_CELL, max_ratio: float = 0.6,
-                 matcher: str = "orb", keyframe_interval: int | None = 30,
-                 local_session: Callable[[], Any] | None = None, local_options: dict[str, Any] | None = None,
+                 config: StreamConfig | None = None, local_session: Callable[[], Any] | None = None,
+                 local_options: dict[str, Any] | None = None,
                  budget: float | None = None,
                  max_timeout: float = 2.0, local_slowdown: float = 1.0, lookahead: int = 10,
                  margin: float = 0.1, backoff_initial: float = 0.25, backoff_cap: float = 8.0,
-                 probe_interval: float = 0.25, max_splits: int = 3, profile_repeats: int = 5) -> None:
+                 probe_interval: float = 0.25, max_splits: int = 3, profile_repeats: int = 5,
+                 **settings: Any) -> None:
+        self.config = StreamConfig.build(config, **settings)
         self.model, self.model_name, mean, std = _resolve_model(model, mean, std)
         self.offload_url = offload
         self.budget, self.max_timeout = budget, max_timeout
@@ -395,9 +374,10 @@ class OffloadingSession:
         if input_size is None:
             input_size = tuple(server_info["input_shape"][2:]) if server_info else _zoo_size(self.model_name)
         self.input_size = (int(input_size[0]), int(input_size[1]))
-        self.mean = tuple(float(v) for v in mean or (server_info or {}).get("mean") or IMAGENET_MEAN)
-        self.std = tuple(float(v) for v in std or (server_info or {}).get("std") or IMAGENET_STD)
-        channels = len(self.mean)
+        self.normalization = Normalization(mean or (server_info or {}).get("mean") or IMAGENET_MEAN,
+                                           std or (server_info or {}).get("std") or IMAGENET_STD)
+        self.mean, self.std = self.normalization.mean, self.normalization.std
+        channels = self.normalization.channels
         self.graph = capture(self.model, (channels, *self.input_size))
         if server_info is not None:
             problem = self._incompatibility(server_info)
@@ -419,9 +399,9 @@ class OffloadingSession:
         self.scheduler = Scheduler(cost, policy, lookahead, margin)
         if policy != "auto" and is_offload(policy) and self.client is None:
             raise ValueError(f"policy {policy!r} needs an offload URL")
-        self.local_cached = _local_backend(local_session, self.model, self.input_size, self.mean, self.std,
-                                           threshold, cell, max_ratio, matcher, keyframe_interval, local_options)
-        self.uplink = CachedUplink(cell, threshold, max_ratio, matcher, keyframe_interval)
+        self.local_cached = _local_backend(local_session, self.model, self.input_size, self.normalization,
+                                           self.config, local_options)
+        self.uplink = CachedUplink(self.config)
         self._calibrate()
         self.session_id: str | None = None
         self.incompatible: str | None = None
@@ -435,25 +415,6 @@ class OffloadingSession:
         if self._worker is not None and self._server_up and policy in ("auto", HYBRID):
             with contextlib.suppress(OffloadError):  # the first decision gets a measured link (<= ~0.5 s)
                 self._probe()
-
-    @classmethod
-    def from_stream_args(cls, model: nn.Module | str, offload: str | None, policy: str | None = None,
-                         **kwargs: Any) -> OffloadingSession:
-        """Build from ``StreamSession``-style arguments: those this class takes are used directly, the rest
-        (``preprocess``, ``device``, ``matcher_options``, ``feature_threshold``, ...) go to the local
-        ``StreamSession`` through ``local_options``."""
-        import inspect
-
-        if kwargs.get("preprocess") is not None:
-            raise ValueError("an offloading session sends uint8 frames that both ends normalise with mean/std; "
-                             "a custom preprocess is not supported")
-        kwargs.pop("preprocess", None)
-        own = set(inspect.signature(cls.__init__).parameters) - {"self", "model", "offload", "policy"}
-        direct = {k: v for k, v in kwargs.items() if k in own}
-        rest = {k: v for k, v in kwargs.items() if k not in own}
-        if rest:
-            direct["local_options"] = {**(direct.get("local_options") or {}), **rest}
-        return cls(model, offload=offload, policy=policy or "auto", **direct)
 
     def _calibration_frames(self) -> list[np.ndarray]:
         """Three views of the sample photo, each shifted by a few pixels (a slowly panning camera)."""
@@ -661,7 +622,7 @@ class OffloadingSession:
             if option == LOCAL_CACHED:
                 output = self.local_cached(frame)
             else:
-                output = self.model(wire.to_model_input(frame, self.mean, self.std))
+                output = self.model(self.normalization.tensor(frame))
         seconds = time.perf_counter() - t0
         cost = self.scheduler.cost
         if option == LOCAL_CACHED:
@@ -723,7 +684,7 @@ class OffloadingSession:
     def _hybrid(self, split: str, frame: np.ndarray, deadline: float) -> _Outcome:
         self.local_cached.reset()
         with self.device.compute():
-            tensor = self.runner.prefix(wire.to_model_input(frame, self.mean, self.std), split)
+            tensor = self.runner.prefix(self.normalization.tensor(frame), split)
         reply = self.client.infer_suffix(split, tensor.numpy(), timeout=self._remaining(deadline))
         self._learn_remote(f"{HYBRID}:{split}", reply, 0.0)
         return _Outcome(torch.from_numpy(reply.output), 1.0, reply.bytes_up, reply.bytes_down, reply.server_seconds)
@@ -761,23 +722,19 @@ def _zoo_size(name: str | None) -> tuple[int, int]:
     return (size, size)
 
 
-def _local_backend(factory, model, input_size, mean, std, threshold, cell, max_ratio, matcher, keyframe_interval,
-                   options):
+def _local_backend(factory: Callable[[], Any] | None, model: nn.Module, input_size: tuple[int, int],
+                   normalization: Normalization, config: StreamConfig, options: dict[str, Any] | None) -> Any:
     """The local cached engine: ``factory()`` if given, else the incremental ``StreamSession``, else the
     full-inference stand-in (models ``StreamSession`` cannot cache, e.g. without convolutions)."""
     if factory is not None:
         return StreamSessionBackend(factory)
-    try:
-        from incrinf.stream.session import StreamSession
-    except ImportError:
-        return FullInferenceStandIn(model, mean, std)
+    from incrinf.stream.session import StreamSession
 
     def build() -> Any:
-        return StreamSession(model, threshold=threshold, cell=cell, max_ratio=max_ratio, matcher=matcher,
-                             keyframe_interval=keyframe_interval, input_size=input_size, mean=mean, std=std,
+        return StreamSession(model, config, input_size=input_size, mean=normalization.mean, std=normalization.std,
                              **(options or {}))
 
     try:
         return StreamSessionBackend(build)
     except (ValueError, TypeError):
-        return FullInferenceStandIn(model, mean, std)
+        return FullInferenceStandIn(model, normalization)

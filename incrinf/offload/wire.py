@@ -183,25 +183,6 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
 # --- frames ---------------------------------------------------------------------------------------------
 
 
-def to_model_input(frame: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
-    """Camera frame to model input: ``(frame / 255 - mean) / std``.
-
-    Frames cross the wire as uint8 (4x fewer bytes than float32); each end normalises on its own.
-
-    Args:
-        frame: (H, W, C) uint8.
-        mean: per-channel mean, length C.
-        std: per-channel std, length C.
-
-    Returns:
-        (1, C, H, W) float32.
-    """
-    x = torch.from_numpy(np.ascontiguousarray(frame)).permute(2, 0, 1).float().div_(255.0)
-    m = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
-    return ((x - m) / s).unsqueeze(0).contiguous()
-
-
 def frame_digest(frame: np.ndarray) -> str:
     """Short content hash of a frame (both ends compare it to detect a diverged reference)."""
     return hashlib.blake2b(np.ascontiguousarray(frame).tobytes(), digest_size=8).hexdigest()

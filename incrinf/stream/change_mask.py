@@ -27,7 +27,7 @@ import cv2
 import numpy as np
 import torch
 
-from incrinf.stream.defaults import DEFAULT_CELL, DEFAULT_THRESHOLD  # re-exported; see the module docstring
+from incrinf.stream.config import StreamConfig
 
 Box = tuple[int, int, int, int]
 
@@ -159,8 +159,8 @@ def _both_uint8(a: object, b: object) -> bool:
 def change_mask(
     curr: np.ndarray | torch.Tensor,
     warped_prev: np.ndarray | torch.Tensor,
-    cell: int = DEFAULT_CELL,
-    threshold: float = DEFAULT_THRESHOLD,
+    cell: int = StreamConfig.cell,
+    threshold: float = StreamConfig.threshold,
     valid: np.ndarray | torch.Tensor | None = None,
 ) -> ChangeMask:
     """Mark the cells where the warped previous frame differs from the current one.

@@ -11,41 +11,53 @@ cache) on the first frame, a failed match, a frame size change, too large a chan
 
 from __future__ import annotations
 
-import inspect
 import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import cv2
 import numpy as np
 import torch
-import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from incrinf.graph import capture, trace
-from incrinf.stream.change_mask import DEFAULT_CELL, DEFAULT_THRESHOLD, change_mask
-from incrinf.stream.defaults import DEFAULT_FEATURE_THRESHOLD
+from incrinf.graph import capture, has_windows
+from incrinf.normalization import Normalization
+from incrinf.stream.change_mask import change_mask
+from incrinf.stream.config import StreamConfig
 from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
 from incrinf.stream.sparse import CacheMemory, SparseExecutor
 from incrinf.stream.warp import warp_image, warp_valid_mask
 
+
+class Cause(str, Enum):
+    """Why a frame ran the way it did (:attr:`FrameStats.cause`)."""
+
+    CACHED = "ok"
+    FIRST_FRAME = "first frame"
+    SIZE_CHANGED = "frame size changed"
+    PREVIOUS_FAILED = "previous frame failed"
+    KEYFRAME = "keyframe"
+    BACKING_OFF = "backing off"
+    MATCH_FAILED = "match failed"
+    CACHE_UNUSABLE = "cache unusable"
+    CHANGED_FRACTION = "changed fraction"
+
+
 # Phase-correlation peak (1 for identical frames) below which a frame is not taken as a still camera.
 _STILL_RESPONSE = 0.8
-# Reasons of frames that tried the cache in vain; this many in a row start a back-off (see max_backoff).
-_MISSES = ("match failed", "cache unusable", "changed fraction")
+# Frames that tried the cache in vain; this many in a row start a back-off (see StreamConfig.max_backoff).
+_MISSES = (Cause.MATCH_FAILED, Cause.CACHE_UNUSABLE, Cause.CHANGED_FRACTION)
 _BACKOFF_AFTER = 3
 # A cached frame of a moving camera that computed more than 1 / this of the full FLOPs counts as a miss too:
 # under camera motion the change can reach nearly every position, and the bookkeeping then makes the frame
 # slower than plain inference (measured: 1.7x slower on a panning 128 px synthetic camera).
 _MIN_SAVING = 1.25
 _MIN_SIDE = 64  # frames smaller than this are upscaled: a CNN's deep maps would vanish
-_LOCAL_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
-_LOCAL_FUNCTIONS = {torch.nn.functional.conv2d, torch.conv2d, torch.nn.functional.max_pool2d,
-                    torch.max_pool2d, torch.nn.functional.avg_pool2d}
 
 
 @dataclass(frozen=True)
@@ -55,8 +67,9 @@ class FrameStats:
     Attributes:
         index: frame number in the session (0-based).
         mode: ``"full"`` or ``"cached"``.
-        reason: why: ``"ok"`` (cached), ``"first frame"``, ``"match failed: ..."``, ``"changed fraction 0.72 >
-            max_ratio 0.6"``, ``"frame size changed"``, ``"keyframe"``, ``"previous frame failed"``.
+        reason: why, in words: ``"ok"`` (cached), ``"first frame"``, ``"match failed: ..."``, ``"changed
+            fraction 0.72 > max_ratio 0.6"``, ``"frame size changed"``, ``"keyframe"``, ``"previous frame
+            failed"``, ``"backing off: ..."``, ``"cache unusable: ..."``.
         homography_found: whether a usable homography previous -> current was found (or given).
         homography: that (3, 3) matrix in the model input's pixel coords (identity when the motion was below
             ``min_motion``), or None.
@@ -65,6 +78,7 @@ class FrameStats:
             nothing was computed: no feature changed enough and the previous output was returned).
         seconds: wall time of the call, preprocessing and matching included.
         n_matches: keypoint matches that passed the ratio test (0 when matching did not run).
+        cause: :attr:`reason` as a :class:`Cause`.
     """
 
     index: int
@@ -76,22 +90,12 @@ class FrameStats:
     flops_ratio: float
     seconds: float
     n_matches: int = 0
+    cause: Cause = Cause.CACHED
 
     @property
     def cache_ratio(self) -> float:
         """Share of the frame served from the cache."""
         return 1.0 - self.recompute_fraction
-
-
-def _has_local_layers(model: nn.Module) -> bool:
-    """Whether the traced model has any convolution or pooling window (shape-free check)."""
-    gm = trace(model)
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), _LOCAL_MODULES):
-            return True
-        if node.op == "call_function" and node.target in _LOCAL_FUNCTIONS:
-            return True
-    return False
 
 
 class StreamSession:
@@ -106,141 +110,56 @@ class StreamSession:
 
     Args:
         model: any ``torch.fx``-traceable CNN; the session works on a private copy of it.
-        threshold: change-mask threshold on the mean absolute difference per cell, in 0-255 pixel levels
-            (default 10; 0 marks every cell changed).
-        cell: change-mask cell side in pixels (the seed's average-pooling size).
-        max_ratio: above this changed fraction of the frame, full inference.
-        matcher: ``"orb"``, ``"akaze"`` or ``"sift"`` keypoints (:class:`HomographyEstimator`).
-        keyframe_interval: full inference every this many frames (None or 0: only on the other fallbacks).
+        config: the stream settings (:class:`~incrinf.stream.config.StreamConfig`; default: its defaults).
         input_size: (H, W) the model sees; default: the frame's size, scaled up if a side is below 64.
         preprocess: ``frame (H, W, 3) uint8 -> (3, H', W') float tensor``; default: resize to ``input_size``
             and normalise with ``mean``/``std``.
         device: where the model runs (default: where its parameters are).
-        background_update: finish the frame's bookkeeping (the reference image the next change mask compares
-            against) in a worker thread after returning the output, as CacheInf updates its cache "when the
-            system is idle". The feature caches themselves are merged in place while the frame runs (later
-            layers read them), so little is left to defer; outputs are identical either way.
-        feature_threshold: drop recomputed positions whose features moved by at most this fraction of the
-            tensor's mean magnitude, so changes that fade out stop spreading; 0: exact propagation (then
-            ``threshold=0`` and a still camera reproduce full inference). Default (None): 0.35 on still-camera
-            frames (about 7x fewer FLOPs on carphone at an output error about that of reusing the previous
-            frame's output) and 0 under camera motion, where cached features are already approximate (there
-            0.35 cost 16 points of top-1 agreement on a panning synthetic camera).
-        min_motion: homographies that move no frame corner by this many pixels or more are treated as
-            identity (keypoint noise on a still camera would otherwise shift the whole cache).
-        max_misalignment: cached features are read at the nearest position of their map; where that lands
-            further than this (in positions of the map) from where the content moved, they are recomputed
-            instead. CNN features are not shift-equivariant below their stride (a 1 px shift changes deep
-            features by ~15%), so 0.5 (always reuse, as CacheInf) flips top-1 predictions on panning
-            cameras; 0 reuses only whole-position shifts.
-        offload, policy: give either to schedule frames among local, offloaded and hybrid execution: the
-            constructor then returns an :class:`~incrinf.offload.session.OffloadingSession` built from the
-            same arguments.
         mean, std: per-channel normalisation of the default preprocessing; also used to turn tensor frames
             back into pixels for matching (defaults: EfficientNet-Lite's 0.5, 0.5).
-        matcher_options: extra :class:`HomographyEstimator` arguments (default ``{"refine": False,
-            "max_features": 500}``: ECC refinement is more precise and costs about 10 ms per frame).
-        still_fraction: when phase correlation with the previous frame finds a clear global shift below
-            ``min_motion / 2`` and the unmoved previous frame explains all but at most this fraction of the
-            new one (its change mask under the identity), the camera is taken as still and keypoint matching
-            is skipped (it costs about half an inference of a small frame); 0 always estimates the homography.
-        max_backoff: after 3 frames in a row that could not use the cache (failed match, too much change,
-            cache misaligned by the motion) or moved and computed more than 80% of the full FLOPs, run the next
-            frames fully without matching, 2, 4, ... up to this many before trying again, so a constantly
-            moving camera costs about plain inference instead of matching for nothing (0: try every frame).
+        **settings: any :class:`~incrinf.stream.config.StreamConfig` field (``threshold=``,
+            ``feature_threshold=``, ...), replacing the one in ``config``.
 
     Raises:
         CaptureError: the model cannot be traced.
+        TypeError: an unknown setting.
         ValueError: bad settings, or a model with no convolution or pooling layer (nothing a cache could
             reuse: there is no always-full mode, run the model directly instead).
     """
 
-    def __new__(cls, model: nn.Module, *args: Any, offload: str | None = None, policy: str | None = None,
-                **kwargs: Any) -> Any:
-        if offload is None and policy is None:
-            return super().__new__(cls)
-        from incrinf.offload.session import OffloadingSession
-
-        bound = inspect.signature(cls.__init__).bind(None, model, *args, **kwargs)
-        options = {k: v for k, v in bound.arguments.items() if k not in ("self", "model")}
-        return OffloadingSession.from_stream_args(model, offload, policy, **options)
-
     def __init__(
         self,
         model: nn.Module,
-        threshold: float = DEFAULT_THRESHOLD,
-        cell: int = DEFAULT_CELL,
-        max_ratio: float = 0.6,
-        matcher: str = "orb",
-        keyframe_interval: int | None = 30,
+        config: StreamConfig | None = None,
+        *,
         input_size: tuple[int, int] | None = None,
         preprocess: Callable[[np.ndarray], torch.Tensor] | None = None,
         device: torch.device | str | None = None,
-        background_update: bool = False,
-        feature_threshold: float | None = None,
-        min_motion: float = 2.0,
-        max_misalignment: float = 0.25,
         mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
         std: tuple[float, float, float] = (0.5, 0.5, 0.5),
-        matcher_options: dict[str, Any] | None = None,
-        still_fraction: float = 0.25,
-        max_backoff: int = 16,
-        *,
-        offload: str | None = None,
-        policy: str | None = None,
+        **settings: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not threshold >= 0:
-            raise ValueError(f"threshold must be >= 0 (0-255 pixel levels), got {threshold}")
-        if int(cell) != cell or cell < 1:
-            raise ValueError(f"cell must be a positive integer, got {cell}")
-        if not 0.0 <= max_ratio <= 1.0:
-            raise ValueError(f"max_ratio must be in [0, 1], got {max_ratio}")
-        if keyframe_interval is not None and (int(keyframe_interval) != keyframe_interval or keyframe_interval < 0):
-            raise ValueError(f"keyframe_interval must be a non-negative integer or None, got {keyframe_interval}")
-        if feature_threshold is not None and not feature_threshold >= 0:
-            raise ValueError(f"feature_threshold must be >= 0 or None, got {feature_threshold}")
-        if not 0.0 <= still_fraction <= 1.0:
-            raise ValueError(f"still_fraction must be in [0, 1], got {still_fraction}")
-        if int(max_backoff) != max_backoff or max_backoff < 0:
-            raise ValueError(f"max_backoff must be a non-negative integer, got {max_backoff}")
-        if not min_motion >= 0:
-            raise ValueError(f"min_motion must be >= 0 pixels, got {min_motion}")
-        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
-            raise ValueError(f"mean and std need 3 values each, std positive; got {mean}, {std}")
+        self.config = StreamConfig.build(config, **settings)
+        self.normalization = Normalization(mean, std)
+        if self.normalization.channels != 3:
+            raise ValueError(f"mean and std need 3 values each (RGB frames); got {mean}, {std}")
         self.input_size = self._check_size(input_size)
         if preprocess is not None and not callable(preprocess):
             raise TypeError("preprocess must be callable: frame (H, W, 3) uint8 -> (3, H, W) tensor")
-        if not _has_local_layers(model):
+        if not has_windows(model):
             raise ValueError(f"{type(model).__name__} has no convolution or pooling layer: nothing to reuse "
                              "across frames (run the model directly)")
         self.model = model
-        self.threshold = float(threshold)
-        self.cell = int(cell)
-        self.max_ratio = float(max_ratio)
-        self.keyframe_interval = int(keyframe_interval or 0)
         self.preprocess = preprocess
         param = next(iter(model.parameters()), None)
         self.device = torch.device(device) if device is not None else (
             param.device if param is not None else torch.device("cpu"))
-        self.background_update = bool(background_update)
-        self.feature_threshold = None if feature_threshold is None else float(feature_threshold)
-        self.min_motion = float(min_motion)
-        self.still_fraction = float(still_fraction)
-        self.max_backoff = int(max_backoff)
-        self.max_misalignment = float(max_misalignment)
-        if not 0.0 <= self.max_misalignment <= 0.5:
-            raise ValueError(f"max_misalignment must be in [0, 0.5] positions, got {max_misalignment}")
-        self._mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
-        self._std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
-        # (pixels / 255 - mean) / std as one multiply-add on the model's device
-        self._pixel_scale = (1.0 / (255.0 * self._std)).to(self.device)
-        self._pixel_shift = (-self._mean / self._std).to(self.device)
         # ECC refinement costs about as much as the rest of a cached frame; keypoint noise on a still camera
         # is absorbed by min_motion instead
-        options = {"refine": False, "max_features": 500, **(matcher_options or {})}
-        self._estimator = HomographyEstimator(matcher, **options)  # validates the matcher name
+        options = {"refine": False, "max_features": 500, **self.config.matcher_options}
+        self._estimator = HomographyEstimator(self.config.matcher, **options)
         self._executors: dict[tuple[int, ...], SparseExecutor] = {}
         self.stats: list[FrameStats] = []
         self._index = 0
@@ -299,13 +218,13 @@ class StreamSession:
             self._failed = True
             raise
         if reason is None and executor.last.full_reason:
-            reason = f"cache unusable: {executor.last.full_reason}"
+            reason = _Fallback(Cause.CACHE_UNUSABLE, executor.last.full_reason)
         refreshed = executor.last.refreshed if reason is None else None
         # only a moving camera's low saving predicts the next frame's (a still camera's follows the scene)
         moving = matrix is not None and not np.array_equal(matrix, np.eye(3))
         saving = executor.last.flops_ratio if reason is None and moving else math.inf
         commit = (reason, pixels, raw_size, tuple(x.shape), features, mask, warped, refreshed, saving)
-        if self.background_update:
+        if self.config.background_update:
             self._worker = threading.Thread(target=self._commit, args=commit, daemon=True)
             self._worker.start()
         else:
@@ -315,13 +234,14 @@ class StreamSession:
         self.stats.append(FrameStats(
             index=self._index,
             mode="cached" if cached else "full",
-            reason="ok" if cached else reason,
+            reason="ok" if cached else reason.text,
             homography_found=matrix is not None,
             homography=matrix,
             recompute_fraction=mask.recompute_fraction if cached else 1.0,
             flops_ratio=executor.last.flops_ratio if cached else 1.0,
             seconds=seconds,
             n_matches=n_matches,
+            cause=Cause.CACHED if cached else reason.cause,
         ))
         self._index += 1
         return out
@@ -334,22 +254,22 @@ class StreamSession:
         this frame or None)``; mutates nothing. Keypoints are detected only when a homography is estimated
         (the previous frame's lazily, when it had none)."""
         if self._prev_pixels is None:
-            return "first frame", None, None, None, 0, None
+            return _Fallback(Cause.FIRST_FRAME), None, None, None, 0, None
         if raw_size != self._raw_size or tuple(x.shape) != self._shape:
-            return "frame size changed", None, None, None, 0, None
+            return _Fallback(Cause.SIZE_CHANGED), None, None, None, 0, None
         if self._failed or not executor.has_cache:
-            return "previous frame failed", None, None, None, 0, None
-        if self.keyframe_interval and self._index - self._last_full >= self.keyframe_interval:
-            return "keyframe", None, None, None, 0, None
+            return _Fallback(Cause.PREVIOUS_FAILED), None, None, None, 0, None
+        if self.config.keyframe_interval and self._index - self._last_full >= self.config.keyframe_interval:
+            return _Fallback(Cause.KEYFRAME), None, None, None, 0, None
         if self._skip > 0:
-            return (f"backing off: {self._misses} frames in a row could not use the cache or saved little with it",
-                    None, None, None, 0, None)
+            return (_Fallback(Cause.BACKING_OFF, f"{self._misses} frames in a row could not use the cache or saved "
+                                                 "little with it"), None, None, None, 0, None)
         n_matches = 0
         features = still = None
-        if matrix_given is None and self.still_fraction > 0 and self._looks_still(pixels):
+        if matrix_given is None and self.config.still_fraction > 0 and self._looks_still(pixels):
             # a still camera: keypoint matching (about half a small frame's inference) would find the identity
-            still = change_mask(pixels, self._reference, self.cell, self.threshold, None)
-            if still.recompute_fraction <= self.still_fraction:
+            still = change_mask(pixels, self._reference, self.config.cell, self.config.threshold, None)
+            if still.recompute_fraction <= self.config.still_fraction:
                 return None, np.eye(3), still, self._reference, 0, None
         if matrix_given is not None:
             matrix = matrix_given
@@ -359,25 +279,26 @@ class StreamSession:
             result = self._estimator.match(prev, features)
             n_matches = result.n_matches
             if not result.ok:
-                return f"match failed: {result.reason}", None, None, None, n_matches, features
+                return _Fallback(Cause.MATCH_FAILED, result.reason), None, None, None, n_matches, features
             matrix = result.matrix
         size = pixels.shape[:2]
-        if corner_distance(matrix, np.eye(3), size) < self.min_motion:
+        if corner_distance(matrix, np.eye(3), size) < self.config.min_motion:
             matrix = np.eye(3)
         if np.array_equal(matrix, np.eye(3)):
             warped = self._reference  # a still camera: nothing to warp, nothing uncovered
-            mask = still if still is not None else change_mask(pixels, warped, self.cell, self.threshold, None)
+            mask = still if still is not None else change_mask(pixels, warped, self.config.cell,
+                                                                   self.config.threshold, None)
         else:
             unusable = executor.unusable_fraction(matrix)
             if unusable > executor.dense_cut:  # checked before the warp and mask it would make useless
-                return (f"cache unusable: {unusable:.0%} of the cache misaligned by the motion", matrix, None, None,
-                        n_matches, features)
+                return (_Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by the motion"),
+                        matrix, None, None, n_matches, features)
             warped = warp_image(self._reference, matrix)
-            mask = change_mask(pixels, warped, self.cell, self.threshold, warp_valid_mask(matrix, size))
+            mask = change_mask(pixels, warped, self.config.cell, self.config.threshold, warp_valid_mask(matrix, size))
         fraction = mask.recompute_fraction
-        if fraction > self.max_ratio:
-            return (f"changed fraction {fraction:.2f} > max_ratio {self.max_ratio:g}", matrix, mask, None, n_matches,
-                    features)
+        if fraction > self.config.max_ratio:
+            return (_Fallback(Cause.CHANGED_FRACTION, f"{fraction:.2f} > max_ratio {self.config.max_ratio:g}"),
+                    matrix, mask, None, n_matches, features)
         return None, matrix, mask, warped, n_matches, features
 
     def _looks_still(self, pixels: np.ndarray) -> bool:
@@ -393,9 +314,9 @@ class StreamSession:
             self._window = cv2.createHanningWindow((gray.shape[1], gray.shape[0]), cv2.CV_32F)
         (dx, dy), response = cv2.phaseCorrelate(prev, gray, self._window)
         self._gray = gray
-        return response >= _STILL_RESPONSE and math.hypot(dx, dy) < max(self.min_motion / 2, 0.5)
+        return response >= _STILL_RESPONSE and math.hypot(dx, dy) < max(self.config.min_motion / 2, 0.5)
 
-    def _commit(self, reason: str | None, pixels: np.ndarray, raw_size: tuple[int, int], shape: tuple[int, ...],
+    def _commit(self, reason: _Fallback | None, pixels: np.ndarray, raw_size: tuple[int, int], shape: tuple[int, ...],
                 features: FrameFeatures | None, mask, warped: np.ndarray | None,
                 refreshed: tuple[int, int, int, int] | None = None, saving: float = math.inf) -> None:
         """The frame succeeded: it becomes the previous frame."""
@@ -421,17 +342,17 @@ class StreamSession:
         self._shape = shape
         self._failed = False
 
-    def _count_miss(self, reason: str | None, saving: float) -> None:
+    def _count_miss(self, reason: _Fallback | None, saving: float) -> None:
         """Back-off bookkeeping: frames that tried the cache in vain (or saved little with it) lengthen the
         next full-only stretch."""
         if reason is None and saving >= _MIN_SAVING:
             self._misses = self._backoff = self._skip = 0
-        elif reason is not None and reason.startswith("backing off"):
+        elif reason is not None and reason.cause == Cause.BACKING_OFF:
             self._skip -= 1
-        elif reason is None or reason.startswith(_MISSES):
+        elif reason is None or reason.cause in _MISSES:
             self._misses += 1
-            if self.max_backoff and self._misses >= _BACKOFF_AFTER:
-                self._backoff = min(max(2 * self._backoff, 2), self.max_backoff)
+            if self.config.max_backoff and self._misses >= _BACKOFF_AFTER:
+                self._backoff = min(max(2 * self._backoff, 2), self.config.max_backoff)
                 self._skip = self._backoff
 
     def _reset_stream(self) -> None:
@@ -456,10 +377,9 @@ class StreamSession:
         executor = self._executors.get(shape)
         if executor is None:
             graph = capture(self.model, shape[1:])  # CaptureError when the model fails at this size
-            ft = self.feature_threshold
-            executor = SparseExecutor(graph, self.device, max_misalignment=self.max_misalignment,
-                                      feature_threshold=DEFAULT_FEATURE_THRESHOLD if ft is None else ft,
-                                      moving_feature_threshold=0.0 if ft is None else ft)
+            executor = SparseExecutor(graph, self.device, max_misalignment=self.config.max_misalignment,
+                                      feature_threshold=self.config.still_feature_threshold,
+                                      moving_feature_threshold=self.config.moving_feature_threshold)
             self._executors[shape] = executor
         return executor
 
@@ -513,7 +433,7 @@ class StreamSession:
             raw_size = tuple(frame.shape[:2])
             if self.preprocess is not None:
                 x = self._check_tensor(self.preprocess(frame), "preprocess output")
-                return x, self._to_pixels(x), raw_size
+                return x, self.normalization.pixels(x), raw_size
             size = self._target_size(*raw_size)
             # the session keeps these pixels as its reference: never the caller's buffer, which a camera loop
             # may refill in place
@@ -522,16 +442,13 @@ class StreamSession:
                 shrink = size[0] * size[1] < raw_size[0] * raw_size[1]
                 pixels = cv2.resize(pixels, (size[1], size[0]),
                                     interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
-            # an HWC array permuted is channels-last already
-            x = torch.from_numpy(pixels).to(self.device).permute(2, 0, 1)[None].float()
-            x = torch.addcmul(self._pixel_shift, x, self._pixel_scale)
-            return x.contiguous(memory_format=torch.channels_last), pixels, raw_size
+            return self.normalization.tensor(pixels, self.device, channels_last=True), pixels, raw_size
         if isinstance(frame, torch.Tensor):
             x = self._check_tensor(frame, "frame")
             raw_size = tuple(x.shape[-2:])
             if self.input_size is not None and raw_size != self.input_size:
                 x = F.interpolate(x, size=self.input_size, mode="bilinear", align_corners=False, antialias=True)
-            return x, self._to_pixels(x), raw_size
+            return x, self.normalization.pixels(x), raw_size
         raise TypeError(f"frame must be an (H, W, 3) uint8 numpy array or a float torch tensor, "
                         f"got {type(frame).__name__}")
 
@@ -552,7 +469,15 @@ class StreamSession:
             raise ValueError(f"{what} contains NaN or infinite values")
         return x.to(self.device, torch.float32).contiguous(memory_format=torch.channels_last)
 
-    def _to_pixels(self, x: torch.Tensor) -> np.ndarray:
-        """Normalised (1, 3, H, W) -> (H, W, 3) uint8, the pixels matching and the change mask work on."""
-        img = (x.detach().float().cpu() * self._std + self._mean).mul_(255.0).round_().clamp_(0, 255)
-        return np.ascontiguousarray(img[0].permute(1, 2, 0).to(torch.uint8).numpy())
+
+@dataclass(frozen=True)
+class _Fallback:
+    """Why a frame runs fully: a cause and its detail in words."""
+
+    cause: Cause
+    detail: str = ""
+
+    @property
+    def text(self) -> str:
+        """The :attr:`FrameStats.reason` text, ``"cause: detail"``."""
+        return f"{self.cause.value}: {self.detail}" if self.detail else self.cause.value

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from incrinf.models import sample_image
-from incrinf.offload import wire
+from incrinf.normalization import Normalization
 from incrinf.offload.server import ModelService, OffloadServer
 from incrinf.offload.session import OffloadingSession
 from incrinf.testing.shaping import ShapingProxy
@@ -36,7 +36,7 @@ def camera(size: int, n: int) -> tuple[list[np.ndarray], list[torch.Tensor]]:
     frames = [f for f, _ in synthetic_camera(sample_image(), n, size=(size, size), motion="pan", insert_object=True)]
     model = tiny_model()
     with torch.no_grad():
-        refs = [model(wire.to_model_input(f, MEAN, STD)) for f in frames]
+        refs = [model(Normalization(MEAN, STD).tensor(f)) for f in frames]
     return frames, refs
 
 
@@ -58,7 +58,7 @@ def assert_in_order(outputs: list[torch.Tensor], refs: list[torch.Tensor]) -> No
 @pytest.mark.parametrize("policy, size, extra", [
     ("offload_full", 64, {}),
     # threshold 0: every changed pixel is sent, so the server's reconstruction is exact.
-    ("offload_cached", 96, {"threshold": 0.0, "max_ratio": 1.01}),
+    ("offload_cached", 96, {"threshold": 0.0, "max_ratio": 1.0}),
 ])
 def test_server_killed_and_restarted(policy, size, extra):
     frames, refs = camera(size, N_FRAMES)
@@ -141,7 +141,7 @@ def test_auto_uses_the_server_when_it_is_much_faster():
     service = ModelService(tiny_model(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
     with OffloadServer(service) as server:
         session = session_for(server.url, size, "auto", local_slowdown=200.0, lookahead=5, threshold=0.0,
-                              max_ratio=1.01, local_session=lambda: FakeLocalSession([]))
+                              max_ratio=1.0, local_session=lambda: FakeLocalSession([]))
         outputs = [session(f) for f in frames]
         session.close()
     assert_in_order(outputs, refs)
@@ -163,7 +163,7 @@ class FakeLocalSession:
     def __call__(self, frame: np.ndarray) -> torch.Tensor:
         self.log.append("frame")
         with torch.no_grad():
-            return self.model(wire.to_model_input(frame, MEAN, STD))
+            return self.model(Normalization(MEAN, STD).tensor(frame))
 
     def reset(self) -> None:
         self.log.append("reset")
@@ -190,18 +190,18 @@ def test_local_session_is_reset_when_other_options_ran():
     assert log.count("frame") == 4 and log.count("reset") == 2
 
 
-def test_local_only_session_and_stream_args():
+def test_local_only_session_and_stream_settings():
     size = 64
     frames, refs = camera(size, 5)
-    session = OffloadingSession.from_stream_args(tiny_model(), None, input_size=(size, size), mean=MEAN, std=STD,
-                                                 profile_repeats=1, feature_threshold=0.0)
+    session = OffloadingSession(tiny_model(), None, input_size=(size, size), mean=MEAN, std=STD,
+                                profile_repeats=1, feature_threshold=0.0)
     assert session.client is None
     outputs = [session(f) for f in frames]
     assert all(s.mode in ("local_full", "local_cached") for s in session.stats)
     assert all(set(s.predictions) <= {"local_full", "local_cached"} for s in session.stats)
     torch.testing.assert_close(outputs[0].float(), refs[0], rtol=1e-4, atol=1e-5)  # first frame: full inference
-    with pytest.raises(ValueError, match="preprocess"):
-        OffloadingSession.from_stream_args(tiny_model(), None, preprocess=lambda f: f)
+    with pytest.raises(TypeError, match="unknown stream setting.*preprocess"):
+        OffloadingSession(tiny_model(), None, preprocess=lambda f: f)
     with pytest.raises(ValueError, match="needs an offload URL"):
         OffloadingSession(tiny_model(), None, "offload_full", input_size=(size, size), profile_repeats=1)
     with pytest.raises(ValueError, match="frame must be"):

@@ -16,10 +16,12 @@ from hypothesis import strategies as st
 
 from incrinf.graph import split_points
 from incrinf.models import sample_image
+from incrinf.normalization import Normalization
 from incrinf.offload import wire
 from incrinf.offload.client import OffloadClient, ReferenceMismatch, RemoteError, SessionLost
 from incrinf.offload.server import ModelService, OffloadServer, SessionNotFound, SessionStore
 from incrinf.offload.session import CachedUplink
+from incrinf.stream.config import StreamConfig
 from incrinf.testing.shaping import ShapingProxy
 from incrinf.testing.synthetic import synthetic_camera
 
@@ -73,7 +75,7 @@ def frames() -> list[np.ndarray]:
 
 def reference(frame: np.ndarray) -> np.ndarray:
     with torch.no_grad():
-        return tiny_model()(wire.to_model_input(frame, MEAN, STD)).numpy()
+        return tiny_model()(Normalization(MEAN, STD).tensor(frame)).numpy()
 
 
 def raw(server: OffloadServer, method: str, path: str, body: bytes | None = None,
@@ -153,7 +155,7 @@ def test_codec_fuzz_only_raises_payload_error(noise, cut):
 
 
 def test_apply_update_equals_client_mirror(frames):
-    uplink = CachedUplink(threshold=0.0, max_ratio=1.01)
+    uplink = CachedUplink(StreamConfig(threshold=0.0, max_ratio=1.0))
     server_copy = None
     deltas = 0
     for i, frame in enumerate(frames):
@@ -186,14 +188,14 @@ def test_full_inference_matches_local(server, frames):
         reply = client.infer_full(frame)
         np.testing.assert_allclose(reply.output, reference(frame), rtol=1e-5, atol=1e-6)
         assert reply.server_seconds > 0
-    x = wire.to_model_input(frames[0], MEAN, STD).numpy()
+    x = Normalization(MEAN, STD).tensor(frames[0]).numpy()
     np.testing.assert_allclose(client.infer_full(x).output, reference(frames[0]), rtol=1e-5, atol=1e-6)
     client.close()
 
 
 def test_suffix_at_every_split_matches_full(server, service, frames):
     client = OffloadClient(server.url, TOKEN)
-    x = wire.to_model_input(frames[1], MEAN, STD)
+    x = Normalization(MEAN, STD).tensor(frames[1])
     splits = split_points(service.graph)
     names = {s.name for s in splits}
     # Inside the residual block two tensors are live: no split there; after the add, one.
@@ -210,7 +212,7 @@ def test_suffix_at_every_split_matches_full(server, service, frames):
 def test_cached_stream_reconstructs_and_matches_reference(server, frames):
     client = OffloadClient(server.url, TOKEN)
     session = client.open_session()
-    uplink = CachedUplink(threshold=10.0)
+    uplink = CachedUplink(StreamConfig(threshold=10.0))
     deltas = 0
     for i, frame in enumerate(frames):
         update = uplink.prepare(frame, i)

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from incrinf.stream.change_mask import DEFAULT_THRESHOLD, change_mask, merge_cell_boxes
+from incrinf.stream.change_mask import change_mask, merge_cell_boxes
+from incrinf.stream.config import StreamConfig
 from incrinf.stream.warp import warp_image, warp_valid_mask
 
 SIDE = 96
@@ -123,7 +124,7 @@ def test_tensor_and_float_inputs_agree(base):
     curr_t, base_t = (torch.from_numpy(x).permute(2, 0, 1) for x in (curr, base))
     as_chw = change_mask(curr_t, base_t, cell=CELL)
     as_batch = change_mask(
-        curr_t[None].float() / 255, base_t[None].float() / 255, cell=CELL, threshold=DEFAULT_THRESHOLD / 255
+        curr_t[None].float() / 255, base_t[None].float() / 255, cell=CELL, threshold=StreamConfig.threshold / 255
     )
     for other in (as_chw, as_batch):
         np.testing.assert_array_equal(other.cells, reference.cells)

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from incrinf import models
 from incrinf.stream import session as session_module
+from incrinf.stream.config import StreamConfig
 from incrinf.stream.session import FrameStats, StreamSession
 from incrinf.stream.sparse import SparseExecutor
 
@@ -327,10 +328,16 @@ def test_stream_cli_runs_a_video_and_writes_stats(tmp_path, capsys):
         parser.parse_args(["stream", "--max-frames", "0"])
 
 
-def test_offload_arguments_delegate_to_the_offloading_session(zoo):
-    session = StreamSession(zoo["mobilenet_v2"], policy="local_cached", input_size=(64, 64))
-    assert type(session).__name__ == "OffloadingSession"
-    assert type(StreamSession(zoo["mobilenet_v2"])) is StreamSession
+def test_settings_are_one_validated_config(zoo):
+    config = StreamConfig(threshold=4, keyframe_interval=None)
+    session = StreamSession(zoo["mobilenet_v2"], config, max_ratio=0.5)
+    assert session.config == StreamConfig(threshold=4.0, keyframe_interval=0, max_ratio=0.5)
+    with pytest.raises(TypeError, match="unknown stream setting.*policy"):
+        StreamSession(zoo["mobilenet_v2"], policy="local_cached")
+    with pytest.raises(ValueError, match="max_misalignment"):
+        StreamConfig(max_misalignment=0.7)
+    with pytest.raises(ValueError, match="matcher"):
+        StreamSession(zoo["mobilenet_v2"], matcher="surf")
 
 
 class _CountingEstimator:
@@ -366,7 +373,7 @@ def test_still_camera_skips_keypoint_matching(zoo, photo):
     assert gated._estimator.detections == 2  # the moved frame and, lazily, the frame before it
     assert always._estimator.detections == 4  # every frame once (the first lazily)
     assert gated.stats[2].recompute_fraction > 0 and np.array_equal(gated.stats[2].homography, np.eye(3))
-    assert gated.stats[3].recompute_fraction > gated.still_fraction
+    assert gated.stats[3].recompute_fraction > gated.config.still_fraction
     with pytest.raises(ValueError, match="still_fraction"):
         StreamSession(model, still_fraction=1.5)
 

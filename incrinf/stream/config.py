@@ -1,0 +1,118 @@
+"""Stream settings: one frozen, validated configuration for the session, the offloading session and the CLI.
+
+This module has no heavy imports: the CLI reads the defaults for its help text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MATCHERS = ("orb", "akaze", "sift")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """How a stream session decides what to recompute.
+
+    Attributes:
+        threshold: change-mask threshold on the mean absolute difference per cell, in 0-255 pixel levels
+            (0 marks every cell changed).
+        cell: change-mask cell side in pixels (the seed's average-pooling size). 16 divides common input sizes
+            and the strides of CNN stages up to 16, so a cell maps onto whole positions of those maps.
+        max_ratio: above this changed fraction of the frame, full inference.
+        matcher: ``"orb"``, ``"akaze"`` or ``"sift"`` keypoints for the homography.
+        matcher_options: extra :class:`~incrinf.stream.matching.HomographyEstimator` arguments (by default ECC
+            refinement is off, 500 features: refinement is more precise and costs about 10 ms per frame).
+        keyframe_interval: full inference every this many frames (0: only on the other fallbacks).
+        feature_threshold: recomputed positions whose features moved by at most this share of the tensor's mean
+            magnitude stop spreading (value-based pruning); 0 propagates changes exactly. ``None``: 0.35 on
+            still-camera frames and 0 under camera motion, where cached features are approximate already.
+        min_motion: homographies that move no frame corner by this many pixels are treated as the identity
+            (keypoint noise on a still camera would otherwise shift the whole cache).
+        max_misalignment: cached features are read at the nearest position of their map; where that lands
+            further than this (in positions of the map) from where the content moved, they are recomputed.
+            Features are not shift-equivariant below their stride, so 0.5 (always reuse, as CacheInf) flips
+            top-1 predictions on panning cameras; 0 reuses only whole-position shifts.
+        still_fraction: when phase correlation finds a clear global shift below ``min_motion / 2`` and the
+            unmoved previous frame explains all but this fraction of the new one, the camera is taken as still
+            and keypoint matching is skipped; 0 always estimates the homography.
+        max_backoff: after 3 frames in a row that could not use the cache (or moved and saved little with it),
+            run the next 2, 4, ... up to this many frames fully without matching (0: try every frame).
+        background_update: finish the frame's bookkeeping (the reference image) in a worker thread after
+            returning the output; outputs are identical either way.
+    """
+
+    threshold: float = 10.0
+    cell: int = 16
+    max_ratio: float = 0.6
+    matcher: str = "orb"
+    matcher_options: dict[str, Any] = field(default_factory=dict, compare=False)
+    keyframe_interval: int = 30
+    feature_threshold: float | None = None
+    min_motion: float = 2.0
+    max_misalignment: float = 0.25
+    still_fraction: float = 0.25
+    max_backoff: int = 16
+    background_update: bool = False
+
+    #: feature threshold of still-camera frames when ``feature_threshold`` is None (on EfficientNet-Lite0 about
+    #: 7x fewer FLOPs on a still-camera clip at the output error of reusing the previous frame's output)
+    STILL_FEATURE_THRESHOLD = 0.35
+
+    def __post_init__(self) -> None:
+        _check(self.threshold >= 0, "threshold must be >= 0 (0-255 pixel levels)", self.threshold)
+        _check(_is_int(self.cell) and self.cell >= 1, "cell must be a positive integer", self.cell)
+        _check(0.0 <= self.max_ratio <= 1.0, "max_ratio must be in [0, 1]", self.max_ratio)
+        _check(self.matcher in MATCHERS, f"matcher must be one of {', '.join(MATCHERS)}", self.matcher)
+        _check(isinstance(self.matcher_options, dict), "matcher_options must be a dict", self.matcher_options)
+        if self.keyframe_interval is None:
+            object.__setattr__(self, "keyframe_interval", 0)
+        _check(_is_int(self.keyframe_interval) and self.keyframe_interval >= 0,
+               "keyframe_interval must be a non-negative integer (0: none)", self.keyframe_interval)
+        _check(self.feature_threshold is None or self.feature_threshold >= 0, "feature_threshold must be >= 0 or None",
+               self.feature_threshold)
+        _check(self.min_motion >= 0, "min_motion must be >= 0 pixels", self.min_motion)
+        _check(0.0 <= self.max_misalignment <= 0.5, "max_misalignment must be in [0, 0.5] positions",
+               self.max_misalignment)
+        _check(0.0 <= self.still_fraction <= 1.0, "still_fraction must be in [0, 1]", self.still_fraction)
+        _check(_is_int(self.max_backoff) and self.max_backoff >= 0, "max_backoff must be a non-negative integer",
+               self.max_backoff)
+        for name in ("threshold", "max_ratio", "min_motion", "max_misalignment", "still_fraction"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("cell", "keyframe_interval", "max_backoff"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+
+    @property
+    def still_feature_threshold(self) -> float:
+        """The feature threshold of frames where the camera did not move."""
+        return self.STILL_FEATURE_THRESHOLD if self.feature_threshold is None else float(self.feature_threshold)
+
+    @property
+    def moving_feature_threshold(self) -> float:
+        """The feature threshold of frames where the camera moved."""
+        return 0.0 if self.feature_threshold is None else float(self.feature_threshold)
+
+    @classmethod
+    def build(cls, config: StreamConfig | None = None, **settings: Any) -> StreamConfig:
+        """``config`` (default: the defaults) with ``settings`` replaced.
+
+        Raises:
+            TypeError: a setting this class does not have (the message lists the valid ones).
+            ValueError: a setting out of range.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(settings) - names)
+        if unknown:
+            raise TypeError(f"unknown stream setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+        return dataclasses.replace(config or cls(), **settings)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) or (isinstance(value, float) and value.is_integer())
+
+
+def _check(ok: bool, message: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{message}, got {value!r}")
