@@ -12,7 +12,7 @@ import torch.nn as nn
 from conftest import zoo_model
 
 from incrinf.analysis import analyze, occlusion_grid
-from incrinf.engine import IncrementalEngine
+from incrinf.engine import BatchEngine
 from incrinf.explain.approx import ERROR_SAMPLE_CELLS, occlusion
 from incrinf.explain.drilldown import (
     DrillDown,
@@ -65,7 +65,7 @@ def _reference_truncated(model: nn.Module, x: torch.Tensor, pos: tuple[int, int]
     with only the tau-cropped input box replaced, and keeps new values only inside its output box."""
     graph = captured_graph(model, x.shape[1:])
     prop = propagate(graph, input_region(np.array([pos]), patch, x.shape[-2:]), tau=tau, uniform=True)
-    base = IncrementalEngine(graph, x).base
+    base = BatchEngine(graph, x).base
     occluded = x.clone()
     occluded[..., pos[0]:pos[0] + patch[0], pos[1]:pos[1] + patch[1]] = 0.0
     env: dict[str, torch.Tensor] = {}
@@ -76,9 +76,10 @@ def _reference_truncated(model: nn.Module, x: torch.Tensor, pos: tuple[int, int]
             saved = None
             if node is not None and node.kind == NodeKind.LOCAL and prop.regions[node.inputs[0]].kind == RegionKind.BOX:
                 src, step, r = node.inputs[0], prop.steps[n.name], prop.regions[node.inputs[0]]
-                y, x_ = int(r.y[0]) + step.crop_y, int(r.x[0]) + step.crop_x
+                y, x_ = (int(v) for v in r.start[0] + step.crop)
+                crop_h, crop_w = (int(v) for v in step.crop_size)
                 mixed = base[src].clone()
-                box = (..., slice(y, y + step.crop_h), slice(x_, x_ + step.crop_w))
+                box = (..., slice(y, y + crop_h), slice(x_, x_ + crop_w))
                 mixed[box] = env[src][box]
                 saved, env[src] = env[src], mixed
             out = occluded if n.op == "placeholder" else super().run_node(n)
@@ -90,7 +91,7 @@ def _reference_truncated(model: nn.Module, x: torch.Tensor, pos: tuple[int, int]
                 if region.kind == RegionKind.NONE:
                     out = base[n.name]
                 elif region.kind == RegionKind.BOX and out.dim() == 4:
-                    y, x_, h, w = (int(v[0]) for v in (region.y, region.x, region.h, region.w))
+                    (y, x_), (h, w) = (int(v) for v in region.start[0]), (int(v) for v in region.size[0])
                     kept = base[n.name].clone()
                     kept[..., y:y + h, x_:x_ + w] = out[..., y:y + h, x_:x_ + w]
                     out = kept
@@ -122,7 +123,7 @@ def test_tau_below_one_is_the_seeds_truncated_inference(name: str) -> None:
             naive.append(model(occluded))
     # and it is an approximation: some input box was cropped and the outputs moved
     prop = propagate(runner.graph, input_region(positions, (16, 16), x.shape[-2:]), tau=0.5)
-    assert any(step.crop_y > 0 or step.crop_x > 0 for step in prop.steps.values())
+    assert any(step.crop.any() for step in prop.steps.values())
     assert (outputs - torch.cat(naive)).abs().max() > 1e-5
 
 
