@@ -60,7 +60,8 @@ class Positions:
     """Changed positions of one tensor in this frame and their new values.
 
     ``mask`` (h, w) bool and ``flat`` sorted flat positions; ``values`` is a (1, C, n, 1) row map, or the whole
-    (1, C, h, w) map when ``dense``. ``n == 0``: nothing changed (values is None).
+    (1, C, h, w) map when ``dense``. ``n == 0``: nothing changed (values is None). ``whole``: the operator ran
+    over the whole map (its cost), whichever positions changed.
     """
 
     mask: np.ndarray
@@ -68,6 +69,7 @@ class Positions:
     values: torch.Tensor | None
     dense: bool = False
     _index: torch.Tensor | None = None
+    whole: bool = False
 
     @property
     def n(self) -> int:
@@ -173,7 +175,7 @@ class _BlockWalk:
         positions = 0
         for step in program.steps:
             state = self._window(step, states) if step.window is not None else self._rows(step, states)
-            fraction = 1.0 if state.dense else state.n / step.positions
+            fraction = 1.0 if state.dense or state.whole else state.n / step.positions
             flops += step.flops * fraction
             positions += state.n
             if step.out in program.cached_set:
@@ -227,6 +229,7 @@ class _BlockWalk:
             state = Positions.of(mask)
             state.values = self._chain(step, from_rows(to_rows(out).index_select(0, state.index(self.device)), 1,
                                                        (state.n, 1)))
+            state.whole = True
             return state
         table = spec.tables.get((th, tw))
         if table is None:

@@ -77,7 +77,8 @@ class Program:
         cached: names of the cached tensors, in graph order (the input excluded).
         boundary: local tensors the rest of the model reads.
         read_boundary: the boundary tensors whose values (not only sizes) the rest of the model reads.
-        cuts: cached tensors through which all later computation flows.
+        cuts: cached tensors through which all later computation flows (the input aside, which later nodes may
+            read only for its size).
         steps: the steps in order.
         live: per step, the tensors made before it (the input included) that it or a later step reads.
         release: per step, the tensors no later step and not the tail reads (a walk may drop their regions).
@@ -107,8 +108,14 @@ class Program:
         self.cached = sorted(set(cached + self.boundary) - {graph.input.name}, key=order.__getitem__)
         self.cached_set = frozenset(self.cached)
         self.steps = self._steps(windows, set(self.cached) | set(self.boundary), fold_batch_norm, env)
-        computed = [n.name for n in self.local if n.kind not in (NodeKind.PAD, NodeKind.META)]
-        self.cuts = set(single_live_points(graph, computed)) & set(self.cached)
+        # the input is often read later for its size alone (a flatten to its batch size): a cut may ignore it, but
+        # not come before a node that reads its values
+        name_of_input = graph.input.name
+        value_readers = [u for u in graph.input.users if graph.by_name[u].kind != NodeKind.META]
+        order_of = {n.name: i for i, n in enumerate(graph.nodes)}
+        after = max((order_of[u] for u in value_readers), default=0)
+        self.cuts = {c for c in single_live_points(graph, [n.name for n in self.local], ignore={name_of_input})
+                     if c in self.cached_set and order_of[c] >= after}
         self.live = self._live()
         self.release = self._release()
         self.full_flops = float(graph.full_flops())
@@ -144,10 +151,12 @@ class Program:
         out, *tensors = self._full_module()(x)
         return out, tensors
 
-    def suffix(self, cut: str, tensor: torch.Tensor, with_cached: bool) -> tuple[Any, list[torch.Tensor]]:
+    def suffix(self, cut: str, tensor: torch.Tensor, like_input: torch.Tensor, with_cached: bool
+               ) -> tuple[Any, list[torch.Tensor]]:
         """The rest of the model from the cut point's tensor: ``(output, [cached tensors after the cut...])``
-        (the list is empty without ``with_cached``)."""
-        out, *tensors = self._suffix_module(cut, with_cached)(tensor)
+        (the list is empty without ``with_cached``). ``like_input`` has the input's shape (batch included): the
+        rest of the model may read it for its size, never its values."""
+        out, *tensors = self._suffix_module(cut, with_cached)(like_input, tensor)
         return out, tensors
 
     def _full_module(self) -> torch.nn.Module:
@@ -156,8 +165,8 @@ class Program:
 
     def _suffix_module(self, cut: str, with_cached: bool) -> torch.nn.Module:
         later = self.cached_after(cut) if with_cached else []
-        return self._module(("suffix", cut, with_cached),
-                            lambda: extract(self.graph, [cut], [self.graph.output.name, *later], self.mutated, True))
+        return self._module(("suffix", cut, with_cached), lambda: extract(
+            self.graph, [self.graph.input.name, cut], [self.graph.output.name, *later], self.mutated, True))
 
     def cached_after(self, cut: str) -> list[str]:
         """The cached tensors computed after ``cut``."""

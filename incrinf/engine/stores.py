@@ -174,7 +174,8 @@ class BaseStore:
 
     def finish(self, cut_point: str, region: Boxes, n: int) -> Any:
         """Run the rest of the model from the cut point's full tensors (its change reached most of it)."""
-        return self.program.suffix(cut_point, self.full(cut_point, region, n), False)[0]
+        like_input = self.full(self.program.graph.input.name, None, n)  # read for its size at most
+        return self.program.suffix(cut_point, self.full(cut_point, region, n), like_input, False)[0]
 
     def commit(self, name: str, region: Boxes, threshold: float) -> Boxes | None:
         """``region`` cut to the positions whose values moved by more than ``threshold`` times the tensor's mean
@@ -266,7 +267,7 @@ class FrameCache:
     def finish(self, cut_point: str, region: Boxes, n: int) -> Any:
         """Most of the cut point changed, and so will everything after it: run the rest of the model as one
         generated module (no per-step bookkeeping) and take its tensors as the new caches."""
-        out, tensors = self.program.suffix(cut_point, self.map(cut_point), True)
+        out, tensors = self.program.suffix(cut_point, self.map(cut_point), self.frame, True)
         for name, t in zip(self.program.cached_after(cut_point), tensors):
             self.buffers[name] = to_rows(t)
         return out
