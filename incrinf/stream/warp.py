@@ -5,17 +5,10 @@
 came from, ``inv(H) @ (x, y, 1)``, and reads the previous image / cache there. That is CacheInf's "reading
 the cache through the homography by index transformation", ``G(u, v, M) = M^-1 (u, v)``.
 
-Two ways to read a cached feature map:
-
-- **nearest** (:func:`nearest_source_index` + :func:`warp_feature_map`): one integer index per current
-  position into the flattened previous map. A pure gather: cached values are copied, never blended, it
-  works for any dtype (int8 too), and the index tensor depends only on (H, sizes), so it can be built once
-  per frame and cached, and the engine can gather just the positions it needs (``idx[positions]``). This
-  is what the stream engine uses.
-- **bilinear** (:func:`warp_feature_map_bilinear`): ``grid_sample`` with a grid from the homography.
-  Sub-pixel accurate, but it creates new interpolated values over the whole map (cost of a dense pass)
-  and needs float maps. Use it for images, visualisation, or a dense merge where smoothness matters more
-  than exact reuse of cached numbers.
+Images are warped with OpenCV (:func:`warp_image`); maps of frames sent to the offload server are read at the
+nearest source position (:func:`nearest_source_index`: one integer index per position, a pure gather, exact
+copies of source values, any dtype). The stream's cached feature maps are moved by
+:mod:`incrinf.stream.executor`, which also keeps the nearest-neighbour rounding from adding up over frames.
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ from typing import Literal
 import cv2
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from incrinf.stream.matching import scale_homography
 
@@ -174,80 +166,3 @@ def nearest_source_index(
         torch.from_numpy(idx).to(device),
         torch.from_numpy(valid.reshape(-1)).to(device),
     )
-
-
-def warp_feature_map(
-    prev: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, fill: float = 0.0
-) -> torch.Tensor:
-    """Warp a whole cached map with one gather (nearest neighbour).
-
-    Args:
-        prev: (..., h, w) previous feature map, e.g. (N, C, h, w); any dtype.
-        idx: (h * w,) int64 from :func:`nearest_source_index`, on ``prev``'s device.
-        valid: (h * w,) bool from :func:`nearest_source_index`; the caller keeps it to mark
-            ``~valid.view(h, w)`` as changed.
-        fill: value written where ``valid`` is False.
-
-    Returns:
-        (..., h, w) warped map: ``out[..., p] = prev.flatten(-2)[..., idx[p]]``, ``fill`` where invalid.
-    """
-    h, w = prev.shape[-2:]
-    if idx.numel() != h * w:
-        raise ValueError(f"index map has {idx.numel()} entries, feature map has {h}x{w} positions")
-    out = prev.flatten(-2).index_select(-1, idx)
-    out.masked_fill_(~valid, fill)
-    return out.view(prev.shape)
-
-
-def sampling_grid(
-    matrix: np.ndarray,
-    feature_h: int,
-    feature_w: int,
-    image_size: tuple[int, int],
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``grid_sample`` grid (align_corners=False) reading the previous feature map through the homography.
-
-    Args:
-        matrix: (3, 3) homography previous -> current, in pixel coords of images of ``image_size``.
-        feature_h: feature map height.
-        feature_w: feature map width.
-        image_size: (height, width) of the frames ``matrix`` was estimated on.
-        device: device of the returned tensors.
-        dtype: grid dtype (the feature map's).
-
-    Returns:
-        ``(grid, valid)``: grid (1, feature_h, feature_w, 2) of normalised (x, y) in [-1, 1] (NaN
-        sources moved far outside); valid (feature_h, feature_w) bool, all four bilinear taps inside.
-    """
-    scaled = scale_homography(matrix, image_size, (feature_h, feature_w))
-    src_y, src_x = source_coords(scaled, feature_h, feature_w)
-    valid = source_valid(src_y, src_x, (feature_h, feature_w), "bilinear")
-    gx = np.nan_to_num((2 * src_x + 1) / feature_w - 1, nan=-4.0)
-    gy = np.nan_to_num((2 * src_y + 1) / feature_h - 1, nan=-4.0)
-    grid = torch.from_numpy(np.stack([gx, gy], axis=-1)[None]).to(device=device, dtype=dtype)
-    return grid, torch.from_numpy(valid).to(device)
-
-
-def warp_feature_map_bilinear(
-    prev: torch.Tensor, matrix: np.ndarray, image_size: tuple[int, int], fill: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Warp a float feature map with bilinear interpolation (``grid_sample``).
-
-    Args:
-        prev: (N, C, h, w) float previous feature map.
-        matrix: (3, 3) homography previous -> current, in pixel coords of images of ``image_size``.
-        image_size: (height, width) of the frames ``matrix`` was estimated on.
-        fill: value written where any bilinear tap lies outside the previous map.
-
-    Returns:
-        ``(out, valid)``: out (N, C, h, w); valid (h, w) bool.
-    """
-    n, _, h, w = prev.shape
-    grid, valid = sampling_grid(matrix, h, w, image_size, prev.device, prev.dtype)
-    out = F.grid_sample(
-        prev, grid.expand(n, h, w, 2), mode="bilinear", padding_mode="zeros", align_corners=False
-    )
-    out.masked_fill_(~valid, fill)
-    return out, valid
