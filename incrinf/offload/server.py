@@ -49,12 +49,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn as nn
-from aiohttp import web
 
+from incrinf.extras import require
 from incrinf.graph import capture, split_points
 from incrinf.normalization import IMAGENET_MEAN, IMAGENET_STD, Normalization
 from incrinf.offload import wire
 from incrinf.offload.profile import NodeProfile, SplitRunner, model_digest, profile_graph
+
+web = require("aiohttp.web", "serve", "the offload server")
 
 log = logging.getLogger(__name__)
 

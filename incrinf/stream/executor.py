@@ -19,7 +19,7 @@ import torch
 
 from incrinf.engine import CacheMemory, ExecStats, FrameEngine, Motion
 from incrinf.graph import Graph
-from incrinf.stream.matching import scale_homography
+from incrinf.stream.warp import scale_homography
 
 
 @dataclass

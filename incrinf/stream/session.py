@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import cv2
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from incrinf.engine import CacheMemory
+from incrinf.extras import require
 from incrinf.graph import capture, has_windows
 from incrinf.normalization import Normalization
 from incrinf.stream.change_mask import change_mask
@@ -33,6 +33,8 @@ from incrinf.stream.config import StreamConfig
 from incrinf.stream.executor import StreamExecutor
 from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
 from incrinf.stream.warp import warp_image, warp_valid_mask
+
+cv2 = require("cv2", "stream", "camera streams")
 
 
 class Cause(str, Enum):

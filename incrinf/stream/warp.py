@@ -15,15 +15,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-import cv2
 import numpy as np
 import torch
 
-from incrinf.stream.matching import scale_homography
+from incrinf.extras import require
 
 Interpolation = Literal["nearest", "bilinear"]
 
-_CV2_INTERP = {"nearest": cv2.INTER_NEAREST, "bilinear": cv2.INTER_LINEAR}
 # Slack for float round-off when deciding whether a source coordinate lies on the border pixel.
 _EPS = 1e-6
 
@@ -50,11 +48,13 @@ def warp_image(
     img = np.ascontiguousarray(img)
     out_h, out_w = out_size if out_size is not None else img.shape[:2]
     n_channels = 1 if img.ndim == 2 else img.shape[2]
+    cv2 = require("cv2", "stream", "camera streams")  # here, not at import: the offload server has no OpenCV
+    flags = {"nearest": cv2.INTER_NEAREST, "bilinear": cv2.INTER_LINEAR}
     return cv2.warpPerspective(
         img,
         np.asarray(matrix, dtype=np.float64),
         (out_w, out_h),
-        flags=_CV2_INTERP[interpolation],
+        flags=flags[interpolation],
         borderMode=cv2.BORDER_CONSTANT,
         borderValue=(fill,) * min(n_channels, 4),
     ).reshape((out_h, out_w) + img.shape[2:])
@@ -166,3 +166,26 @@ def nearest_source_index(
         torch.from_numpy(idx).to(device),
         torch.from_numpy(valid.reshape(-1)).to(device),
     )
+
+
+def scale_homography(matrix: np.ndarray, from_size: tuple[int, int], to_size: tuple[int, int]) -> np.ndarray:
+    """Re-express a homography estimated on images of ``from_size`` for maps of ``to_size``.
+
+    Uses the pixel-centre convention of ``align_corners=False`` resampling: a coordinate ``x`` on the
+    ``from`` grid is ``x' = (x + 0.5) * s - 0.5`` on the ``to`` grid, ``s = to_w / from_w`` (and likewise
+    for ``y``). The result is ``S @ H @ inv(S)``.
+
+    Args:
+        matrix: (3, 3) homography on the ``from`` grid.
+        from_size: (height, width) the homography was estimated on.
+        to_size: (height, width) of the target map (e.g. a feature map).
+
+    Returns:
+        (3, 3) float64 homography on the ``to`` grid, normalised so ``[2, 2] == 1``.
+    """
+    sy = to_size[0] / from_size[0]
+    sx = to_size[1] / from_size[1]
+    s = np.array([[sx, 0.0, 0.5 * sx - 0.5], [0.0, sy, 0.5 * sy - 0.5], [0.0, 0.0, 1.0]])
+    s_inv = np.array([[1 / sx, 0.0, 0.5 / sx - 0.5], [0.0, 1 / sy, 0.5 / sy - 0.5], [0.0, 0.0, 1.0]])
+    out = s @ np.asarray(matrix, dtype=np.float64) @ s_inv
+    return out / out[2, 2]
