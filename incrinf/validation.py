@@ -54,6 +54,17 @@ def check_tau(tau: Any) -> float:
     return value
 
 
+def check_feature_threshold(value: Any) -> float:
+    """A value-based pruning threshold: a number >= 0 (0 is exact)."""
+    try:
+        threshold = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"feature_threshold must be a number >= 0, got {value!r}") from None
+    if not threshold >= 0 or math.isinf(threshold):
+        raise ValueError(f"feature_threshold must be a finite number >= 0, got {value!r}")
+    return threshold
+
+
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
