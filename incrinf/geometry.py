@@ -235,13 +235,14 @@ def _node_region(graph: Graph, node: Node, start: Region, regions: dict[str, Reg
     if not changed:
         return Region.none()
     full = [r for r in changed if r.kind == RegionKind.FULL]
-    if node.kind in (NodeKind.GLOBAL, NodeKind.OUTPUT) or not graph.is_map(node.shape):
+    # (a split's tuple of maps has no shape of its own: it moves no position)
+    if node.kind in (NodeKind.GLOBAL, NodeKind.OUTPUT) or (node.shape is not None and not graph.is_map(node.shape)):
         return Region.full(full[0].reason if full else node.reason or "an operator that mixes all positions")
     if full:
         return Region.full(full[0].reason)
-    dims = node.shape[-graph.spatial_dims:]
     if node.kind == NodeKind.POINTWISE:
         return changed[0]
+    dims = node.shape[-graph.spatial_dims:]
     if node.kind == NodeKind.PAD:
         r = changed[0]
         return _maybe_full(Region(RegionKind.BOX, r.start + np.asarray(node.shift), r.size), dims)

@@ -217,8 +217,9 @@ class Program:
                 absorbed.add(user.name)
                 flops += user.flops
                 last = user
-            out_shape = graph.by_name[last.name].shape
             inputs = [i for i in node.inputs if i in local and graph.by_name[i].kind != NodeKind.META]
+            # a split's tuple has no shape: its maps keep their input's positions
+            out_shape = graph.by_name[last.name].shape or graph.by_name[inputs[0]].shape
             step = Step(node, last.name, inputs, chain, flops=float(flops), dims=tuple(out_shape[-d:]),
                         channels=tuple(out_shape[1:-d]), inplace=node.inplace or any(n.inplace for n, _ in chain))
             if node.name in windows:
@@ -281,6 +282,8 @@ def _local_part(graph: Graph) -> list[Node]:
         elif node.kind in (NodeKind.POINTWISE, NodeKind.MERGE, NodeKind.PAD) and is_map \
                 and not _spatial_constants(graph, node):
             candidate.add(node.name)
+        elif node.kind == NodeKind.POINTWISE and node.shape is None:
+            candidate.add(node.name)  # a channel split's tuple of maps (its getitems pick them)
         elif node.kind == NodeKind.META:
             candidate.add(node.name)
     local = set(candidate)
