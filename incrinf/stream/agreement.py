@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+_RIVALS = 6  # the top-1 class and the five classes that compete with it
+
 
 class OutputKind(str, Enum):
     """What agreement means for a model's output."""
@@ -41,12 +43,15 @@ class Comparison:
         relative_error: ``||cached - full|| / ||full||`` of the primary tensors.
         risk: 1 at the target, 0 for an exact match; a label's is the share of the full output's top-1 margin
             (to the class that came closest) the cached output used up, >= 1 exactly when the top-1 flipped.
+        lead_lost: a label's largest loss of the top-1 class's lead over one of its five closest rivals, in
+            output units (a cached output whose own top-1 margin is below it may have flipped); NaN for a map.
     """
 
     kind: OutputKind
     agreement: float
     relative_error: float
     risk: float
+    lead_lost: float = math.nan
 
 
 def primary_tensor(out: Any) -> torch.Tensor:
@@ -96,17 +101,30 @@ def compare(cached: Any, full: Any, target_agreement: float, target_error: float
     kind = output_kind(b)
     norm = float(b.norm())
     relative = float((a - b).norm()) / norm if norm > 0 else float(a.norm() > 0) * math.inf
+    lead_lost = math.nan
     if kind == OutputKind.LABEL:
         a, b = a.reshape(-1), b.reshape(-1)
         agreement = float(int(a.argmax()) == int(b.argmax()))
-        risk = _margin_used(a, b)
+        risk, lead_lost = _margin_used(a, b)
     else:
         agreement = float(_labels(a).eq(_labels(b)).float().mean())
         budget = 1.0 - target_agreement
         risk = (1.0 - agreement) / budget if budget > 0 else (math.inf if agreement < 1.0 else 0.0)
     if target_error is not None:
         risk = max(risk, relative / target_error)
-    return Comparison(kind, agreement, relative, risk)
+    return Comparison(kind, agreement, relative, risk, lead_lost)
+
+
+def top1_margin(out: Any) -> float:
+    """A label output's lead of its top-1 class over the second (``inf`` for one class; NaN for a map)."""
+    x = primary_tensor(out).detach()
+    if output_kind(x) == OutputKind.MAP:
+        return math.nan
+    x = x.reshape(-1)
+    if x.numel() < 2:
+        return math.inf
+    top = x.float().topk(2).values
+    return float(top[0] - top[1])
 
 
 def _labels(x: torch.Tensor) -> torch.Tensor:
@@ -114,12 +132,15 @@ def _labels(x: torch.Tensor) -> torch.Tensor:
     return x[:, 0] > 0 if x.shape[1] == 1 else x.argmax(dim=1)
 
 
-def _margin_used(cached: torch.Tensor, full: torch.Tensor) -> float:
-    """How much of the full output's lead of its top-1 class over every other class the cached output lost, as a
-    share of that lead (max over the classes): >= 1 exactly when another class caught up."""
+def _margin_used(cached: torch.Tensor, full: torch.Tensor) -> tuple[float, float]:
+    """``(share, amount)``: how much of the full output's lead of its top-1 class over every other class the cached
+    output lost, as a share of that lead (max over the classes: >= 1 exactly when another class caught up), and
+    the largest loss of lead, in output units, over the classes that compete for the top (the full output's top
+    five: a class far behind may move a lot without mattering)."""
     top = int(full.argmax())
     lead = full[top] - full  # >= 0
     lost = lead - (cached[top] - cached)
     lead[top] = math.inf
     used = (lost / lead.clamp_min(1e-12)).max()
-    return max(float(used), 0.0)
+    rivals = full.topk(min(_RIVALS, full.numel())).indices
+    return max(float(used), 0.0), max(float(lost[rivals].max()), 0.0)

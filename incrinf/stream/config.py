@@ -54,6 +54,9 @@ class StreamConfig:
             held as well (None: agreement only).
         audit_interval: the shortest interval between audits (the first audit, and after a miss); the guard doubles
             it up to ``keyframe_interval`` while the target holds with room to spare.
+        near_tie: a cached classifier output whose top-1 margin is within this many times the largest lead the
+            recent audits saw the cached path lose (over the top class's five closest rivals) is audited on the spot
+            (every cached frame before the first audit); 0: never.
     """
 
     threshold: float = 10.0
@@ -73,6 +76,7 @@ class StreamConfig:
     target_agreement: float = 0.99
     target_error: float | None = None
     audit_interval: int = 4
+    near_tie: float = 1.0
 
     #: feature threshold of still-camera frames when ``feature_threshold`` is None (on EfficientNet-Lite0 about
     #: 7x fewer FLOPs on a still-camera clip at the output error of reusing the previous frame's output)
@@ -101,11 +105,13 @@ class StreamConfig:
         _check(0.0 < self.target_agreement <= 1.0, "target_agreement must be in (0, 1]", self.target_agreement)
         _check(self.target_error is None or self.target_error > 0, "target_error must be > 0 or None",
                self.target_error)
+        _check(self.near_tie >= 0, "near_tie must be >= 0", self.near_tie)
         _check(_is_int(self.audit_interval) and self.audit_interval >= 1, "audit_interval must be a positive integer",
                self.audit_interval)
         _check(not self.quality_guard or not self.keyframe_interval or self.audit_interval <= self.keyframe_interval,
                f"audit_interval must be <= keyframe_interval ({self.keyframe_interval})", self.audit_interval)
-        for name in ("threshold", "max_ratio", "min_motion", "max_misalignment", "still_fraction", "target_agreement"):
+        for name in ("threshold", "max_ratio", "min_motion", "max_misalignment", "still_fraction", "target_agreement",
+                     "near_tie"):
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.target_error is not None:
             object.__setattr__(self, "target_error", float(self.target_error))

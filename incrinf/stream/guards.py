@@ -1,19 +1,24 @@
 """The session's online guards: it measures itself while it runs instead of trusting defaults fitted to one clip.
 
 - :class:`SpeedGuard`: per frame, cached or full from measured costs. It keeps the median of recent full frames'
-  times and, per path (still camera: the box walk; moving camera: the block walk), recent cached frames' times
-  against the work the frame needed (the share of the frame its change covers), fitted by a robust line
-  (Theil-Sen: median slopes, so a load spike on a shared machine moves no estimate). A frame runs cached when the
-  fit predicts it faster than a full frame. Before a path has samples it is predicted from the full time and
-  the work (conservatively: a frame changed over 3/4 of its area runs full). Every full frame is a timing sample
-  too.
+  times and, per walk (still camera: the box walk; moving camera: the block walk), recent cached frames' times
+  against the work the frame needed (the share of the frame its change covers); a cached frame is predicted by
+  the median time of the samples nearest in work (medians: a load spike on a shared machine moves no estimate),
+  extrapolated by a robust (Theil-Sen) line beyond the work seen. A frame runs cached when that is faster than a
+  full frame. Before a path has samples it is predicted from the full time and
+  the work (conservatively: a frame changed over 3/4 of its area runs full), and until three cached frames were
+  timed, by the lower of that and their fit (the first ones pay one-time costs). Every full frame is a timing
+  sample too.
 - :class:`QualityGuard`: on audit frames the session runs the cached path and full inference, keeps the full
   result (a keyframe: an audit is never wasted) and reports the comparison here
   (:class:`~incrinf.stream.agreement.Comparison`). A miss tightens the knobs one level (change threshold and
   feature threshold times 0.6) and audits again after ``audit_interval`` frames; an audit that holds with room to
   spare (its risk, extrapolated to the next interval, at most 1/2) doubles the interval up to the keyframe
   interval, then loosens one level. A level that missed needs twice as many holds as before to be loosened again.
-  A miss at the tightest level suspends the cache for 2, 4, ... frames (full inference only).
+  A miss at the tightest level suspends the cache for 2, 4, ... frames (full inference only). For classifiers a
+  cached frame is also checked on its own: when its top-1 margin is within the lead the cached path was seen to
+  lose at recent audits (every frame before the first audit), it is audited on the spot, so a near tie is never
+  answered from the cache unverified.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ _CACHED_SAMPLES = 16  # cached frames per path in the fit
 # Without samples, a cached frame is predicted to cost this share of a full frame plus the share of the frame it
 # needs (conservative: caching pays only below it).
 _PRIOR_BASE = 0.25
+# Cached samples of a walk below which the prior still counts (the lower of the two is taken).
+_TRUSTED = 3
+_NEIGHBOURS = 5  # samples nearest in work that a prediction takes the median of
 # A frame the guard sends to full inference although the fit puts the cached path within this factor of it is,
 # every _PROBE_EVERY such frames, run cached anyway: the fit's samples may be stale (a load spike, new content).
 _PROBE_WITHIN = 1.25
@@ -77,9 +85,11 @@ class SpeedGuard:
         """Predicted full and cached time of a frame whose change covers ``work`` (0-1) of it."""
         full = self.full_seconds
         samples = self._cached[walk]
-        if not samples:
-            return SpeedEstimate(full, full * (_PRIOR_BASE + work))
-        return SpeedEstimate(full, _theil_sen(samples, work))
+        prior = full * (_PRIOR_BASE + work)
+        if len(samples) < _TRUSTED:
+            # the first cached frames pay one-time costs (kernels for new shapes): a slow one must not end the trial
+            return SpeedEstimate(full, min(prior, _predict(samples, work)) if samples else prior)
+        return SpeedEstimate(full, _predict(samples, work))
 
     def choose_cached(self, estimate: SpeedEstimate) -> bool:
         """Whether to run the cached path (with a probe now and then when the estimates are close)."""
@@ -99,6 +109,17 @@ class SpeedGuard:
 
     def record_cached(self, walk: Walk, work: float, seconds: float) -> None:
         self._cached[walk].append((work, seconds))
+
+
+def _predict(samples: deque[tuple[float, float]], x: float) -> float:
+    """Time at work ``x``: the median time of the samples nearest in work (the cost is far from linear: on a
+    still camera a change either dies out early or reaches the deep maps and costs a full frame), and beyond the
+    largest work seen, at least the robust line's extrapolation."""
+    near = sorted(samples, key=lambda s: abs(s[0] - x))[:_NEIGHBOURS]
+    local = statistics.median(t for _, t in near)
+    if x > max(w for w, _ in samples) + 0.05:
+        local = max(local, _theil_sen(samples, x))
+    return local
 
 
 def _theil_sen(samples: deque[tuple[float, float]], x: float) -> float:
@@ -123,6 +144,7 @@ LEVELS = 4  # tightest level: thresholds at 0.6^4 = 13% of the configured ones
 _HEADROOM = 0.5  # relax only when the risk extrapolated to the next interval stays under this
 _MAX_INTERVAL = 1024  # when keyframe_interval is 0 (no upper bound)
 _MAX_SUSPEND = 64
+_LEAD_SAMPLES = 8  # audits whose lost lead a label output's margin is checked against
 
 
 class Verdict(str, Enum):
@@ -175,6 +197,7 @@ class QualityGuard:
         self._comparisons: list[Comparison] = []
         self._misses = 0
         self._recent: deque[float] = deque(maxlen=self._window())
+        self._lead_lost: deque[float] = deque(maxlen=_LEAD_SAMPLES)
 
     # --- knobs -------------------------------------------------------------------------------------------------
 
@@ -208,12 +231,25 @@ class QualityGuard:
         """One frame passed (counts down a suspension)."""
         self._suspended = max(self._suspended - 1, 0)
 
+    def risky(self, margin: float) -> bool:
+        """Whether a cached label output whose top-1 leads by ``margin`` may have flipped: its margin is within
+        the largest lead the recent audits saw the cached path lose (times ``near_tie``); always before the first
+        audit.
+        Maps (NaN margin) are never checked frame by frame: their target is a share of positions."""
+        if math.isnan(margin) or self.config.near_tie == 0:
+            return False
+        if not self._lead_lost:
+            return True
+        return margin <= self.config.near_tie * max(self._lead_lost)
+
     # --- audits ------------------------------------------------------------------------------------------------
 
     def record(self, comparison: Comparison, frames_since_full: int) -> Verdict:
         """Take an audit's result (made ``frames_since_full`` frames after the previous full frame) and adapt."""
         self._comparisons.append(comparison)
         self._recent.append(comparison.agreement)
+        if not math.isnan(comparison.lead_lost):
+            self._lead_lost.append(comparison.lead_lost)
         if self._missed(comparison):
             self._misses += 1
             self._holds = 0

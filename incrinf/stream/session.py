@@ -34,7 +34,7 @@ from incrinf.engine import CacheMemory
 from incrinf.extras import require
 from incrinf.graph import capture, has_windows
 from incrinf.normalization import Normalization
-from incrinf.stream.agreement import compare
+from incrinf.stream.agreement import compare, top1_margin
 from incrinf.stream.change_mask import ChangeMask, change_mask
 from incrinf.stream.config import StreamConfig
 from incrinf.stream.executor import StreamExecutor
@@ -257,13 +257,16 @@ class StreamSession:
         since_full = self._index - self._last_full
         audit = reason is None and quality is not None and quality.due(since_full)
         comparison = None
+        verify = False
         engine = time.perf_counter()
         try:
             if reason is None:
                 out = executor.cached(x, mask.pixel_mask, matrix)
                 ran_full = bool(executor.full_reason)
                 cached_seconds = time.perf_counter() - engine
-                if audit and not ran_full:
+                # a classifier's near tie is checked on the spot (see QualityGuard.risky)
+                verify = not audit and not ran_full and quality is not None and quality.risky(top1_margin(out))
+                if (audit or verify) and not ran_full:
                     cached_out, out = out, executor.full(x)
                     comparison = compare(cached_out, out, self.config.target_agreement, self.config.target_error)
             else:
@@ -284,12 +287,15 @@ class StreamSession:
             if ran_full:
                 speed.record_full(engine_seconds)
             else:
-                speed.record_cached(walk, work, cached_seconds)
+                # a check forced by the output is part of what the cached path costs; a scheduled audit's full run
+                # is the keyframe the session needs anyway
+                speed.record_cached(walk, work, engine_seconds if verify else cached_seconds)
                 if comparison is not None:
                     speed.record_full(engine_seconds - cached_seconds)
         if comparison is not None:
             verdict = quality.record(comparison, since_full)
-            reason = _Fallback(Cause.AUDIT, f"{comparison.kind.value} agreement {comparison.agreement:.4g}, "
+            why = "near tie, " if verify else ""
+            reason = _Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
                                             f"{verdict.value}")
         if quality is not None:
             quality.tick()
