@@ -39,8 +39,10 @@ class StreamConfig:
         still_fraction: when phase correlation finds a clear global shift below ``min_motion / 2`` and the
             unmoved previous frame explains all but this fraction of the new one, the camera is taken as still
             and keypoint matching is skipped; 0 always estimates the homography.
-        max_backoff: after 3 frames in a row that could not use the cache (or moved and saved little with it),
-            run the next 2, 4, ... up to this many frames fully without matching (0: try every frame).
+        max_backoff: after 3 frames in a row that could not use the cache (or, with the speed guard, that tried
+            it in vain while the recent attempts saved nothing in total; without it, moved and saved little with
+            it), run the next 2, 4, ... up to this many frames fully without matching (0: try every frame). With the
+            speed guard the first stretch is already long enough for its attempt to cost at most 2% of its time.
         background_update: finish the frame's bookkeeping (the reference image) in a worker thread after
             returning the output; outputs are identical either way.
         speed_guard: choose cached or full inference per frame from measured costs (online estimates of the full
@@ -69,7 +71,7 @@ class StreamConfig:
     min_motion: float = 2.0
     max_misalignment: float = 0.25
     still_fraction: float = 0.25
-    max_backoff: int = 16
+    max_backoff: int = 64
     background_update: bool = False
     speed_guard: bool = True
     quality_guard: bool = True

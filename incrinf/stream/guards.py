@@ -112,10 +112,10 @@ class SpeedGuard:
 
 
 def _predict(samples: deque[tuple[float, float]], x: float) -> float:
-    """Time at work ``x``: the median time of the samples nearest in work (the cost is far from linear: on a
-    still camera a change either dies out early or reaches the deep maps and costs a full frame), and beyond the
-    largest work seen, at least the robust line's extrapolation."""
-    near = sorted(samples, key=lambda s: abs(s[0] - x))[:_NEIGHBOURS]
+    """Time at work ``x``: the median time of the samples nearest in work, the newest among equals (the cost is
+    far from linear: on a still camera a change either dies out early or reaches the deep maps and costs a full
+    frame), and beyond the largest work seen, at least the robust line's extrapolation."""
+    near = sorted(reversed(samples), key=lambda s: abs(s[0] - x))[:_NEIGHBOURS]  # ties: the newest first
     local = statistics.median(t for _, t in near)
     if x > max(w for w, _ in samples) + 0.05:
         local = max(local, _theil_sen(samples, x))

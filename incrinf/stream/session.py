@@ -18,8 +18,10 @@ frames.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -71,6 +73,10 @@ _BACKOFF_AFTER = 3
 # under camera motion the change can reach nearly every position, and the bookkeeping then makes the frame
 # slower than plain inference (measured: 1.7x slower on a panning 128 px synthetic camera).
 _MIN_SAVING = 1.25
+# Attempts whose net seconds saved decide whether misses start a back-off (with the speed guard).
+_SAVINGS_WINDOW = 8
+# Share of a back-off stretch's time that the attempt ending it may cost (with the speed guard).
+_ATTEMPT_BUDGET = 0.02
 _MIN_SIDE = 64  # frames smaller than this are upscaled: a CNN's deep maps would vanish
 
 
@@ -299,7 +305,7 @@ class StreamSession:
                                             f"{verdict.value}")
         if quality is not None:
             quality.tick()
-        paid = self._paid(reason, attempt, saving, estimate, overhead + engine_seconds)
+        paid = self._paid(reason, attempt, saving, estimate, overhead + engine_seconds, overhead)
         commit = (reason, pixels, raw_size, tuple(x.shape), features, mask, warped, refreshed, paid)
         if self.config.background_update:
             self._worker = threading.Thread(target=self._commit, args=commit, daemon=True)
@@ -441,13 +447,17 @@ class StreamSession:
         self._failed = False
 
     def _paid(self, reason: _Fallback | None, attempt: bool, saving: float, estimate: SpeedEstimate,
-              seconds: float) -> bool | None:
+              seconds: float, overhead: float) -> bool | None:
         """Whether a frame that tried the cache paid for trying (None: it did not try). With the speed guard, a
         cached frame pays when its decision and engine time beat the full-frame estimate; a frame that ran full
         after trying (a failed match, the guard's choice) does not. Without it, a moving camera's cached frame
-        pays when it saved FLOPs (a still camera's always: its next frame may be cheap again)."""
+        pays when it saved FLOPs (a still camera's always: its next frame may be cheap again). With the speed
+        guard the net seconds saved by the attempt are kept too (a miss costs its decision overhead)."""
         if not attempt or reason is not None and reason.cause == Cause.AUDIT:
             return None
+        if self.config.speed_guard:
+            net = -overhead if reason is not None else estimate.full - seconds
+            self._savings.append(0.0 if math.isnan(net) else net)
         if reason is not None:
             return False
         if self.config.speed_guard:
@@ -455,16 +465,30 @@ class StreamSession:
         return saving >= _MIN_SAVING
 
     def _count_attempt(self, reason: _Fallback | None, paid: bool | None) -> None:
-        """Back-off bookkeeping: frames that tried the cache in vain lengthen the next full-only stretch."""
+        """Back-off bookkeeping: frames that tried the cache in vain lengthen the next full-only stretch. With the
+        speed guard, only while the recent attempts saved nothing in total: misses that cost a few milliseconds
+        of decision each are worth it while the hits between them save a good part of a frame."""
         if paid:
             self._misses = self._backoff = self._skip = 0
         elif reason is not None and reason.cause == Cause.BACKING_OFF:
             self._skip -= 1
         elif paid is not None:
             self._misses += 1
-            if self.config.max_backoff and self._misses >= _BACKOFF_AFTER:
-                self._backoff = min(max(2 * self._backoff, 2), self.config.max_backoff)
+            worth_it = self.config.speed_guard and sum(self._savings) > 0
+            if self.config.max_backoff and self._misses >= _BACKOFF_AFTER and not worth_it:
+                self._backoff = min(max(2 * self._backoff, 2, self._stretch()), self.config.max_backoff)
                 self._skip = self._backoff
+
+    def _stretch(self) -> int:
+        """With the speed guard, the shortest back-off whose one attempt at its end costs at most 2% of the
+        stretch's time: the misses' measured overhead over 2% of a full frame's time."""
+        if not self.config.speed_guard or not self._savings:
+            return 0
+        misses = [-v for v in self._savings if v < 0]
+        full = next(iter(self._speed_guards.values())).full_seconds if len(self._speed_guards) == 1 else math.nan
+        if not misses or not full > 0:
+            return 0
+        return int(math.ceil(statistics.median(misses) / (_ATTEMPT_BUDGET * full)))
 
     def _reset_stream(self) -> None:
         self._prev_pixels: np.ndarray | None = None
@@ -477,6 +501,7 @@ class StreamSession:
         self._shape: tuple[int, ...] | None = None
         self._last_full = 0
         self._misses = self._backoff = self._skip = 0
+        self._savings: deque[float] = deque(maxlen=_SAVINGS_WINDOW)
         self._failed = False
 
     def _join(self) -> None:
