@@ -56,14 +56,17 @@ def load_pnet(path: str | os.PathLike) -> PNet:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no PNet weights at {path}")
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as wheel:
-            if _MEMBER not in wheel.namelist():
-                raise ValueError(f"{path} has no {_MEMBER}: not a facenet-pytorch wheel")
-            data = io.BytesIO(wheel.read(_MEMBER))
-    else:
-        data = path
-    state = torch.load(data, map_location="cpu", weights_only=True)
+    data: str | io.BytesIO = path
+    if zipfile.is_zipfile(path):  # a wheel, or a state dict (torch saves zips too)
+        with zipfile.ZipFile(path) as archive:
+            if _MEMBER in archive.namelist():
+                data = io.BytesIO(archive.read(_MEMBER))
+    try:
+        state = torch.load(data, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for files that are not its own
+        raise ValueError(f"{path} is neither a facenet-pytorch wheel nor a PNet state dict ({error})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} is not a PNet state dict")
     model = PNet()
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or [k for k in unexpected if not k.startswith("conv4_2")]:
