@@ -52,8 +52,8 @@ _TRUSTED = 3
 _NEIGHBOURS = 5  # samples nearest in work that a prediction takes the median of
 # A frame the guard sends to full inference although the fit puts the cached path within this factor of it is,
 # every _PROBE_EVERY such frames, run cached anyway: the fit's samples may be stale (a load spike, new content).
-_PROBE_WITHIN = 1.25
-_PROBE_EVERY = 16
+_PROBE_WITHIN = 1.5
+_PROBE_EVERY = 8
 
 
 @dataclass(frozen=True)

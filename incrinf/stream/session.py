@@ -465,19 +465,28 @@ class StreamSession:
         return saving >= _MIN_SAVING
 
     def _count_attempt(self, reason: _Fallback | None, paid: bool | None) -> None:
-        """Back-off bookkeeping: frames that tried the cache in vain lengthen the next full-only stretch. With the
-        speed guard, only while the recent attempts saved nothing in total: misses that cost a few milliseconds
-        of decision each are worth it while the hits between them save a good part of a frame."""
+        """Back-off bookkeeping: frames that tried the cache in vain start a full-only stretch. Without the speed
+        guard stretches double up to ``max_backoff``; with it, a stretch starts only while the recent attempts
+        saved nothing in total (misses that cost a few milliseconds of decision each are worth it while the hits
+        between them save a good part of a frame), and lasts just long enough for its attempt to stay within 2%
+        of the stretch's time."""
         if paid:
             self._misses = self._backoff = self._skip = 0
         elif reason is not None and reason.cause == Cause.BACKING_OFF:
             self._skip -= 1
         elif paid is not None:
             self._misses += 1
-            worth_it = self.config.speed_guard and sum(self._savings) > 0
-            if self.config.max_backoff and self._misses >= _BACKOFF_AFTER and not worth_it:
-                self._backoff = min(max(2 * self._backoff, 2, self._stretch()), self.config.max_backoff)
-                self._skip = self._backoff
+            if not self.config.max_backoff or self._misses < _BACKOFF_AFTER:
+                return
+            if not self.config.speed_guard:
+                self._backoff = min(max(2 * self._backoff, 2), self.config.max_backoff)
+            elif sum(self._savings) > 0:
+                return  # the hits between the misses pay for them
+            else:
+                # measured: as long as keeps the attempt ending it within budget, no longer (doubling would only
+                # delay noticing that the cache pays again)
+                self._backoff = min(max(2, self._stretch()), self.config.max_backoff)
+            self._skip = self._backoff
 
     def _stretch(self) -> int:
         """With the speed guard, the shortest back-off whose one attempt at its end costs at most 2% of the

@@ -12,11 +12,17 @@ from incrinf.engine import boxes as box_walk
 from incrinf.stream import session as session_module
 from incrinf.stream.config import StreamConfig
 from incrinf.stream.executor import StreamExecutor
-from incrinf.stream.session import FrameStats, StreamSession
+from incrinf.stream.session import FrameStats
+from incrinf.stream.session import StreamSession as GuardedSession
 
 H, W = 80, 96
 # the cached path's mechanics, tested without the guards that would choose full inference or audit instead
+# (tests/stream/test_stream_guards.py tests the guards)
 UNGUARDED = {"speed_guard": False, "quality_guard": False}
+
+
+def StreamSession(*args, **kwargs) -> GuardedSession:  # noqa: N802 (stands in for the class in this module)
+    return GuardedSession(*args, **{**UNGUARDED, **kwargs})
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -334,7 +340,7 @@ def test_stream_cli_runs_a_video_and_writes_stats(tmp_path, capsys):
 def test_settings_are_one_validated_config(zoo):
     config = StreamConfig(threshold=4, keyframe_interval=None)
     session = StreamSession(zoo["mobilenet_v2"], config, max_ratio=0.5)
-    assert session.config == StreamConfig(threshold=4.0, keyframe_interval=0, max_ratio=0.5)
+    assert session.config == StreamConfig(threshold=4.0, keyframe_interval=0, max_ratio=0.5, **UNGUARDED)
     with pytest.raises(TypeError, match="unknown stream setting.*policy"):
         StreamSession(zoo["mobilenet_v2"], policy="local_cached")
     with pytest.raises(ValueError, match="max_misalignment"):
