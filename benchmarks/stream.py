@@ -243,7 +243,7 @@ def dense(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     fcn = torchvision.models.segmentation.fcn_resnet50(weights=None, weights_backbone=None).eval()
     imagenet = (models.info("resnet50").mean, models.info("resnet50").std)
-    cases.append(("fcn_resnet50 (random init)", fcn, *imagenet, ["hall", "yard"], args.dense_frames))
+    cases.append(("fcn_resnet50 (random init)", fcn, *imagenet, ["hall"], args.dense_frames))
     cases.append(("fcn_resnet50 (random init)", fcn, *imagenet, ["bikes"], args.moving_dense_frames))
     for title, model, mean, std, clips, n_frames in cases:
         for name in clips:
@@ -297,7 +297,7 @@ def main() -> None:
     parser.add_argument("--loo", action="store_true", help="leave-one-out choice of the defaults")
     parser.add_argument("--dense", action="store_true", help="dense models (PNet, fcn_resnet50)")
     parser.add_argument("--dense-frames", type=int, default=40, help="frames of fcn_resnet50's still-camera runs")
-    parser.add_argument("--moving-dense-frames", type=int, default=12, help="frames of fcn_resnet50 on bikes")
+    parser.add_argument("--moving-dense-frames", type=int, default=8, help="frames of fcn_resnet50 on bikes")
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "incrinf" / "wheels"),
                         help="where the facenet-pytorch wheel is kept")
     args = parser.parse_args()

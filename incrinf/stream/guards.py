@@ -4,11 +4,10 @@
   times and, per walk (still camera: the box walk; moving camera: the block walk), recent cached frames' times
   against the work the frame needed (the share of the frame its change covers); a cached frame is predicted by
   the median time of the samples nearest in work (medians: a load spike on a shared machine moves no estimate),
-  extrapolated by a robust (Theil-Sen) line beyond the work seen. A frame runs cached when that is faster than a
-  full frame. Before a path has samples it is predicted from the full time and
-  the work (conservatively: a frame changed over 3/4 of its area runs full), and until three cached frames were
-  timed, by the lower of that and their fit (the first ones pay one-time costs). Every full frame is a timing
-  sample too.
+  by a robust (Theil-Sen) line where none is close and beyond the work seen. A frame runs cached when that is
+  faster than a full frame. Before a walk has samples it is predicted from the full time and the work
+  (conservatively: a frame changed over 3/4 of its area runs full), and until three cached frames were timed, by
+  the lower of that and their fit (the first ones pay one-time costs). Every full frame is a timing sample too.
 - :class:`QualityGuard`: on audit frames the session runs the cached path and full inference, keeps the full
   result (a keyframe: an audit is never wasted) and reports the comparison here
   (:class:`~incrinf.stream.agreement.Comparison`). A miss tightens the knobs one level (change threshold and
@@ -50,6 +49,7 @@ _PRIOR_BASE = 0.25
 # Cached samples of a walk below which the prior still counts (the lower of the two is taken).
 _TRUSTED = 3
 _NEIGHBOURS = 5  # samples nearest in work that a prediction takes the median of
+_NEAR = 0.15  # ... if they are this close in work
 # A frame the guard sends to full inference although the fit puts the cached path within this factor of it is,
 # every _PROBE_EVERY such frames, run cached anyway: the fit's samples may be stale (a load spike, new content).
 _PROBE_WITHIN = 1.5
@@ -112,13 +112,17 @@ class SpeedGuard:
 
 
 def _predict(samples: deque[tuple[float, float]], x: float) -> float:
-    """Time at work ``x``: the median time of the samples nearest in work, the newest among equals (the cost is
-    far from linear: on a still camera a change either dies out early or reaches the deep maps and costs a full
-    frame), and beyond the largest work seen, at least the robust line's extrapolation."""
-    near = sorted(reversed(samples), key=lambda s: abs(s[0] - x))[:_NEIGHBOURS]  # ties: the newest first
-    local = statistics.median(t for _, t in near)
+    """Time at work ``x``: the median time of the samples nearest in work (at most 0.15 away; the newest among
+    equals), since the cost is far from linear (on a still camera a change either dies out early or reaches the
+    deep maps and costs a full frame); with none that close, and beyond the largest work seen, the robust line."""
+    near = sorted((s for s in reversed(samples) if abs(s[0] - x) <= _NEAR), key=lambda s: abs(s[0] - x))
+    line = None
+    if near:
+        local = statistics.median(t for _, t in near[:_NEIGHBOURS])
+    else:
+        local = line = _theil_sen(samples, x)
     if x > max(w for w, _ in samples) + 0.05:
-        local = max(local, _theil_sen(samples, x))
+        local = max(local, line if line is not None else _theil_sen(samples, x))
     return local
 
 
