@@ -70,39 +70,35 @@ class Boxes:
         return self.area >= share * math.prod(dims)
 
 
-Crop = tuple[tuple[int, int], ...]  # per spatial axis (offset, size) of the part of a box that a window reads
-
-
-def grow(boxes: Boxes, spec: WindowSpec, out_dims: tuple[int, ...], tau: float = 1.0, quantum: int = 1
-         ) -> tuple[Boxes, Crop | None]:
+def grow(boxes: Boxes, spec: WindowSpec, out_dims: tuple[int, ...], tau: float = 1.0, quantum: int = 1) -> Boxes:
     """The outputs of a window step that ``boxes`` (in its source) reaches: Krypton's equations per axis.
 
     Args:
         boxes: the changed boxes of the window's source.
         spec: the window.
         out_dims: the output's spatial extents.
-        tau: projective field threshold; below 1 the incoming boxes may be centre-cropped
-            (:func:`incrinf.geometry.local_axis`).
+        tau: projective field threshold: below 1 an output box is capped at ``round(tau * extent)``, centred on
+            the change (:func:`incrinf.geometry.local_axis`). The capped outputs still read the whole incoming
+            change inside their windows: the seed also cropped the incoming box to the part whose every read lies
+            in the cap (``cap * stride - kernel + 1`` elements, one or two on a 7x7 map), which threw most of the
+            change away at no saving (the output box, hence the FLOPs, are the same).
         quantum: round box sides up to multiples of this (oneDNN builds a kernel per input shape; a few recurring
             shapes reuse them).
 
     Returns:
-        ``(output boxes without values, crop)``: ``crop`` is the part of the incoming boxes the windows read
-        when tau cropped them, else None.
+        The output boxes, without values.
     """
-    lo, size, crop = [], [], []
+    lo, size = [], []
     for a, dim in enumerate(out_dims):
-        out_lo, out_size, offset, _, in_size = local_axis(boxes.lo[a], boxes.size[a], spec.extent[a], spec.stride[a],
-                                                          spec.offset[a], dim, tau)
+        out_lo, out_size, *_ = local_axis(boxes.lo[a], boxes.size[a], spec.extent[a], spec.stride[a], spec.offset[a],
+                                          dim, tau)
         out_size = largest(out_size)
         if quantum > 1:
             out_size = min(dim, -(-out_size // quantum) * quantum)
             out_lo = minimum(out_lo, dim - out_size)
         lo.append(out_lo)
         size.append(out_size)
-        crop.append((offset, largest(in_size)))
-    cropped = any(c != (0, s) for c, s in zip(crop, boxes.size))
-    return Boxes(tuple(lo), tuple(size)), (tuple(crop) if cropped else None)
+    return Boxes(tuple(lo), tuple(size))
 
 
 def union(regions: list[Boxes], dims: tuple[int, ...]) -> Boxes:
