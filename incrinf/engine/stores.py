@@ -28,6 +28,9 @@ from incrinf.kernels.gather import from_rows, to_rows
 
 # Every this many positions of a tensor estimate its mean magnitude (the pruning threshold's unit).
 _SCALE_STRIDE = 7
+# Pruned boxes of a batch are rounded up to even sides: their sizes follow the data, and each new shape costs
+# oneDNN a kernel build.
+PRUNED_QUANTUM = 2
 
 
 def _index(a: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
@@ -185,7 +188,7 @@ class BaseStore:
         old = self.aligned(name, None, region)  # no key: pruned boxes follow the data, no plan holds them
         delta = (region.values - old).abs_()
         keep = delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > threshold * scale
-        return cut(region, keep.cpu().numpy())
+        return cut(region, keep.cpu().numpy(), PRUNED_QUANTUM)
 
     def _windowing(self, read: np.ndarray, dest: np.ndarray | None, origin: np.ndarray | None, n_rows: int) -> tuple:
         device = self.device
