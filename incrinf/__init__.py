@@ -37,6 +37,7 @@ _LAZY = {
     "StreamSession": ("incrinf.stream.session", "StreamSession"),
     "QuantizedDepthwiseConv2d": ("incrinf.quantized", "QuantizedDepthwiseConv2d"),
     "depthwise_conv2d_int8": ("incrinf.kernels", "depthwise_conv2d_int8"),
+    "explain_dataset": ("incrinf.explain.dataset", "explain_dataset"),
 }
 
 

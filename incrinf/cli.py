@@ -47,9 +47,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from incrinf import models
     from incrinf.explain import approx
     from incrinf.explain.cli_approx import apply_explain_options, describe_approximation
+    from incrinf.explain.dataset_cli import is_dataset_run, run_dataset
 
     options = apply_explain_options(args)
-    image = _read_image(args.image)
+    if is_dataset_run(args):
+        return run_dataset(args, options)
+    image = _read_image(args.image[0] if args.image else None)
     model = models.load(args.model, args.weights)
     x = models.preprocess(image, args.model)
     start = time.perf_counter()
@@ -87,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("explain", help="occlusion heat map by incremental inference")
-    p.add_argument("image", nargs="?", help="image file (default: a shipped photo of a cat)")
+    p.add_argument("image", nargs="*", help="image file (default: a shipped photo of a cat); several files, "
+                   "directories or glob patterns explain a dataset (see --out DIR)")
     p.add_argument("--model", type=_model_name, default="efficientnet_lite0")
     p.add_argument("--weights", help="state-dict file for a torchvision architecture")
     p.add_argument("--patch", type=_positive_int, default=16)
@@ -95,12 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=int, help="class to explain (default: predicted)")
     p.add_argument("--output", choices=["logit", "prob"], default="prob")
     p.add_argument("--batch-size", type=_positive_int)
-    p.add_argument("--out", default="heatmap.png")
+    p.add_argument("--out", default="heatmap.png", help="picture to write, or the folder of a dataset run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_explain)
     from incrinf.explain import cli_approx
 
     cli_approx.add_explain_options(p)
+    from incrinf.explain.dataset_cli import add_dataset_arguments
+
+    add_dataset_arguments(p)
     cli_approx.register(sub)
 
     from incrinf.stream import cli as stream_cli
