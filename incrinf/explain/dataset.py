@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from incrinf.explain.dataset_inputs import InputItem, Selection, discover_inputs, find_masks
 from incrinf.explain.dataset_job import ExplainSpec, ModelSource, Preprocessing, Task
+from incrinf.explain.dataset_stats import ClassMean, class_means, inside_share, load_mask
 from incrinf.explain.dataset_store import (
     STATUS_ERROR,
     STATUS_OK,
@@ -33,7 +34,6 @@ from incrinf.explain.dataset_store import (
     source_signature,
     table_row,
 )
-from incrinf.explain.dataset_stats import ClassMean, class_means, inside_share, load_mask
 from incrinf.explain.executors import Executor, InProcessExecutor, ProcessExecutor, RayExecutor
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -95,8 +95,9 @@ class DatasetReport:
         ok, failed, pending = self.count(STATUS_OK), self.count(STATUS_ERROR), self.count(STATUS_PENDING)
         lines = [f"{len(self.rows)} inputs: {ok} explained, {failed} failed, {pending} not done"
                  + (" (interrupted)" if self.interrupted else ""),
-                 f"this run: {self.computed} computed in {self.seconds:.1f} s ({self.inputs_per_minute:.1f} inputs/min) "
-                 f"{self.where()} after {self.startup_seconds:.1f} s of start-up; {self.skipped} already complete"]
+                 f"this run: {self.computed} computed in {self.seconds:.1f} s "
+                 f"({self.inputs_per_minute:.1f} inputs/min) {self.where()} after {self.startup_seconds:.1f} s of "
+                 f"start-up; {self.skipped} already complete"]
         if self.workers_lost:
             lines.append(f"{self.workers_lost} worker(s) lost; {self.retried} input(s) retried on other workers")
         if self.skipped_non_images:
@@ -378,8 +379,8 @@ def _write_summary(folder: RunFolder, report: DatasetReport) -> None:
         "inputs": len(report.rows), "ok": report.count(STATUS_OK), "failed": report.count(STATUS_ERROR),
         "pending": report.count(STATUS_PENDING), "computed_this_run": report.computed,
         "skipped_complete": report.skipped, "seconds": report.seconds, "inputs_per_minute": report.inputs_per_minute,
-        "startup_seconds": report.startup_seconds, "executor": report.executor, "workers": report.workers, "workers_lost": report.workers_lost,
-        "retried": report.retried, "interrupted": report.interrupted,
+        "startup_seconds": report.startup_seconds, "executor": report.executor, "workers": report.workers,
+        "workers_lost": report.workers_lost, "retried": report.retried, "interrupted": report.interrupted,
         "class_means": [vars(m) for m in report.class_means],
         "mask_threshold": report.mask_threshold,
         "mask_outside": [{"path": r["path"], "inside_share": r["mask_inside_share"]} for r in report.mask_outside],

@@ -137,9 +137,11 @@ function card(it) {
   return el;
 }
 const cards = new Map(items.map((it) => [it.id, card(it)]));
+const byText = (x, y) => (x < y ? -1 : x > y ? 1 : 0);  // code-point order, as the results table sorts
+const byName = (a, b) => byText(a.name, b.name) || byText(a.path, b.path);
 function compare(a, b) {
   const k = state.key;
-  const d = k === "name" ? a.name.localeCompare(b.name) : (a[k] - b[k]) || a.name.localeCompare(b.name);
+  const d = k === "name" ? byName(a, b) : (a[k] - b[k]) || byName(a, b);
   return state.desc ? -d : d;
 }
 function render() {
