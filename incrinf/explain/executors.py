@@ -11,6 +11,7 @@ flight on :data:`MAX_LOSSES` dead workers becomes an error outcome instead of be
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -19,7 +20,15 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-from incrinf.explain.dataset_job import ERROR_EXPLAIN, ERROR_WORKER_LOST, Explainer, ExplainSpec, Outcome, Task
+from incrinf.explain.dataset_job import (
+    ERROR_EXPLAIN,
+    ERROR_WORKER_LOST,
+    Explainer,
+    ExplainSpec,
+    ModelSource,
+    Outcome,
+    Task,
+)
 
 MAX_LOSSES = 3  # worker deaths one task may witness before it counts as the cause
 IN_FLIGHT_PER_WORKER = 2  # one running, one queued: a worker never waits for the driver between inputs
@@ -302,11 +311,15 @@ class RayExecutor(Executor):
         self._owns_ray = False
         if not ray.is_initialized():
             if address in (None, "local"):
+                # Ray runs workers at niceness 15 by default; here the actors are the work, and at 15 they would
+                # yield every core to any other process (local worker processes run at 0)
                 ray.init(num_cpus=available_cores(), include_dashboard=False, logging_level=logging.WARNING,
-                         configure_logging=False)
+                         configure_logging=False, _system_config={"worker_niceness": 0})
                 self._owns_ray = True
             else:
                 ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
+        if spec.model.weights is not None:  # a weights file may exist on this machine only: ship the model
+            spec = dataclasses.replace(spec, model=ModelSource(module=spec.model.load()))
         cpus = int(ray.cluster_resources().get("CPU", 1))
         self.workers = actors or max(1, cpus // cpus_per_actor)
         self._cpus = cpus_per_actor

@@ -38,7 +38,9 @@ def local_ray():
     """A real Ray instance on this machine (2 CPUs, loopback). Function-scoped and used by one test, so that
     pytest-xdist never runs two Ray instances at once on the two cores."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'incrinf[ray]')")
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    # niceness 0 as incrinf's own local Ray (Ray's default 15 starves the actors next to another xdist worker)
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             _system_config={"worker_niceness": 0})
     yield ray
     ray.shutdown()
 
@@ -121,3 +123,18 @@ def test_ray_matches_in_process_and_survives_a_killed_actor(local_ray, photos, t
                              cpus_per_worker=threads_per_worker(2), callback=callback, **OPTIONS)
     assert len(killed) == 1
     assert_every_input_once(tmp_path / "killed", report, written, in_process_run)
+
+
+def test_an_input_that_keeps_killing_workers_becomes_an_error_row() -> None:
+    from incrinf.explain.dataset_job import ERROR_WORKER_LOST, Task
+    from incrinf.explain.executors import MAX_LOSSES, _Queue
+
+    tasks = [Task(i, f"id{i}", f"in{i}.png", b"") for i in range(3)]
+    queue = _Queue(iter(tasks))
+    first = queue.next()
+    for _ in range(MAX_LOSSES - 1):
+        assert queue.lost(first) is None  # queued again, ahead of the inputs not yet taken
+        assert queue.next() is first
+    failed = queue.lost(first)
+    assert failed.error_kind == ERROR_WORKER_LOST and failed.index == 0 and queue.retried == MAX_LOSSES - 1
+    assert [queue.next().index, queue.next().index, queue.next()] == [1, 2, None]
