@@ -245,7 +245,20 @@ def _spec(model: nn.Module | str, weights: str | None, normalization: str | None
         raise ValueError(f"size must be a positive int, got {size!r}")
     if "progress" in options:
         raise TypeError("pass progress= to explain_dataset itself (it controls both progress bars)")
+    _check_option_names(options)
     return ExplainSpec(source, Preprocessing(normalization, size), dict(options))
+
+
+def _check_option_names(options: dict[str, Any]) -> None:
+    """Refuse a misspelt option now, rather than as the same error row for every input."""
+    import inspect
+
+    import incrinf
+
+    try:
+        inspect.signature(incrinf.occlusion).bind_partial(None, None, **options)
+    except TypeError as exc:
+        raise TypeError(f"not an option of incrinf.occlusion: {exc}") from None
 
 
 def _executor(spec: ExplainSpec, workers: int | None, ray: bool | str | None, cpus_per_worker: int,

@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import queue
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -129,8 +130,20 @@ def _process_main(spec: ExplainSpec, threads: int, tasks: mp.Queue, results: mp.
         results.send(("init-error", f"{type(exc).__name__}: {exc}"))
         return
     results.send(("ready", os.getpid()))
-    while (task := tasks.get()) is not None:
-        results.send(("outcome", explainer(task)))
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the driver was killed: do not linger as an orphan
+                return
+            continue
+        if task is None:
+            return
+        try:
+            results.send(("outcome", explainer(task)))
+        except (BrokenPipeError, EOFError):  # the driver is gone
+            return
 
 
 class _LocalWorker:
@@ -203,14 +216,14 @@ class ProcessExecutor(Executor):
         return [w.process.pid for w in self._pool]
 
     def run(self, tasks: Iterator[Task]) -> Iterator[Outcome]:
-        queue = _Queue(tasks)
+        pending = _Queue(tasks)
         exhausted = False
         deaths_without_progress = 0
         try:
             while True:
                 for worker in self._pool:
                     while not exhausted and len(worker.in_flight) < IN_FLIGHT_PER_WORKER:
-                        task = queue.next()
+                        task = pending.next()
                         if task is None:
                             exhausted = True
                             break
@@ -228,11 +241,11 @@ class ProcessExecutor(Executor):
                         deaths_without_progress += 1
                         if deaths_without_progress > 2 * self.workers + 2:
                             raise RuntimeError("local workers keep dying before finishing any input")
-                        yield from self._replace(worker, queue)
+                        yield from self._replace(worker, pending)
                         exhausted = False  # retried tasks are back in the queue
-                self.retried = queue.retried
+                self.retried = pending.retried
         finally:
-            self.retried = queue.retried
+            self.retried = pending.retried
 
     def _drain(self, worker: _LocalWorker) -> Iterator[Outcome]:
         """Outcomes already sent by ``worker`` (also after it died: they are complete)."""
@@ -250,10 +263,10 @@ class ProcessExecutor(Executor):
             worker.in_flight.pop(payload.index, None)
             yield payload
 
-    def _replace(self, worker: _LocalWorker, queue: _Queue) -> Iterator[Outcome]:
+    def _replace(self, worker: _LocalWorker, pending: _Queue) -> Iterator[Outcome]:
         self.workers_lost += 1
         for task in worker.in_flight.values():
-            failed = queue.lost(task)
+            failed = pending.lost(task)
             if failed is not None:
                 yield failed
         worker.in_flight.clear()
@@ -344,7 +357,7 @@ class RayExecutor(Executor):
         ray = self._ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        queue = _Queue(tasks)
+        pending = _Queue(tasks)
         refs: dict[Any, tuple[Any, Task]] = {}  # object ref -> (actor, task)
         load = collections.Counter()  # actor -> tasks in flight
         exhausted = False
@@ -353,7 +366,7 @@ class RayExecutor(Executor):
             while True:
                 for actor in self._actors:
                     while not exhausted and load[actor] < IN_FLIGHT_PER_WORKER:
-                        task = queue.next()
+                        task = pending.next()
                         if task is None:
                             exhausted = True
                             break
@@ -374,19 +387,19 @@ class RayExecutor(Executor):
                         if deaths_without_progress > 2 * self.workers + 2:
                             raise RuntimeError("Ray actors keep dying before finishing any input "
                                                "(can they load the model?)") from None
-                        yield from self._replace(actor, task, refs, load, queue)
+                        yield from self._replace(actor, task, refs, load, pending)
                         exhausted = False
                         continue
                     except RayTaskError as exc:  # the job itself catches model errors; this is anything else
                         outcome = Outcome(task.index, task.id, ERROR_EXPLAIN, f"Ray task failed: {exc}")
                     deaths_without_progress = 0
                     yield outcome
-                self.retried = queue.retried
+                self.retried = pending.retried
         finally:
-            self.retried = queue.retried
+            self.retried = pending.retried
 
     def _replace(self, actor: Any, first: Task, refs: dict[Any, tuple[Any, Task]], load: collections.Counter,
-                 queue: _Queue) -> Iterator[Outcome]:
+                 pending: _Queue) -> Iterator[Outcome]:
         """``actor`` died: its other tasks fail too; queue them all again and start a replacement."""
         self.workers_lost += 1
         lost = [first] + [task for ref, (owner, task) in list(refs.items()) if owner is actor]
@@ -394,7 +407,7 @@ class RayExecutor(Executor):
             del refs[ref]
         del load[actor]
         for task in sorted(lost, key=lambda t: t.index):
-            failed = queue.lost(task)
+            failed = pending.lost(task)
             if failed is not None:
                 yield failed
         try:

@@ -287,3 +287,9 @@ def test_class_means_average_aligned_maps(photos, tmp_path) -> None:
     maps = [folder.load_pixel_map(folder.read_record(r["id"])) for r in report.rows]
     assert report.class_means[0].peak == pytest.approx(float(np.mean(maps, axis=0).max()))
     assert (out / report.class_means[0].picture).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_misspelt_option_fails_before_any_work(photos, tmp_path) -> None:
+    with pytest.raises(TypeError, match="not an option of incrinf.occlusion"):
+        explain_dataset(MODEL, photos / "extra", tmp_path, size=SIZE, progress=False, strides=8)
+    assert not (tmp_path / "results.csv").exists()
