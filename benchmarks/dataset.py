@@ -7,6 +7,7 @@ configuration starts from an empty output folder; the runs must agree (same clas
 tolerance: the thread count changes float sums).
 
     python benchmarks/dataset.py                      # 12 photos, patch 16, stride 8 (729 positions each)
+    python benchmarks/dataset.py --images 6 --rounds 3   # alternating rounds, median rates (a shared machine)
     python benchmarks/dataset.py --images 16 --stride 16 --keep /tmp/gallery-run
 """
 
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import machine, median  # noqa: E402
 
 import incrinf  # noqa: E402
 from incrinf.explain.executors import available_cores  # noqa: E402
@@ -61,7 +62,7 @@ def run(label: str, photos: Path, out: Path, args: argparse.Namespace, cores: in
     report = incrinf.explain_dataset("efficientnet_lite0", photos, out, size=args.size, patch=args.patch,
                                      stride=args.stride, output="prob", progress=False, **how)
     wall = time.perf_counter() - start
-    if report.exit_code != 0:
+    if report.exit_code != 0 or report.computed != args.images:
         raise SystemExit(f"{label}: {report.summary()}")
     print(f"  {label}: {report.computed} inputs in {report.seconds:.1f} s after {report.startup_seconds:.1f} s "
           f"start-up (wall {wall:.1f} s)", flush=True)
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--patch", type=int, default=16)
     parser.add_argument("--stride", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of all configurations (median rates)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray configuration")
     parser.add_argument("--keep", help="copy the in-process run's folder (table, gallery) here")
     args = parser.parse_args()
@@ -104,38 +106,53 @@ def main() -> None:
         write_photos(photos, args.images)
         cores = available_cores()
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        results = [run("in-process, 1 torch thread", photos, Path(tmp) / "one-thread", args, cores=1)]
-        torch.set_num_threads(threads)
-        results.append(run(f"in-process, {threads} torch threads (the default)", photos, Path(tmp) / "one", args,
-                           cores=threads))
         per_worker = max(1, cores // 2)
-        results.append(run(f"2 local processes x {per_worker} thread(s)", photos, Path(tmp) / "two", args,
-                           cores=2 * per_worker, workers=2))
+        configs = [
+            ("in-process, 1 torch thread", 1, {"threads": 1}),
+            (f"in-process, {threads} torch threads (the default)", threads, {"threads": threads}),
+            (f"2 local processes x {per_worker} thread(s)", 2 * per_worker, {"workers": 2}),
+        ]
         if not args.no_ray:
             try:
                 import ray  # noqa: F401
             except ImportError:
                 print("  Ray is not installed: pip install 'incrinf[ray]' (skipped)")
             else:
-                results.append(run(f"Ray, 2 actors x {per_worker} CPU(s), local cluster", photos, Path(tmp) / "ray",
-                                   args, cores=2 * per_worker, ray=True, workers=2, cpus_per_worker=per_worker))
-        diffs = [check_agree(results[0]["out"], r["out"]) for r in results[1:]]
-        base = results[0]["rate"]
+                configs.append((f"Ray, 2 actors x {per_worker} CPU(s), local cluster", 2 * per_worker,
+                                {"ray": True, "workers": 2, "cpus_per_worker": per_worker}))
+        # every round runs every configuration, in an order rotated by one per round, so that a change in the
+        # machine's load falls on all of them
+        runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
+        for round_ in range(args.rounds):
+            for shift in range(len(configs)):
+                which = (round_ + shift) % len(configs)
+                label, used, how = configs[which]
+                how = dict(how)
+                torch.set_num_threads(how.pop("threads", threads))
+                out = Path(tmp) / f"round{round_}-config{which}"  # a fresh folder: nothing to skip
+                runs[label].append(run(label, photos, out, args, cores=used, **how))
+                torch.set_num_threads(threads)
+        reference = runs[configs[0][0]][0]["out"]
+        diffs = [check_agree(reference, r["out"]) for rs in runs.values() for r in rs]
+        rates = {label: median([r["rate"] for r in runs[label]]) for label in runs}
+        base = rates[configs[0][0]]
         print()
         print("| configuration | cores used | inputs/min | speedup | scaling efficiency | start-up s |")
         print("| --- | --- | --- | --- | --- | --- |")
-        for r in results:
-            speedup = r["rate"] / base
-            print(f"| {r['label']} | {r['cores']} | {r['rate']:.1f} | {speedup:.2f}x | {speedup / r['cores']:.0%} | "
-                  f"{r['startup']:.1f} |")
-        print("\nspeedup and scaling efficiency (speedup / cores used) are over the 1-thread in-process run")
-        print(f"\nlargest heat-map difference from the in-process run: {max(diffs, default=0.0):.2g} "
+        for label, used, _ in configs:
+            speedup = rates[label] / base
+            startup = median([r["startup"] for r in runs[label]])
+            print(f"| {label} | {used} | {rates[label]:.1f} | {speedup:.2f}x | {speedup / used:.0%} | {startup:.1f} |")
+        print(f"\nmedian of {args.rounds} round(s); speedup and scaling efficiency (speedup / cores used) are over "
+              "the 1-thread in-process run")
+        print(f"largest heat-map difference between runs: {max(diffs, default=0.0):.2g} "
               "(thread counts change float sums)")
+        with open("/proc/loadavg") as fh:
+            print(f"load average at the end: {' '.join(fh.read().split()[:3])}")
         if args.keep:
             import shutil
 
-            shutil.copytree(results[0]["out"], args.keep, dirs_exist_ok=True)
+            shutil.copytree(reference, args.keep, dirs_exist_ok=True)
             print(f"in-process run's folder copied to {args.keep}")
 
 
