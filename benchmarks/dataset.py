@@ -58,6 +58,7 @@ def write_photos(folder: Path, count: int) -> list[str]:
 
 
 def run(label: str, photos: Path, out: Path, args: argparse.Namespace, cores: int, **how) -> dict:
+    incrinf.runtime_cache().clear()  # every run starts cold, like a fresh `incrinf explain` (workers always do)
     start = time.perf_counter()
     report = incrinf.explain_dataset("efficientnet_lite0", photos, out, size=args.size, patch=args.patch,
                                      stride=args.stride, output="prob", progress=False, **how)
