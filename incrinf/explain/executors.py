@@ -330,7 +330,10 @@ class RayExecutor(Executor):
                          configure_logging=False, _system_config={"worker_niceness": 0})
                 self._owns_ray = True
             else:
-                ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
+                try:
+                    ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
+                except ConnectionError as exc:
+                    raise RuntimeError(f"cannot reach a Ray cluster at {address}: {exc}") from None
         if spec.model.weights is not None:  # a weights file may exist on this machine only: ship the model
             spec = dataclasses.replace(spec, model=ModelSource(module=spec.model.load()))
         cpus = int(ray.cluster_resources().get("CPU", 1))
