@@ -94,18 +94,14 @@ def assert_every_input_once(out: Path, report, written: list[str], reference: Pa
     assert_same_run(out, reference)
 
 
-def test_two_local_workers_match_in_process(photos, tmp_path, in_process_run) -> None:
-    report = explain_dataset(MODEL, inputs(photos), tmp_path, size=SIZE, progress=False, workers=2, **OPTIONS)
-    assert report.executor == "processes" and report.workers == 2 and report.exit_code == 1
-    assert len({r["worker"] for r in read_table(tmp_path) if r["status"] == "ok"}) == 2  # both did work
-    assert_same_run(tmp_path, in_process_run)
-
-
 def test_killed_local_worker_loses_nothing(photos, tmp_path, in_process_run) -> None:
+    """``--workers 2`` gives the in-process table and arrays, also with a worker SIGKILLed mid-run."""
     killed, written, callback = killer("process")
     report = explain_dataset(MODEL, inputs(photos), tmp_path, size=SIZE, progress=False, workers=2,
                              callback=callback, **OPTIONS)
+    assert report.executor == "processes" and report.workers == 2 and report.exit_code == 1  # the 2 bad inputs
     assert len(killed) == 1
+    assert len({r["worker"] for r in read_table(tmp_path) if r["status"] == "ok"}) >= 2  # the work was shared
     assert_every_input_once(tmp_path, report, written, in_process_run)
 
 
