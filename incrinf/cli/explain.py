@@ -87,7 +87,8 @@ def describe_approximation(stats: dict[str, Any]) -> str:
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``explain`` subcommand."""
     p = subparsers.add_parser("explain", help="occlusion heat map by incremental inference")
-    p.add_argument("image", nargs="?", help="image file (default: a shipped photo of a cat)")
+    p.add_argument("image", nargs="*", help="image file (default: a shipped photo of a cat); several files, "
+                   "directories or glob patterns explain a dataset (see --out DIR)")
     p.add_argument("--model", type=model_name, default="efficientnet_lite0")
     p.add_argument("--weights", help="state-dict file for a torchvision architecture")
     p.add_argument("--patch", type=positive_int, default=16)
@@ -95,9 +96,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--target", type=int, help="class to explain (default: predicted)")
     p.add_argument("--output", choices=["logit", "prob"], default="prob")
     p.add_argument("--batch-size", type=positive_int)
-    p.add_argument("--out", default="heatmap.png")
+    p.add_argument("--out", default="heatmap.png", help="picture to write, or the folder of a dataset run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_explain_options(p)
+    from incrinf.explain.dataset_cli import add_dataset_arguments
+
+    add_dataset_arguments(p)
     p.set_defaults(func=run)
     return p
 
@@ -117,9 +121,12 @@ def _read_image(path: str | None) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     from incrinf import models
     from incrinf.explain import approx
+    from incrinf.explain.dataset_cli import is_dataset_run, run_dataset
 
     options = apply_explain_options(args)
-    image = _read_image(args.image)
+    if is_dataset_run(args):
+        return run_dataset(args, options)
+    image = _read_image(args.image[0] if args.image else None)
     model = models.load(args.model, args.weights)
     x = models.preprocess(image, args.model)
     start = time.perf_counter()

@@ -153,8 +153,9 @@ def _resolve_setting(tau: float, feature_threshold: float, drill_down: DrillDown
     target = profile.target_ssim if target_ssim is None else check_target_ssim(target_ssim)
     index = profile.chosen if target_ssim is None else profile.choose(target)
     setting = Setting(**profile.settings[index])
-    if setting.exact and target_ssim is not None:
-        warnings.warn(f"{profile.unreached(target)}: running the exact path", stacklevel=3)
+    if setting.exact:  # tune() recorded that nothing faster holds the target: asking for it is an error
+        raise ValueError(f"{profile.unreached(target)}. Run the exact path (no target_ssim or profile) or ask "
+                         "for a lower target_ssim")
     drill = DrillDown.from_factor(setting.drill_factor, setting.drill_fraction) if setting.drill_factor > 1 else None
     return setting.tau, setting.feature_threshold, drill, {
         "tau": setting.tau, "setting_source": "profile", "setting": setting.describe(), "target_ssim": target,

@@ -360,7 +360,8 @@ def tune(
     Returns:
         A :class:`TuningProfile`; ``profile.setting`` is the chosen setting, ``profile.summary()`` the table
         (with the held-out check), ``profile.save(path)`` writes it. When no setting holds the target with a
-        speedup the exact setting is chosen and a warning names the best reachable ones.
+        speedup the exact setting is recorded as chosen, a warning names the best reachable ones, and
+        ``occlusion(profile=...)`` refuses the profile with that message.
 
     Raises:
         ValueError: no images, images of different sizes, bad settings, target, holdout or coverage.
