@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -267,7 +268,7 @@ def test_explain_options(tmp_path) -> None:
     import argparse
 
     from incrinf.cli.explain import add_explain_options, apply_explain_options, describe_approximation
-    from incrinf.explain.tuning import profile_from_measurements
+    from incrinf.explain.tuning import Setting, TuningProfile
 
     parser = argparse.ArgumentParser()
     add_explain_options(parser)
@@ -277,9 +278,12 @@ def test_explain_options(tmp_path) -> None:
     assert kwargs == {"tau": 0.7, "drill_down": DrillDown(0.1, 5.0), "measure_quality": True}
     assert apply_explain_options(parser.parse_args(["--target-speedup", "2"]))["drill_down"] == DrillDown(0.25, 2.0)
     assert apply_explain_options(parser.parse_args(["--drill-down", "0.3"]))["drill_down"] == DrillDown(0.3, 3.0)
-    path = profile_from_measurements([1.0, 0.5], [[1.0, 0.5]]).save(tmp_path / "p.json")
+    settings = [asdict(Setting()), asdict(Setting(tau=0.5))]
+    path = TuningProfile(model="Net", signature="s", input_shape=[1, 3, 64, 64], patch=[16, 16], stride=[8, 8],
+                         output="logit", target_ssim=0.8, coverage=0.8, settings=settings,
+                         ssim=[[1.0, 0.9]], speed=[[1.0, 2.0]], check=[], chosen=1).save(tmp_path / "p.json")
     kwargs = apply_explain_options(parser.parse_args(["--target-ssim", "0.8", "--profile", str(path)]))
-    assert kwargs["target_ssim"] == 0.8 and kwargs["profile"].taus == [1.0, 0.5]
+    assert kwargs["target_ssim"] == 0.8 and kwargs["profile"].setting == Setting(tau=0.5)
     with pytest.raises(ValueError, match="--profile"):
         apply_explain_options(parser.parse_args(["--target-ssim", "0.9"]))
     with pytest.raises(ValueError, match="not both"):
