@@ -8,8 +8,13 @@ predicted vs actual time in :attr:`OffloadingSession.stats`.
 Faults: an offload that fails (refused, reset, timed out, server error) is completed locally within the same
 call: no frame is dropped or duplicated, outputs come back in order. The server is then in back-off
 (exponential, capped); a background worker re-checks ``/health`` (and that the model's weights still match)
-when the back-off expires, and offloading resumes once it answers. While the client computes locally, the same
-worker times small probe transfers so the link estimate stays fresh without delaying frames.
+when the back-off expires, and offloading resumes once it answers. A 429 (the credential's request rate or
+session cap on the server) is handled the same way, except that the back-off lasts at least the server's
+``Retry-After`` and the server's cache is kept. While the client computes locally, the same worker times small
+probe transfers so the link estimate stays fresh without delaying frames.
+
+Credentials: ``token=`` (or ``$INCRINF_TOKEN``), and for ``https://`` servers ``ca_file=`` / ``verify=``, go to
+every request, probes and health checks included.
 
 Local cached inference is delegated to the incremental :class:`~incrinf.stream.session.StreamSession` (reset
 whenever another option ran, so its next frame rebuilds the cache); for models it cannot cache,
@@ -23,6 +28,7 @@ times its measured duration (:class:`SlowDevice`), and the local profile is scal
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -34,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from incrinf.graph import cache_point, capture, split_points
+from incrinf.graph import cache_point, captured_graph, split_points
 from incrinf.normalization import IMAGENET_MEAN, IMAGENET_STD, Normalization
 from incrinf.offload import wire
 from incrinf.offload.client import (
@@ -42,6 +48,7 @@ from incrinf.offload.client import (
     LinkEstimator,
     OffloadClient,
     OffloadError,
+    RateLimited,
     ReferenceMismatch,
     ServerUnavailable,
     SessionLost,
@@ -321,13 +328,16 @@ class OffloadingSession:
 
     Args:
         model: the model (eval mode), or a zoo name (``incrinf.models``).
-        offload: server URL ``http://host:port``, or None for local only.
+        offload: server URL ``http://host:port`` or ``https://host:port``, or None for local only.
         policy: ``"auto"``, ``"local_full"``, ``"local_cached"``, ``"offload_full"``, ``"offload_cached"``,
             ``"hybrid"`` (best split) or ``"hybrid:<node>"``.
         input_size: (H, W) of the frames; default: from the server, or the model's zoo input size.
         mean: normalisation mean of uint8 frames (default: the zoo model's, else ImageNet).
         std: normalisation std.
-        token: bearer token of the server.
+        token: bearer token of the server; None reads ``$INCRINF_TOKEN`` (unset: no token); ``""`` sends none.
+        ca_file: PEM file of the authority that signed the server's TLS certificate (``https://`` URLs; default:
+            the system's trust store).
+        verify: verify the server's TLS certificate and host name (keep True outside tests).
         config: stream settings of the cached options (:class:`~incrinf.stream.config.StreamConfig`): change
             threshold and cell, ``max_ratio`` of changed cells from which a cached option sends / computes the
             full frame, matcher, keyframe interval (a full frame, local or uploaded, every that many frames), and
@@ -352,6 +362,7 @@ class OffloadingSession:
     def __init__(self, model: nn.Module | str, offload: str | None = None, policy: str = "auto", *,
                  input_size: tuple[int, int] | None = None, mean: tuple[float, ...] | None = None,
                  std: tuple[float, ...] | None = None, token: str | None = None,
+                 ca_file: str | os.PathLike | None = None, verify: bool = True,
                  config: StreamConfig | None = None, local_session: Callable[[], Any] | None = None,
                  local_options: dict[str, Any] | None = None,
                  budget: float | None = None,
@@ -367,8 +378,10 @@ class OffloadingSession:
         self.probe_interval = probe_interval
         self.link = LinkEstimator()
         self.backoff = Backoff(backoff_initial, backoff_cap)
-        self.client = OffloadClient(offload, token, max_timeout, self.link) if offload else None
-        self._probe_client = OffloadClient(offload, token, max_timeout, self.link) if offload else None
+        # Both clients raise on 429 at once: a rate-limited frame is computed locally instead of waiting.
+        client = dict(timeout=max_timeout, link=self.link, ca_file=ca_file, verify=verify, wait_rate_limited=False)
+        self.client = OffloadClient(offload, token, **client) if offload else None
+        self._probe_client = OffloadClient(offload, token, **client) if offload else None
         self.digest = model_digest(self.model)
         server_info = self._connect() if self.client is not None else None
         if input_size is None:
@@ -378,7 +391,7 @@ class OffloadingSession:
                                            std or (server_info or {}).get("std") or IMAGENET_STD)
         self.mean, self.std = self.normalization.mean, self.normalization.std
         channels = self.normalization.channels
-        self.graph = capture(self.model, (channels, *self.input_size))
+        self.graph = captured_graph(self.model, (channels, *self.input_size))  # one per model, shared read-only
         if server_info is not None:
             problem = self._incompatibility(server_info)
             if problem:
@@ -523,6 +536,9 @@ class OffloadingSession:
 
     def _server_failed(self, exc: Exception) -> None:
         self._server_up = False
+        if isinstance(exc, RateLimited):  # the server is fine and keeps our cache: wait as long as it asks
+            self.backoff.failure(at_least=exc.retry_after)
+            return
         self.session_id = None if isinstance(exc, ServerUnavailable) else self.session_id
         self.client.close()
         self.backoff.failure()
