@@ -55,6 +55,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from incrinf.graph import captured_graph, split_points
 from incrinf.normalization import IMAGENET_MEAN, IMAGENET_STD, Normalization
@@ -73,6 +74,22 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "X-Incrinf-Session"
 # The request's credential, set by the guard (typed keys from aiohttp 3.14; a plain string before).
 _OWNER: Any = web.RequestKey("owner", str) if hasattr(web, "RequestKey") else "incrinf.owner"
+
+
+class _ClientFaultFilter(logging.Filter):
+    """aiohttp logs every request it cannot parse at ERROR, with a traceback: the client's fault, not the server's,
+    and a client sending many would flood the log. They become one short INFO line each."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError) and (error.code or 400) < 500:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "malformed request answered %s: %s", (error.code, str(error.message)[:120])
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_CLIENT_FAULTS = _ClientFaultFilter()
 
 
 class CacheConflict(RuntimeError):
@@ -327,6 +344,9 @@ class OffloadServer:
             return _error(409, str(exc))
         except TooManySessions as exc:
             return _too_many(str(exc), exc.retry_after)
+        except (ConnectionResetError, HttpProcessingError) as exc:  # the body broke off: the client's fault
+            log.debug("request %s %s: incomplete body: %s", request.method, request.path, exc)
+            return _error(400, f"incomplete request body: {type(exc).__name__}")
         except Exception:  # a bug must not take the server down; the client sees a 500
             log.exception("request %s %s failed", request.method, request.path)
             return _error(500, "internal error")
@@ -426,6 +446,9 @@ class OffloadServer:
         """Serve in a background thread; returns once the port is bound."""
         if self._thread is not None:
             raise RuntimeError("server already started")
+        parse_log = logging.getLogger("aiohttp.server")
+        if _CLIENT_FAULTS not in parse_log.filters:
+            parse_log.addFilter(_CLIENT_FAULTS)
         self.started_at = time.monotonic()
         self._executor = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="incrinf-infer")
         self._thread = threading.Thread(target=self._thread_main, name="incrinf-server", daemon=True)

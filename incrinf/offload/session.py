@@ -347,7 +347,9 @@ class OffloadingSession:
         if isinstance(exc, RateLimited):  # the server is fine and keeps our cache: wait as long as it asks
             self.backoff.failure(at_least=exc.retry_after)
             return
-        self.session_id = None if isinstance(exc, ServerUnavailable) else self.session_id
+        # The server's cache is kept even when the server is unreachable or slow: a server that restarted answers
+        # 404 for it (SessionLost), and then a new one is opened. Forgetting it here would leave it open on the
+        # server until it expires, and a few timeouts would fill the credential's session cap.
         self.client.close()
         self.backoff.failure()
 
@@ -514,9 +516,14 @@ class OffloadingSession:
         return _Outcome(torch.from_numpy(reply.output), 1.0, reply.bytes_up, reply.bytes_down, reply.server_seconds)
 
     def close(self) -> None:
-        """Stop the background worker and close connections (the server drops the cache on expiry)."""
+        """Stop the background worker, close the server's cache of this stream (best effort: otherwise it expires)
+        and the connections."""
         if self._worker is not None:
             self._worker.close()
+        if self.client is not None and self.session_id is not None and self._server_up:
+            with contextlib.suppress(OffloadError):
+                self.client.close_session(self.session_id, timeout=min(0.5, self.max_timeout))
+            self.session_id = None
         for client in (self.client, self._probe_client):
             if client is not None:
                 client.close()

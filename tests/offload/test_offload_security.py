@@ -399,3 +399,33 @@ def test_sessions_per_token_429_and_health_reports_limits(service):
                                     "max_request_bytes": 16 << 20, "max_sessions": 256, "session_ttl": 30.0}
         assert health["auth"] == "token" and health["open_sessions"] >= 3
         assert TOKEN not in json.dumps(health)
+
+
+def test_timeouts_do_not_leak_server_sessions_into_the_cap(frames):
+    """A frame whose offload times out keeps its server cache: reopening one per timeout would fill the
+    credential's session cap and lock the camera out for a TTL (seen in the soak benchmark)."""
+    from incrinf.testing.shaping import ShapingProxy
+
+    service = ModelService(tiny_model(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, profile_repeats=1)
+    with OffloadServer(service, token=TOKEN, sessions_per_token=2) as server, ShapingProxy(server.port) as proxy:
+        session = OffloadingSession(tiny_model(), offload=f"http://127.0.0.1:{proxy.port}", policy="offload_cached",
+                                    token=TOKEN, mean=MEAN, std=STD, profile_repeats=1, max_timeout=0.3,
+                                    backoff_initial=0.01, backoff_cap=0.02, threshold=0.0, max_ratio=1.0)
+        for i in range(4):
+            session(frames[i])
+        for _ in range(3):  # three timeouts, each followed by a recovery
+            proxy.set_link(1000.0, 1000.0)  # latency, not bandwidth: nothing queues on the emulated link
+            session(frames[4])
+            proxy.set_link(1000.0, 0.0)
+            for k in range(200):  # until it offloads again (back-off, then a health check)
+                time.sleep(0.01)
+                session(frames[5 + k % 6])
+                if session.stats[-1].mode == "offload_cached":
+                    break
+        stats = session.stats
+        assert sum(s.fallback and "ServerUnavailable" in s.error for s in stats) == 3
+        assert not any("RateLimited" in (s.error or "") for s in stats)
+        assert stats[-1].mode == "offload_cached"
+        assert service.sessions.count() == 1
+        session.close()
+        assert service.sessions.count() == 0  # closed on the server too
