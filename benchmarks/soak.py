@@ -185,6 +185,7 @@ class CameraResult:
     latencies: list[float] = field(default_factory=list)
     modes: Counter = field(default_factory=Counter)
     fallbacks: Counter = field(default_factory=Counter)
+    local_why: Counter = field(default_factory=Counter)  # why frames of an offloading policy ran locally
     exact_checked: int = 0
     exact_mismatches: int = 0
     approx_checked: int = 0
@@ -253,6 +254,8 @@ def run_camera(index: int, policy: str, url: str, token: str, model: torch.nn.Mo
             result.modes[stats.mode.split(":")[0]] += 1
             if stats.fallback:
                 result.fallbacks[(stats.error or "").split(":")[0]] += 1
+            if stats.mode.startswith("local"):
+                result.local_why[_local_why(stats)] += 1
             if k % args.check_every == 0:
                 with torch.no_grad():
                     ref = model(normalization.tensor(frame))
@@ -263,6 +266,16 @@ def run_camera(index: int, policy: str, url: str, token: str, model: torch.nn.Mo
                 else:
                     result.approx_checked += 1
                     result.approx_top1 += int(out.argmax().item() == ref.argmax().item())
+
+
+def _local_why(stats) -> str:
+    if stats.fallback:
+        return "offload failed"
+    if "server down" in stats.reason:
+        return "server in back-off"
+    if "exceed the timeout" in stats.reason:
+        return "predicted over budget"
+    return "chosen"
 
 
 def drift(values: list[float]) -> tuple[float, float, float]:
@@ -345,6 +358,9 @@ def soak(args: argparse.Namespace) -> bool:
               f"{top1} |")
         for error in r.errors[:5]:
             print(f"    {error}")
+    for i, r in enumerate(results):
+        print(f"  camera {i} ({r.policy}) ran {sum(r.local_why.values())} frames locally: "
+              + ", ".join(f"{why} {n}" for why, n in r.local_why.most_common()))
     sent, received = sum(r.sent for r in results), sum(r.received for r in results)
     print(f"\nframes sent {sent}, outputs received {received}, lost {sent - received}")
 
