@@ -154,3 +154,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(func=run)
     return p
+
+
+if __name__ == "__main__":  # ``python -m incrinf.cli.serve ...``, as benchmarks/schedule.py starts the server
+    from incrinf.cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))
