@@ -9,9 +9,6 @@ Everything beyond the occlusion path loads on first use, so ``import incrinf`` s
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from incrinf.analysis import AnalysisReport, analyze
 from incrinf.cache import LookupStatus, RuntimeCache, make_key, runtime_cache
 from incrinf.errors import CaptureError, MissingExtraError
@@ -20,21 +17,22 @@ from incrinf.explain.drilldown import DrillDown
 from incrinf.explain.occlusion import OcclusionResult
 from incrinf.explain.tuning import TuningProfile, tune
 from incrinf.graph import Graph, NodeKind, capture
+from incrinf.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-# name -> (module, attribute or None for the module itself): loaded on first use (PEP 562)
+# loaded on first use (a module path ending in ":" is the module itself)
 _LAZY = {
-    "StreamSession": ("incrinf.stream.session", "StreamSession"),
-    "StreamConfig": ("incrinf.stream.config", "StreamConfig"),
-    "OffloadingSession": ("incrinf.offload.session", "OffloadingSession"),
-    "QuantizedDepthwiseConv2d": ("incrinf.kernels.quantized_module", "QuantizedDepthwiseConv2d"),
-    "depthwise_conv2d_int8": ("incrinf.kernels.depthwise_int8", "depthwise_conv2d_int8"),
-    "models": ("incrinf.models", None),
-    "captum": ("incrinf.captum", None),
-    "kernels": ("incrinf.kernels", None),
-    "stream": ("incrinf.stream", None),
-    "offload": ("incrinf.offload", None),
+    "StreamSession": "incrinf.stream.session",
+    "StreamConfig": "incrinf.stream.config",
+    "OffloadingSession": "incrinf.offload.session",
+    "QuantizedDepthwiseConv2d": "incrinf.kernels.quantized_module",
+    "depthwise_conv2d_int8": "incrinf.kernels.depthwise_int8",
+    "models": "incrinf.models:",
+    "captum": "incrinf.captum:",
+    "kernels": "incrinf.kernels:",
+    "stream": "incrinf.stream:",
+    "offload": "incrinf.offload:",
 }
 
 __all__ = [
@@ -58,13 +56,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'incrinf' has no attribute {name!r}")
-    module, attr = _LAZY[name]
-    value = importlib.import_module(module)
-    return value if attr is None else getattr(value, attr)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -69,29 +69,36 @@ class AnalysisReport:
         return "\n".join(lines)
 
 
-def occlusion_grid(image_hw: tuple[int, int], patch: tuple[int, int], stride: tuple[int, int]) -> np.ndarray:
-    """(N, 2) top-left corners of every occlusion window, Captum's grid: ceil((dim - patch) / stride) + 1."""
-    ny = -(-(image_hw[0] - patch[0]) // stride[0]) + 1
-    nx = -(-(image_hw[1] - patch[1]) // stride[1]) + 1
-    ys, xs = np.meshgrid(np.arange(ny) * stride[0], np.arange(nx) * stride[1], indexing="ij")
-    return np.stack([ys.ravel(), xs.ravel()], axis=1).astype(np.int64)
+def grid_shape(dims: tuple[int, ...], patch: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    """Windows per spatial axis, Captum's count: ``ceil((dim - patch) / stride) + 1``."""
+    return tuple(-(-(n - p) // s) + 1 for n, p, s in zip(dims, patch, stride))
 
 
-def _positions(position: Any, image_hw: tuple[int, int], patch: tuple[int, int], stride: tuple[int, int]
+def occlusion_grid(dims: tuple[int, ...], patch: tuple[int, ...], stride: tuple[int, ...]) -> np.ndarray:
+    """(N, d) first corners of every occlusion window (Captum's grid), row-major."""
+    axes = [np.arange(n) * s for n, s in zip(grid_shape(dims, patch, stride), stride)]
+    corners = np.meshgrid(*axes, indexing="ij")
+    return np.stack([c.ravel() for c in corners], axis=1).astype(np.int64)
+
+
+def _positions(position: Any, dims: tuple[int, ...], patch: tuple[int, ...], stride: tuple[int, ...]
                ) -> np.ndarray:
     if isinstance(position, str):
         if position == "center":
-            return np.array([[(image_hw[0] - patch[0]) // 2, (image_hw[1] - patch[1]) // 2]], np.int64)
+            return np.array([[(n - p) // 2 for n, p in zip(dims, patch)]], np.int64)
         if position == "all":
-            return occlusion_grid(image_hw, patch, stride)
-        raise ValueError(f"position must be 'center', 'all' or (y, x), got {position!r}")
+            return occlusion_grid(dims, patch, stride)
+        raise ValueError(f"position must be 'center', 'all' or a corner {tuple('zyx'[3 - len(dims):])}, "
+                         f"got {position!r}")
     try:
-        y, x = (int(v) for v in position)
+        corner = tuple(int(v) for v in position)
     except (TypeError, ValueError):
-        raise ValueError(f"position must be 'center', 'all' or (y, x), got {position!r}") from None
-    if not (0 <= y <= image_hw[0] - patch[0] and 0 <= x <= image_hw[1] - patch[1]):
-        raise ValueError(f"position {(y, x)} puts the patch outside the {image_hw[0]}x{image_hw[1]} input")
-    return np.array([[y, x]], np.int64)
+        corner = ()
+    if len(corner) != len(dims):
+        raise ValueError(f"position must be 'center', 'all' or a corner of {len(dims)} ints, got {position!r}")
+    if not all(0 <= c <= n - p for c, n, p in zip(corner, dims, patch)):
+        raise ValueError(f"position {corner} puts the patch outside the {'x'.join(map(str, dims))} input")
+    return np.array([corner], np.int64)
 
 
 def analyze(
@@ -120,13 +127,13 @@ def analyze(
         CaptureError: the model cannot be traced.
     """
     shape = parse_input_shape(input_shape)
-    image_hw = (shape[2], shape[3])
-    patch_hw = check_patch(patch, image_hw)
-    stride_hw = check_stride(stride)
+    dims = shape[2:]
+    patch_size = check_patch(patch, dims)
+    stride_size = check_stride(stride, len(dims))
     check_tau(tau)
     graph = model if isinstance(model, Graph) else _captured(model, shape)
-    positions = _positions(position, image_hw, patch_hw, stride_hw)
-    prop = propagate(graph, input_region(positions, patch_hw, image_hw), tau=tau, uniform=False)
+    positions = _positions(position, dims, patch_size, stride_size)
+    prop = propagate(graph, input_region(positions, patch_size, dims), tau=tau, uniform=False)
     incr = incremental_flops(graph, prop)
     full = full_flops(graph)
     rows = [_row(graph, node, prop.regions[node.name]) for node in graph.nodes
@@ -151,22 +158,24 @@ def _captured(model: nn.Module, shape: tuple[int, ...]) -> Graph:
 
 
 def _row(graph: Graph, node, region: Region) -> NodeRow:
-    area = node.shape[-2] * node.shape[-1] if node.shape and len(node.shape) >= 3 else 1
+    d = graph.spatial_dims
+    area = int(np.prod(node.shape[-d:])) if graph.is_map(node.shape) else 1
     if region.kind == RegionKind.NONE:
         text, incr = "unchanged", 0.0
     elif region.kind == RegionKind.FULL:
         text, incr = "whole", float(node.flops)
     else:
-        h, w = float(region.h.mean()), float(region.w.mean())
-        text = f"{h:.0f}x{w:.0f}" if region.h.size == 1 else f"~{h:.1f}x{w:.1f}"
+        mean = region.size.mean(axis=0)
+        text = "x".join(f"{m:.0f}" for m in mean) if len(region.size) == 1 else "~" + "x".join(f"{m:.1f}" for m in mean)
         incr = float((node.flops * region.area() / area).mean())
     return NodeRow(node.name, node.kind.value, node.op, node.shape, text, float(node.flops), incr, node.reason)
 
 
 def _reuse_stop(graph: Graph, regions: dict[str, Region]) -> str:
+    d = graph.spatial_dims
     for node in graph.nodes:
         region = regions[node.name]
-        is_map = node.shape is not None and len(node.shape) >= 3 and node.shape[-2] * node.shape[-1] > 1
+        is_map = graph.is_map(node.shape) and int(np.prod(node.shape[-d:])) > 1
         if region.kind == RegionKind.FULL and is_map:
             return f"{node.name}: {region.reason}"
     return "never (the output itself is a map)"

@@ -7,7 +7,7 @@ As in OpenVINO's ``MultiCache`` there is one LRU per key type, each with the sam
 
 Key type rule: a plain ``tuple`` key's type is its first element (its *kind*, which ``make_key`` puts
 there); any other key's type is ``type(key)``. So filling the ``"plan"`` kind never evicts entries of
-another kind. For keys built on every call, a ``typing.NamedTuple`` subclass (e.g. ``PlanKey``) is the
+another kind. For keys built on every call, a ``typing.NamedTuple`` subclass (one per key kind) is the
 fastest form: C-speed construction, hashing and equality (see benchmarks/runtime_cache.py);
 ``make_key`` is the convenient form, and checks that no field is a tensor or unhashable.
 

@@ -1,22 +1,27 @@
-"""Update-region geometry: how a changed input box flows through a captured graph (pure math).
+"""Update-region geometry: how a changed input box flows through a captured graph (pure math, no tensors).
 
 Follows Krypton (seeds 001/002): a local operator maps an input box to an output box and a read-in window;
 pointwise operators keep it; merges take the bounding box; global operators make it the whole tensor.
 Projective field thresholding (``tau``) caps a box at ``round(tau * output size)``, centre-cropped.
 
-All functions work on a batch of N positions at once with numpy arrays. With ``uniform=True`` (what the
-engine needs to pack a batch) every position's box has the same size, shifted inwards at the far edge as
-in the seed's edge equations; with ``uniform=False`` each position keeps its exact size (for analysis).
+Boxes have one axis per spatial dimension of the input (1, 2 or 3), outermost first. Functions work on a batch
+of N positions at once: starts and sizes are (N, d) arrays. With ``uniform=True`` (what a packed batch needs)
+every position's box has the same size, shifted inwards at the far edge as in the seed's edge equations; with
+``uniform=False`` each position keeps its exact size (for analysis). :func:`window_reach` is the one formula
+of a window's reach; it works on Python ints as on arrays, so a single still-camera box uses it too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TypeVar
 
 import numpy as np
 
 from incrinf.graph import Graph, LocalGeometry, Node, NodeKind
+
+Int = TypeVar("Int", int, np.ndarray)
 
 
 class RegionKind(str, Enum):
@@ -31,16 +36,14 @@ class Region:
 
     Attributes:
         kind: none, box or full.
-        y, x: (N,) int64 top-left corners (box only).
-        h, w: (N,) int64 sizes (box only); all equal when the region is uniform.
+        start: (N, d) int64 first element per spatial axis (box only).
+        size: (N, d) int64 extent per spatial axis (box only); equal rows when the region is uniform.
         reason: for FULL, why the whole tensor changes.
     """
 
     kind: RegionKind
-    y: np.ndarray | None = None
-    x: np.ndarray | None = None
-    h: np.ndarray | None = None
-    w: np.ndarray | None = None
+    start: np.ndarray | None = None
+    size: np.ndarray | None = None
     reason: str = ""
 
     @staticmethod
@@ -52,28 +55,25 @@ class Region:
         return Region(RegionKind.FULL, reason=reason)
 
     def area(self) -> np.ndarray:
-        return self.h * self.w
+        """(N,) elements of each position's box."""
+        return self.size.prod(axis=1)
 
 
 @dataclass
 class LocalStep:
-    """How a local node computes its output box from its input box.
+    """How a local node computes its output box from its input box (uniform batches).
 
     Attributes:
-        crop_y, crop_x: offsets of the (tau-)cropped input box inside the incoming box.
-        crop_h, crop_w: size of the cropped input box.
-        read_y, read_x: (N,) read-in window corners in the node's *padded* input coordinates.
-        read_h, read_w: read-in window size.
+        crop: (d,) offset of the (tau-)cropped input box inside the incoming box (0 without truncation).
+        crop_size: (d,) size of the cropped input box.
+        read_start: (N, d) read-in window starts in the node's *padded* input coordinates.
+        read_size: (d,) read-in window size.
     """
 
-    crop_y: int
-    crop_x: int
-    crop_h: int
-    crop_w: int
-    read_y: np.ndarray
-    read_x: np.ndarray
-    read_h: int
-    read_w: int
+    crop: np.ndarray
+    crop_size: np.ndarray
+    read_start: np.ndarray
+    read_size: np.ndarray
 
 
 @dataclass
@@ -85,25 +85,52 @@ class Propagation:
     n: int
 
 
-def _ceil_div(a: np.ndarray | int, b: int) -> np.ndarray:
-    return -((-np.asarray(a)) // b)
+def window_reach(lo: Int, hi: Int, extent: int, stride: int, offset: int) -> tuple[Int, Int]:
+    """Outputs of a sliding window whose read-in windows overlap source elements ``lo:hi`` (half-open).
+
+    Output ``o`` reads source elements ``o * stride - offset`` to ``o * stride - offset + extent - 1``, so it
+    overlaps ``lo:hi`` when ``(lo + offset - extent + 1) / stride <= o <= (hi - 1 + offset) / stride``. Dilated
+    kernels are treated as dense (a superset: recomputing extra outputs stays exact).
+
+    Args:
+        lo, hi: first and one-past-last changed source element (ints, or arrays of them).
+        extent: effective kernel extent (dilation included).
+        stride: window stride.
+        offset: padding before the first element (the node's own and any padding views in front of it).
+
+    Returns:
+        ``(first, last)`` outputs, half-open and not clipped to the output map.
+    """
+    return -((extent - 1 - lo - offset) // stride), (hi - 1 + offset) // stride + 1
 
 
 def _tau_cap(out_dim: int, tau: float) -> int:
     return max(int(round(tau * out_dim)), 1)
 
 
-def local_axis(
-    start: np.ndarray, size: np.ndarray, kernel: int, stride: int, pad: int, in_dim: int, out_dim: int,
-    tau: float = 1.0, uniform: bool = True,
-) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
+# Boxes are batches of (N,) arrays, or plain ints for a single box (a camera frame's change), which numpy would
+# slow down tenfold; these keep one code path for both.
+def maximum(a: Int, b: Int) -> Int:
+    return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
+
+
+def minimum(a: Int, b: Int) -> Int:
+    return np.minimum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else min(a, b)
+
+
+def largest(a: Int) -> int:
+    return int(a.max()) if isinstance(a, np.ndarray) else a
+
+
+def local_axis(start: Int, size: Int, kernel: int, stride: int, pad: int, out_dim: int, tau: float = 1.0,
+               uniform: bool = True) -> tuple[Int, Int, int, Int, Int]:
     """Krypton's equations along one axis.
 
     Args:
-        start, size: (N,) input box start and size.
+        start, size: input box start and size: (N,) arrays, or ints for one box.
         kernel: effective kernel extent (dilation included).
-        stride, pad: stride and padding before the first element.
-        in_dim, out_dim: input and output extents.
+        stride, pad: stride and padding before the first element (views included).
+        out_dim: output extent.
         tau: projective field threshold in (0, 1].
         uniform: keep every output box the same size (shifting at the far edge).
 
@@ -111,63 +138,70 @@ def local_axis(
         ``(out_start, out_size, crop_offset, in_start, in_size)``: the output box, the tau crop offset applied
         to the input box (0 without truncation) and the (possibly cropped) input box.
     """
-    start = np.asarray(start, dtype=np.int64)
-    size = np.asarray(size, dtype=np.int64)
-    out_size = np.minimum(_ceil_div(size + kernel - 1, stride), out_dim)
     crop = 0
-    cap = _tau_cap(out_dim, tau)
-    if tau < 1.0 and out_size.max() > cap:
-        # projective field thresholding (seed 002, eqs. 14-19): centre-crop the input box
-        over = out_size > cap
-        new_in = np.maximum(cap * stride - kernel + 1, 1)
-        shrink = np.where(over, np.maximum(size - new_in, 0), 0)
-        crop_arr = shrink // 2
-        if uniform:
-            crop = int(crop_arr.max())
-        start = start + crop_arr
-        size = size - shrink
-        out_size = np.minimum(_ceil_div(size + kernel - 1, stride), out_dim)
-    lo = np.maximum(_ceil_div(start + pad - kernel + 1, stride), 0)
+    if tau < 1.0:
+        out_size = minimum(-(-(size + kernel - 1) // stride), out_dim)
+        cap = _tau_cap(out_dim, tau)
+        if largest(out_size) > cap:
+            # projective field thresholding (seed 002, eqs. 14-19): centre-crop the input box
+            new_in = max(cap * stride - kernel + 1, 1)
+            shrink = np.where(out_size > cap, np.maximum(size - new_in, 0), 0) if isinstance(size, np.ndarray) \
+                else max(size - new_in, 0)
+            crop_arr = shrink // 2
+            crop = largest(crop_arr) if uniform else 0
+            start, size = start + crop_arr, size - shrink
+        out_size = minimum(-(-(size + kernel - 1) // stride), out_dim)
+    first, last = window_reach(start, start + size, kernel, stride, pad)
+    lo = maximum(first, 0)
     if not uniform or tau >= 1.0:
         # the exact reach: fewer outputs at the edges (corners cost less than the centre)
-        hi = np.minimum((start + size - 1 + pad) // stride, out_dim - 1)
-        lo = np.minimum(lo, hi)
-        out_size = np.maximum(hi - lo + 1, 1)
+        hi = minimum(last, out_dim)
+        lo = minimum(lo, hi - 1)
+        out_size = maximum(hi - lo, 1)
     if uniform:
         # one size for the batch, boxes shifted inwards at the far edge (seed 002). Exact runs take the
         # largest exact reach (each box still contains its own), so a batch of edge positions keeps the
         # edges' saving; truncated runs (tau < 1) keep the seed's size, which their crops are defined on.
-        out_size = np.full_like(out_size, out_size.max())
-        lo = np.minimum(lo, out_dim - out_size)
+        biggest = largest(out_size)
+        out_size = np.full_like(out_size, biggest) if isinstance(out_size, np.ndarray) else biggest
+        lo = minimum(lo, out_dim - biggest)
     return lo, out_size, crop, start, size
 
 
-def _bounding(starts: list[np.ndarray], sizes: list[np.ndarray], dim: int, uniform: bool
-              ) -> tuple[np.ndarray, np.ndarray]:
-    lo = np.min(np.stack(starts), axis=0)
-    hi = np.max(np.stack([s + z for s, z in zip(starts, sizes)]), axis=0)
+def bounding_axis(starts: list[Int], sizes: list[Int], dim: int, uniform: bool) -> tuple[Int, Int]:
+    """Along one axis, each position's bounding box of several boxes, kept inside ``dim`` (uniform: one size)."""
+    lo, hi = starts[0], starts[0] + sizes[0]
+    for start, size in zip(starts[1:], sizes[1:]):
+        lo, hi = minimum(lo, start), maximum(hi, start + size)
     size = hi - lo
     if uniform:
-        size = np.full_like(size, min(int(size.max()), dim))
-    lo = np.minimum(lo, dim - size)
-    return lo, size
+        biggest = min(largest(size), dim)
+        size = np.full_like(size, biggest) if isinstance(size, np.ndarray) else biggest
+    return minimum(lo, dim - size), size
 
 
-def input_region(positions: np.ndarray, patch: tuple[int, int], image_hw: tuple[int, int]) -> Region:
-    """Box of each occlusion position, kept inside the image with a uniform size.
+def bounding(starts: list[np.ndarray], sizes: list[np.ndarray], dims: tuple[int, ...], uniform: bool
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Per position, the bounding box of several (N, d) boxes, kept inside ``dims`` (uniform: one size)."""
+    axes = [bounding_axis([s[:, a] for s in starts], [z[:, a] for z in sizes], dims[a], uniform)
+            for a in range(len(dims))]
+    return np.stack([ax[0] for ax in axes], axis=1), np.stack([ax[1] for ax in axes], axis=1)
+
+
+def input_region(positions: np.ndarray, patch: tuple[int, ...], dims: tuple[int, ...]) -> Region:
+    """Box of each occlusion position, kept inside the input with a uniform size.
 
     Args:
-        positions: (N, 2) top-left corners (y, x); a window may reach past the image edge (it is cropped,
-            as in Captum), in which case the box is shifted inwards.
-        patch: (ph, pw) window size.
-        image_hw: (H, W).
+        positions: (N, d) first corners; a window may reach past the input's far edge (it is cropped, as in
+            Captum), in which case the box is shifted inwards.
+        patch: (d,) window size.
+        dims: (d,) the input's spatial extents.
     """
-    positions = np.asarray(positions, dtype=np.int64).reshape(-1, 2)
-    n = len(positions)
-    ph, pw = min(patch[0], image_hw[0]), min(patch[1], image_hw[1])
-    y = np.minimum(positions[:, 0], image_hw[0] - ph)
-    x = np.minimum(positions[:, 1], image_hw[1] - pw)
-    return Region(RegionKind.BOX, y, x, np.full(n, ph, np.int64), np.full(n, pw, np.int64))
+    d = len(dims)
+    positions = np.asarray(positions, dtype=np.int64).reshape(-1, d)
+    size = np.minimum(np.asarray(patch, np.int64), dims)
+    start = np.minimum(positions, np.asarray(dims) - size)
+    return Region(RegionKind.BOX, start, np.broadcast_to(size, start.shape).copy())
 
 
 def propagate(graph: Graph, start: Region, tau: float = 1.0, uniform: bool = True) -> Propagation:
@@ -177,23 +211,18 @@ def propagate(graph: Graph, start: Region, tau: float = 1.0, uniform: bool = Tru
         graph: captured graph.
         start: region of the graph input (see :func:`input_region`).
         tau: projective field threshold in (0, 1]; 1 is exact.
-        uniform: one box size per node for the whole batch (the engine needs it).
+        uniform: one box size per node for the whole batch (a packed batch needs it).
 
     Returns:
         The region of every node and the read-in windows of local nodes.
     """
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"tau must be in (0, 1], got {tau}")
-    n = len(start.y)
     regions: dict[str, Region] = {}
     steps: dict[str, LocalStep] = {}
     for node in graph.nodes:
         regions[node.name] = _node_region(graph, node, start, regions, steps, tau, uniform)
-    return Propagation(regions, steps, n)
-
-
-def _changed_inputs(node: Node, regions: dict[str, Region]) -> list[tuple[str, Region]]:
-    return [(name, regions[name]) for name in node.inputs if regions[name].kind != RegionKind.NONE]
+    return Propagation(regions, steps, len(start.start))
 
 
 def _node_region(graph: Graph, node: Node, start: Region, regions: dict[str, Region],
@@ -202,29 +231,26 @@ def _node_region(graph: Graph, node: Node, start: Region, regions: dict[str, Reg
         return start
     if node.kind in (NodeKind.CONSTANT, NodeKind.META):
         return Region.none()
-    changed = _changed_inputs(node, regions)
+    changed = [regions[name] for name in node.inputs if regions[name].kind != RegionKind.NONE]
     if not changed:
         return Region.none()
-    full = [r for _, r in changed if r.kind == RegionKind.FULL]
-    if node.kind in (NodeKind.GLOBAL, NodeKind.OUTPUT):
-        if full:
-            return Region.full(full[0].reason)
-        return Region.full(node.reason or "an operator that mixes all positions")
+    full = [r for r in changed if r.kind == RegionKind.FULL]
+    # (a split's tuple of maps has no shape of its own: it moves no position)
+    if node.kind in (NodeKind.GLOBAL, NodeKind.OUTPUT) or (node.shape is not None and not graph.is_map(node.shape)):
+        return Region.full(full[0].reason if full else node.reason or "an operator that mixes all positions")
     if full:
         return Region.full(full[0].reason)
-    shape = node.shape
     if node.kind == NodeKind.POINTWISE:
-        return changed[0][1]
+        return changed[0]
+    dims = node.shape[-graph.spatial_dims:]
     if node.kind == NodeKind.PAD:
-        r = changed[0][1]
-        return _maybe_full(Region(RegionKind.BOX, r.y + node.shift[0], r.x + node.shift[1], r.h, r.w), shape)
+        r = changed[0]
+        return _maybe_full(Region(RegionKind.BOX, r.start + np.asarray(node.shift), r.size), dims)
     if node.kind == NodeKind.MERGE:
-        boxes = [r for _, r in changed]
-        y, h = _bounding([b.y for b in boxes], [b.h for b in boxes], shape[-2], uniform)
-        x, w = _bounding([b.x for b in boxes], [b.w for b in boxes], shape[-1], uniform)
-        return _maybe_full(Region(RegionKind.BOX, y, x, h, w), shape)
+        lo, size = bounding([r.start for r in changed], [r.size for r in changed], dims, uniform)
+        return _maybe_full(Region(RegionKind.BOX, lo, size), dims)
     if node.kind == NodeKind.LOCAL:
-        region, step = _local_region(graph, node, changed[0][1], tau, uniform)
+        region, step = _local_region(graph, node, changed[0], tau, uniform)
         steps[node.name] = step
         return region
     raise AssertionError(f"unhandled node kind {node.kind}")
@@ -232,38 +258,42 @@ def _node_region(graph: Graph, node: Node, start: Region, regions: dict[str, Reg
 
 def _local_region(graph: Graph, node: Node, r: Region, tau: float, uniform: bool) -> tuple[Region, LocalStep]:
     g: LocalGeometry = node.geometry
-    in_shape = graph.by_name[node.inputs[0]].shape
-    (ih, iw), (oh, ow) = in_shape[-2:], node.shape[-2:]
-    y, h, crop_y, in_y, in_h = local_axis(r.y, r.h, g.kernel[0], g.stride[0], g.pad_before[0], ih, oh, tau, uniform)
-    x, w, crop_x, in_x, in_w = local_axis(r.x, r.w, g.kernel[1], g.stride[1], g.pad_before[1], iw, ow, tau, uniform)
-    read_h = g.kernel[0] + (int(h.max()) - 1) * g.stride[0]
-    read_w = g.kernel[1] + (int(w.max()) - 1) * g.stride[1]
-    step = LocalStep(crop_y, crop_x, int(in_h.max()), int(in_w.max()), y * g.stride[0], x * g.stride[1],
-                     read_h, read_w)
-    return _maybe_full(Region(RegionKind.BOX, y, x, h, w), node.shape), step
+    d = graph.spatial_dims
+    out_dims = node.shape[-d:]
+    axes = [local_axis(r.start[:, a], r.size[:, a], g.kernel[a], g.stride[a], g.pad_before[a], out_dims[a], tau,
+                       uniform) for a in range(d)]
+    lo = np.stack([ax[0] for ax in axes], axis=1)
+    size = np.stack([ax[1] for ax in axes], axis=1)
+    crop = np.array([ax[2] for ax in axes], np.int64)
+    crop_size = np.array([int(np.max(ax[4])) for ax in axes], np.int64)
+    stride, kernel = np.asarray(g.stride), np.asarray(g.kernel)
+    read_size = kernel + (size.max(axis=0) - 1) * stride
+    step = LocalStep(crop, crop_size, lo * stride, read_size)
+    return _maybe_full(Region(RegionKind.BOX, lo, size), out_dims), step
 
 
-def _maybe_full(region: Region, shape: tuple[int, ...]) -> Region:
+def _maybe_full(region: Region, dims: tuple[int, ...]) -> Region:
     """A box that covers the whole map is the whole map (no gather needed)."""
-    if (region.h >= shape[-2]).all() and (region.w >= shape[-1]).all():
+    if (region.size >= np.asarray(dims)).all():
         return Region.full("the update region covers the whole map")
     return region
 
 
 def incremental_flops(graph: Graph, prop: Propagation) -> np.ndarray:
-    """(N,) FLOPs of incremental inference per position (full-cost for nodes whose region is the whole map)."""
+    """(N,) FLOPs of incremental inference per position (full cost for nodes whose region is the whole map)."""
     total = np.zeros(prop.n, dtype=np.float64)
+    d = graph.spatial_dims
     for node in graph.nodes:
         region = prop.regions[node.name]
         if node.flops == 0 or region.kind == RegionKind.NONE:
             continue
-        if region.kind == RegionKind.FULL or node.shape is None or len(node.shape) < 3:
+        if region.kind == RegionKind.FULL or not graph.is_map(node.shape):
             total += node.flops
         else:
-            total += node.flops * region.area() / (node.shape[-2] * node.shape[-1])
+            total += node.flops * region.area() / np.prod(node.shape[-d:])
     return total
 
 
 def full_flops(graph: Graph) -> int:
     """FLOPs of one full inference."""
-    return int(sum(n.flops for n in graph.nodes))
+    return graph.full_flops()

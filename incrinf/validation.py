@@ -9,31 +9,39 @@ from typing import Any
 import torch
 
 
-def pair(value: Any, name: str) -> tuple[int, int]:
-    """An int or a pair of ints as ``(h, w)``."""
+def spatial(value: Any, d: int, name: str) -> tuple[int, ...]:
+    """An int or ``d`` ints (one per spatial axis) as a ``d``-tuple."""
+    axes = {1: "(l,)", 2: "(h, w)", 3: "(d, h, w)"}.get(d, f"{d} ints")
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be an int or (h, w), got {value!r}")
-    if isinstance(value, (int,)) or (isinstance(value, float) and value.is_integer()):
-        return int(value), int(value)
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return int(value[0]), int(value[1])
-    raise ValueError(f"{name} must be an int or (h, w), got {value!r}")
+        raise ValueError(f"{name} must be an int or {axes}, got {value!r}")
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return (int(value),) * d
+    if isinstance(value, (tuple, list)) and len(value) == d and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                    for v in value):
+        return tuple(int(v) for v in value)
+    raise ValueError(f"{name} must be an int or {axes}, got {value!r}")
 
 
-def check_patch(patch: Any, image_hw: tuple[int, int]) -> tuple[int, int]:
-    ph, pw = pair(patch, "patch")
-    if ph < 1 or pw < 1:
-        raise ValueError(f"patch must be at least 1x1, got {ph}x{pw}")
-    if ph > image_hw[0] or pw > image_hw[1]:
-        raise ValueError(f"patch {ph}x{pw} is larger than the {image_hw[0]}x{image_hw[1]} input")
-    return ph, pw
+def _size(values: tuple[int, ...]) -> str:
+    return "x".join(str(v) for v in values)
 
 
-def check_stride(stride: Any) -> tuple[int, int]:
-    sh, sw = pair(stride, "stride")
-    if sh < 1 or sw < 1:
+def check_patch(patch: Any, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """A patch size for an input of spatial extents ``dims``."""
+    size = spatial(patch, len(dims), "patch")
+    if min(size) < 1:
+        raise ValueError(f"patch must be at least 1 along every axis, got {_size(size)}")
+    if any(p > n for p, n in zip(size, dims)):
+        raise ValueError(f"patch {_size(size)} is larger than the {_size(tuple(dims))} input")
+    return size
+
+
+def check_stride(stride: Any, d: int = 2) -> tuple[int, ...]:
+    """A stride for ``d`` spatial axes."""
+    size = spatial(stride, d, "stride")
+    if min(size) < 1:
         raise ValueError(f"stride must be at least 1, got {stride!r}")
-    return sh, sw
+    return size
 
 
 def check_tau(tau: Any) -> float:
@@ -44,6 +52,17 @@ def check_tau(tau: Any) -> float:
     if not (0.0 < value <= 1.0) or math.isnan(value):
         raise ValueError(f"tau must be in (0, 1], got {tau!r}")
     return value
+
+
+def check_feature_threshold(value: Any) -> float:
+    """A value-based pruning threshold: a number >= 0 (0 is exact)."""
+    try:
+        threshold = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"feature_threshold must be a number >= 0, got {value!r}") from None
+    if not threshold >= 0 or math.isinf(threshold):
+        raise ValueError(f"feature_threshold must be a finite number >= 0, got {value!r}")
+    return threshold
 
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,

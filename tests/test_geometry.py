@@ -11,10 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from incrinf import CaptureError
-from incrinf.engine import IncrementalEngine
+from incrinf.engine import BatchEngine, Boxes
 from incrinf.geometry import RegionKind, input_region, local_axis, propagate
 from incrinf.graph import capture
-from incrinf.plan import build_plan
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -43,6 +42,20 @@ def local_layers(draw):
 def _model(layer, explicit):
     parts = [nn.ZeroPad2d(explicit)] if explicit else []
     return nn.Sequential(*parts, layer, nn.ReLU()).eval()
+
+
+def _run_engine(graph, x, positions, window, values):
+    """The engine's outputs for N changed copies of ``x`` (boxes at ``positions``, new values ``values``)."""
+    region = input_region(positions, window, x.shape[-2:])
+    start = Boxes(tuple(region.start.T), tuple(int(v) for v in region.size[0]), values)
+    return BatchEngine(graph, x).run(start).output
+
+
+def _inside(region, i, shape):
+    inside = torch.zeros(shape, dtype=torch.bool)
+    (y, x), (h, w) = region.start[i], region.size[i]
+    inside[y:y + h, x:x + w] = True
+    return inside
 
 
 def _changed(model, x, boxes):
@@ -77,14 +90,11 @@ def test_region_contains_changes_and_read_in_suffices(layer_spec, data) -> None:
     for i, (_, out2) in enumerate(outs):
         changed = (out2 != base).any(dim=1)[0]
         if region.kind == RegionKind.BOX:
-            inside = torch.zeros_like(changed)
-            inside[region.y[i]:region.y[i] + region.h[i], region.x[i]:region.x[i] + region.w[i]] = True
+            inside = _inside(region, i, changed.shape)
             assert not (changed & ~inside).any(), "a changed output lies outside the predicted region"
     # the engine recomputes only those regions from their read-in windows: results equal full inference
-    engine = IncrementalEngine(graph, x)
-    plan = build_plan(graph, positions, (bh, bw))
     values = torch.stack([x2[0, :, y:y + bh, xx:xx + bw] for (x2, _), (y, xx, _, _) in zip(outs, boxes)])
-    got = engine.run(plan, values)
+    got = _run_engine(graph, x, positions, (bh, bw), values)
     want = torch.cat([o for _, o in outs])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -118,34 +128,33 @@ def test_merge_bounding_box(k1: int, k2: int, mode: str, data) -> None:
     for i, (_, out2) in enumerate(outs):
         changed = (out2 != base).any(dim=1)[0]
         if region.kind == RegionKind.BOX:
-            inside = torch.zeros_like(changed)
-            inside[region.y[i]:region.y[i] + region.h[i], region.x[i]:region.x[i] + region.w[i]] = True
-            assert not (changed & ~inside).any()
-    engine = IncrementalEngine(graph, x)
+            assert not (changed & ~_inside(region, i, changed.shape)).any()
     values = torch.stack([x2[0, :, y:y + bh, xx:xx + bw] for (x2, _), (y, xx, _, _) in zip(outs, boxes)])
-    got = engine.run(build_plan(graph, positions, (bh, bw)), values)
+    got = _run_engine(graph, x, positions, (bh, bw), values)
     torch.testing.assert_close(got, torch.cat([o for _, o in outs]), rtol=1e-5, atol=1e-5)
 
 
 def test_krypton_equations_centre_and_edges() -> None:
     # 3x3 conv, stride 1, pad 1 on a 10-wide map: a 2-wide box at 4 grows to 4 wide starting at 3
-    start, size, *_ = local_axis(np.array([4]), np.array([2]), 3, 1, 1, 10, 10)
+    start, size, *_ = local_axis(np.array([4]), np.array([2]), 3, 1, 1, 10)
     assert (start[0], size[0]) == (3, 4)
     # boxes at the edges reach fewer outputs (3: padding reads nothing new) ...
-    start, size, *_ = local_axis(np.array([0, 8]), np.array([2, 2]), 3, 1, 1, 10, 10)
+    start, size, *_ = local_axis(np.array([0, 8]), np.array([2, 2]), 3, 1, 1, 10)
     assert list(size) == [3, 3] and list(start) == [0, 7]
     # ... and with a centre box in the batch they take its size, shifted inwards at the far edge
-    start, size, *_ = local_axis(np.array([4, 8]), np.array([2, 2]), 3, 1, 1, 10, 10)
+    start, size, *_ = local_axis(np.array([4, 8]), np.array([2, 2]), 3, 1, 1, 10)
     assert list(size) == [4, 4] and list(start) == [3, 6]
-    start, size, *_ = local_axis(np.array([0, 8]), np.array([2, 2]), 3, 1, 1, 10, 10, uniform=False)
+    start, size, *_ = local_axis(np.array([0, 8]), np.array([2, 2]), 3, 1, 1, 10, uniform=False)
     assert list(size) == [3, 3] and list(start) == [0, 7]
+    # one box as plain ints (a camera frame's change) goes through the same equations
+    assert local_axis(8, 2, 3, 1, 1, 10)[:2] == (7, 3)
     # stride 2: ceil((2 + 3 - 1) / 2) = 2 outputs
-    start, size, *_ = local_axis(np.array([4]), np.array([2]), 3, 2, 1, 10, 5)
+    start, size, *_ = local_axis(np.array([4]), np.array([2]), 3, 2, 1, 5)
     assert (start[0], size[0]) == (2, 2)
 
 
 def test_tau_caps_region_centre_cropped() -> None:
-    start, size, crop, in_start, in_size = local_axis(np.array([10]), np.array([8]), 3, 1, 1, 30, 30, tau=0.2)
+    start, size, crop, in_start, in_size = local_axis(np.array([10]), np.array([8]), 3, 1, 1, 30, tau=0.2)
     assert size[0] == round(0.2 * 30)
     assert in_size[0] == size[0] * 1 - 3 + 1 and crop == (8 - in_size[0]) // 2
     assert in_start[0] == 10 + crop

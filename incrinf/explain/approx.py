@@ -37,7 +37,14 @@ from incrinf.explain.occlusion import (
 from incrinf.explain.occlusion import occlusion as exact_occlusion
 from incrinf.explain.runner import OcclusionRunner, RunStats
 from incrinf.explain.tuning import TuningProfile, _check_target_ssim, heatmap_ssim
-from incrinf.validation import check_image, check_patch, check_stride, check_tau, parse_bytes
+from incrinf.validation import (
+    check_feature_threshold,
+    check_image,
+    check_patch,
+    check_stride,
+    check_tau,
+    parse_bytes,
+)
 
 # Cells recomputed exactly to measure an approximate map's error when the full exact map is not asked for:
 # a few dozen cells cost well under 2% of a 224-pixel, stride-4 grid.
@@ -57,6 +64,7 @@ def occlusion(
     device: str | torch.device | None = None,
     progress: bool = True,
     tau: float = 1.0,
+    feature_threshold: float = 0.0,
     drill_down: DrillDown | None = None,
     target_ssim: float | None = None,
     profile: TuningProfile | str | Path | None = None,
@@ -71,6 +79,8 @@ def occlusion(
         model, image, target, patch, stride, baseline, batch_size, max_memory, output, device, progress:
             as in the exact :func:`incrinf.explain.occlusion.occlusion`.
         tau: projective field threshold in (0, 1]; below 1 is approximate (faster).
+        feature_threshold: value-based pruning (see :func:`incrinf.explain.occlusion.occlusion`); above 0 is
+            approximate (faster).
         drill_down: a :class:`DrillDown`: stage one at the stride ``S1`` that its target speedup needs, stage
             two at ``stride`` on its fraction of the grid with the largest stage-one drops.
         target_ssim: wanted heat-map quality; tau is taken from ``profile`` (``profile.tau_for``). Cannot be
@@ -95,12 +105,14 @@ def occlusion(
         FileNotFoundError: ``profile`` names no file.
     """
     tau, tau_info = _resolve_tau(tau, target_ssim, profile)
+    feature_threshold = check_feature_threshold(feature_threshold)
     if drill_down is not None and not isinstance(drill_down, DrillDown):
         raise TypeError(f"drill_down must be a DrillDown, got {type(drill_down).__name__}")
     loaded = tau_info.pop("_profile", None)
     if loaded is not None:
         _check_profile(loaded, model, image, patch, stride, output)
     common = {"target": target, "patch": patch, "stride": stride, "baseline": baseline, "batch_size": batch_size,
+              "feature_threshold": feature_threshold,
               "max_memory": max_memory, "output": output, "device": device, "progress": progress}
     if drill_down is None:
         result = exact_occlusion(model, image, tau=tau, **common)
@@ -108,7 +120,8 @@ def occlusion(
     else:
         result = _drill_down(model, image, tau, drill_down, **common)
     result.stats.update(tau_info)
-    approximate = tau < 1.0 or drill_down is not None
+    result.stats["feature_threshold"] = feature_threshold
+    approximate = tau < 1.0 or drill_down is not None or feature_threshold > 0
     result.stats["approximate"] = approximate
     if measure_quality:
         _measure_quality(result, model, image, approximate, common)
@@ -174,7 +187,7 @@ def _check_profile(profile: TuningProfile, model: nn.Module, image: torch.Tensor
 
 def _drill_down(model: nn.Module, image: torch.Tensor, tau: float, drill: DrillDown, target: int | None,
                 patch: Any, stride: Any, baseline: Any, batch_size: Any, max_memory: Any, output: str,
-                device: Any, progress: bool) -> OcclusionResult:
+                device: Any, progress: bool, feature_threshold: float) -> OcclusionResult:
     image = check_image(image)
     if device is not None:
         image = image.to(device)
@@ -186,7 +199,7 @@ def _drill_down(model: nn.Module, image: torch.Tensor, tau: float, drill: DrillD
         raise ValueError(f"output must be 'logit' or 'prob', got {output!r}")
     budget = parse_bytes(max_memory)
     s1 = drill.stage_one_stride(stride_hw, hw)
-    runner = OcclusionRunner(model, image, tau=tau)
+    runner = OcclusionRunner(model, image, tau=tau, prune=check_feature_threshold(feature_threshold))
     _warn_if_no_reuse(runner)
     base = _score(runner.base_output, output)[0]
     target = _check_target(target, base)
@@ -259,7 +272,7 @@ def _measure_quality(result: OcclusionResult, model: nn.Module, image: torch.Ten
     if not approximate:  # the exact path: nothing to compare with but itself
         result.stats.update(ssim=1.0, max_abs_error=0.0, mean_abs_error=0.0, exact_seconds=0.0)
         return
-    options = dict(common, target=result.target, progress=False)
+    options = dict(common, target=result.target, progress=False, feature_threshold=0.0)
     start = time.perf_counter()
     exact = exact_occlusion(model, image, tau=1.0, **options)
     err = np.abs(result.heatmap - exact.heatmap)

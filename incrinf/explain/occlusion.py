@@ -14,7 +14,7 @@ import torch.nn as nn
 from incrinf.analysis import occlusion_grid
 from incrinf.explain.runner import OcclusionRunner, RunStats, estimate_batch_size
 from incrinf.graph import NodeKind
-from incrinf.validation import check_image, check_patch, check_stride, check_tau, parse_bytes
+from incrinf.validation import check_feature_threshold, check_image, check_patch, check_stride, check_tau, parse_bytes
 
 
 @dataclass
@@ -114,6 +114,7 @@ def occlusion(
     device: str | torch.device | None = None,
     progress: bool = True,
     tau: float = 1.0,
+    feature_threshold: float = 0.0,
 ) -> OcclusionResult:
     """Occlusion heat map of ``model`` on ``image`` by batched incremental inference.
 
@@ -132,6 +133,8 @@ def occlusion(
         device: where to run (default: the image's device).
         progress: show a progress bar.
         tau: projective field threshold in (0, 1]; below 1 is approximate (faster).
+        feature_threshold: value-based pruning: a recomputed position whose values moved by at most this share of
+            its tensor's mean magnitude stops spreading its change; 0 (the default) is exact.
 
     Returns:
         An :class:`OcclusionResult`.
@@ -148,10 +151,11 @@ def occlusion(
     patch_hw = check_patch(patch, hw)
     stride_hw = check_stride(stride)
     tau = check_tau(tau)
+    feature_threshold = check_feature_threshold(feature_threshold)
     if output not in ("logit", "prob"):
         raise ValueError(f"output must be 'logit' or 'prob', got {output!r}")
     budget = parse_bytes(max_memory)
-    runner = OcclusionRunner(model, image, tau=tau)
+    runner = OcclusionRunner(model, image, tau=tau, prune=feature_threshold)
     _warn_if_no_reuse(runner)
     base = _score(runner.base_output, output)[0]
     target = _check_target(target, base)

@@ -10,12 +10,12 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from incrinf.engine import IncrementalEngine
-from incrinf.geometry import Propagation, RegionKind, full_flops, incremental_flops, input_region, propagate
+from incrinf.engine import BatchEngine, Boxes, batch_plan
+from incrinf.engine.windows import box_rows
+from incrinf.geometry import Propagation, Region, RegionKind, full_flops, incremental_flops, input_region, propagate
 from incrinf.graph import Graph, captured_graph
 from incrinf.kernels.dispatch import free_device_memory, peak_device_memory, reset_peak_device_memory
-from incrinf.kernels.gather import from_rows, gather_windows, to_rows
-from incrinf.plan import box_rows, build_plan
+from incrinf.kernels.gather import from_rows, to_rows
 
 # Packed batches beyond this many positions stop paying on a CPU and only cost memory.
 CPU_BATCH_CAP = 64
@@ -54,9 +54,9 @@ def estimate_batch_size(graph: Graph, window: tuple[int, int], max_memory: int, 
     if free is not None:
         max_memory = min(max_memory, int(GPU_MEMORY_SHARE * free))
         cap = GPU_BATCH_CAP
-    hw = graph.input_shape[-2:]
-    centre = np.array([[(hw[0] - window[0]) // 2, (hw[1] - window[1]) // 2]])
-    prop = propagate(graph, input_region(centre, window, hw), tau=tau, uniform=True)
+    dims = graph.input_shape[2:]
+    centre = np.array([[(n - w) // 2 for n, w in zip(dims, window)]])
+    prop = propagate(graph, input_region(centre, window, dims), tau=tau, uniform=True)
     largest = 0
     for node in graph.nodes:
         region = prop.regions[node.name]
@@ -66,9 +66,9 @@ def estimate_batch_size(graph: Graph, window: tuple[int, int], max_memory: int, 
         if region.kind == RegionKind.FULL:
             elems = int(np.prod(node.shape[1:]))
         else:
-            elems = node.shape[1] * int(region.h[0]) * int(region.w[0]) if len(node.shape) == 4 else 0
+            elems = int(np.prod(node.shape[1:-len(dims)])) * int(region.area()[0]) if graph.is_map(node.shape) else 0
         if step is not None:
-            elems += graph.by_name[node.inputs[0]].shape[1] * step.read_h * step.read_w
+            elems += graph.by_name[node.inputs[0]].shape[1] * int(np.prod(step.read_size))
         largest = max(largest, elems)
     per_position = 4 * 4 * max(largest, 1)  # float32; window, output, projection and slack
     return int(max(1, min(cap, max_memory // per_position)))
@@ -79,7 +79,7 @@ def batch_order(graph: Graph, exact: Propagation) -> np.ndarray:
 
     A packed batch computes every position on boxes of the batch's largest size; positions near the image
     edges reach fewer outputs, and they only keep that saving when their batch-mates are edge positions of
-    the same orientation. Sorting by the exact reach (height, then width) at the deepest node that still
+    the same orientation. Sorting by the exact reach (outermost axis first) at the deepest node that still
     has a box groups them (stable: ties keep the caller's order).
 
     Args:
@@ -89,12 +89,11 @@ def batch_order(graph: Graph, exact: Propagation) -> np.ndarray:
     Returns:
         (N,) permutation of the positions.
     """
-    boxes = [n.name for n in graph.nodes if exact.regions[n.name].kind == RegionKind.BOX
-             and n.shape is not None and len(n.shape) == 4]
+    boxes = [n.name for n in graph.nodes if exact.regions[n.name].kind == RegionKind.BOX and graph.is_map(n.shape)]
     if not boxes:
         return np.arange(exact.n)
     deepest = exact.regions[boxes[-1]]
-    return np.lexsort((deepest.w, deepest.h))
+    return np.lexsort(deepest.size.T[::-1])
 
 
 class OcclusionRunner:
@@ -102,15 +101,18 @@ class OcclusionRunner:
 
     Args:
         model: a ``torch.fx``-traceable model (eval mode is set).
-        image: (1, C, H, W) float tensor.
+        image: (1, C, *spatial) float tensor.
         tau: projective field threshold (1 = exact).
+        prune: value-based pruning threshold (0 = exact): a recomputed position whose values moved by at most
+            this share of the tensor's mean magnitude stops spreading.
     """
 
-    def __init__(self, model: nn.Module | Graph, image: torch.Tensor, tau: float = 1.0) -> None:
+    def __init__(self, model: nn.Module | Graph, image: torch.Tensor, tau: float = 1.0, prune: float = 0.0) -> None:
         self.graph = model if isinstance(model, Graph) else captured_graph(model, image.shape[1:])
         self.image = image
         self.tau = tau
-        self.engine = IncrementalEngine(self.graph, image)
+        self.prune = prune
+        self.engine = BatchEngine(self.graph, image)
         self.image_rows = to_rows(image).contiguous()
 
     @property
@@ -123,9 +125,9 @@ class OcclusionRunner:
         """Model outputs with each window replaced by the baseline.
 
         Args:
-            positions: (N, 2) top-left corners (y, x); windows reaching past the edge are cropped.
-            window: (h, w) window size.
-            baseline: scalar or a tensor broadcastable to (1, C, H, W): the occluding values.
+            positions: (N, d) first corners; windows reaching past the far edge are cropped.
+            window: (d,) window size.
+            baseline: scalar or a tensor broadcastable to the image: the occluding values.
             channels: optional (N, C) bool mask of occluded channels per position (all when ``None``).
             batch_size: positions per packed batch.
             progress: show a progress bar.
@@ -134,12 +136,12 @@ class OcclusionRunner:
         Returns:
             ``(outputs, stats)``: outputs with a leading dimension N.
         """
-        positions = np.asarray(positions, dtype=np.int64).reshape(-1, 2)
+        dims = self.graph.input_shape[2:]
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1, len(dims))
         n = len(positions)
         stats = RunStats(positions=n, batch_size=batch_size, tau=self.tau)
         stats.flops_full = float(full_flops(self.graph))
-        exact_prop = propagate(self.graph, input_region(positions, window, self.graph.input_shape[-2:]), self.tau,
-                               uniform=False)
+        exact_prop = propagate(self.graph, input_region(positions, window, dims), self.tau, uniform=False)
         exact = incremental_flops(self.graph, exact_prop)
         stats.theoretical_speedup = stats.flops_full / max(float(exact.mean()), 1.0)
         order = batch_order(self.graph, exact_prop)
@@ -156,15 +158,16 @@ class OcclusionRunner:
         bar = tqdm(total=n, desc=desc, unit="pos", disable=not progress, leave=False)
         for lo in range(0, n, batch_size):
             chunk = positions[lo:lo + batch_size]
-            plan = build_plan(self.graph, chunk, window, self.tau, self.image.device)
-            region = plan.prop.regions[self.graph.input.name]
+            region = input_region(chunk, window, dims)
             values = self._occluded_region(chunk, window, region, baseline_rows,
                                            None if channels is None else channels[lo:lo + batch_size])
-            out = self.engine.run(plan, values)
-            outputs.append(out)
-            realized += plan.flops_incremental * len(chunk)
+            boxes = Boxes(tuple(region.start.T), tuple(int(s) for s in region.size[0]), values)
+            plan = batch_plan(self.graph, chunk, window, self.tau, dev)
+            result = self.engine.run(boxes, self.tau, self.prune, plan)
+            outputs.append(result.output)
+            realized += result.flops * len(chunk)
             stats.batches += 1
-            stats.peak_memory_bytes = max(stats.peak_memory_bytes, self.engine.last_peak_bytes)
+            stats.peak_memory_bytes = max(stats.peak_memory_bytes, result.peak_bytes)
             bar.update(len(chunk))
         bar.close()
         if dev.type == "cuda":
@@ -184,24 +187,26 @@ class OcclusionRunner:
             return to_rows(full).contiguous()
         return float(baseline)
 
-    def _occluded_region(self, chunk: np.ndarray, window: tuple[int, int], region, baseline_rows,
+    def _occluded_region(self, chunk: np.ndarray, window: tuple[int, ...], region: Region, baseline_rows,
                          channels: torch.Tensor | None) -> torch.Tensor:
-        """(N, C, h, w) values of each position's input box: the image with its window occluded."""
-        n = len(chunk)
-        h, w = int(region.h[0]), int(region.w[0])
-        width = self.graph.input_shape[-1]
-        index = torch.from_numpy(box_rows(region.y, region.x, h, w, width)).to(self.image.device)
-        patch = from_rows(gather_windows(self.image_rows, index, n, h, w), n, h, w)
+        """(N, C, *size) values of each position's input box: the image with its window occluded."""
+        n, d = chunk.shape
+        size = tuple(int(s) for s in region.size[0])
+        dims = self.graph.input_shape[2:]
+        dev = self.image.device
+        index = torch.from_numpy(box_rows(region.start, size, dims)).to(dev)
+        patch = from_rows(self.image_rows.index_select(0, index), n, size)
         if isinstance(baseline_rows, torch.Tensor):
-            fill = from_rows(gather_windows(baseline_rows, index, n, h, w), n, h, w)
+            fill = from_rows(baseline_rows.index_select(0, index), n, size)
         else:
             fill = torch.full_like(patch, baseline_rows)
-        dev = self.image.device
-        oy = torch.from_numpy(chunk[:, 0] - region.y).to(dev).view(n, 1, 1, 1)
-        ox = torch.from_numpy(chunk[:, 1] - region.x).to(dev).view(n, 1, 1, 1)
-        ii = torch.arange(h, device=dev).view(1, 1, h, 1)
-        jj = torch.arange(w, device=dev).view(1, 1, 1, w)
-        mask = (ii >= oy) & (ii < oy + window[0]) & (jj >= ox) & (jj < ox + window[1])
+        mask = torch.ones(n, 1, *size, dtype=torch.bool, device=dev)
+        for a in range(d):
+            offset = torch.from_numpy(chunk[:, a] - region.start[:, a]).to(dev).view(n, *([1] * (d + 1)))
+            shape = [1] * (d + 2)
+            shape[2 + a] = size[a]
+            k = torch.arange(size[a], device=dev).view(shape)
+            mask = mask & (k >= offset) & (k < offset + window[a])
         if channels is not None:
-            mask = mask & channels.to(dev).view(n, -1, 1, 1)
+            mask = mask & channels.to(dev).view(n, -1, *([1] * d))
         return torch.where(mask, fill, patch)

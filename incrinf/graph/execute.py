@@ -103,7 +103,8 @@ def run_nodes(graph: Graph, x: torch.Tensor, around: Callable[[Node, Callable[[]
     return out
 
 
-def extract(graph: Graph, inputs: Iterable[str], outputs: Iterable[str], clone: Iterable[str] = ()) -> nn.Module:
+def extract(graph: Graph, inputs: Iterable[str], outputs: Iterable[str], clone: Iterable[str] = (),
+            as_tuple: bool = False) -> nn.Module:
     """A module computing ``outputs`` from the tensors ``inputs`` (placeholders, in that order).
 
     Nodes that the outputs do not need are dropped; constants (parameters) are re-created from the graph's
@@ -111,7 +112,8 @@ def extract(graph: Graph, inputs: Iterable[str], outputs: Iterable[str], clone: 
     ``clone`` are copied right after they are made (a later in-place operation would overwrite them).
 
     Returns:
-        The module; it returns one value when one output is asked for, else a tuple.
+        The module; it returns a tuple of the outputs (one value when one output is asked for, unless
+        ``as_tuple``).
     """
     inputs, outputs, clone = list(inputs), list(outputs), set(clone)
     new = torch.fx.Graph()
@@ -133,7 +135,7 @@ def extract(graph: Graph, inputs: Iterable[str], outputs: Iterable[str], clone: 
         if name in clone:
             value = new.call_method("clone", (value,))
         results.append(value)
-    new.output(results[0] if len(results) == 1 else tuple(results))
+    new.output(results[0] if len(results) == 1 and not as_tuple else tuple(results))
     module = torch.fx.GraphModule(graph.module, new)
     module.graph.eliminate_dead_code()
     module.recompile()

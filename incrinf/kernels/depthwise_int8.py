@@ -31,12 +31,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numba
 import numpy as np
 import torch
-from numba import njit, prange
 
+from incrinf.extras import require
 from incrinf.kernels.quantize import INT8_MAX, INT8_MIN, validate_multipliers
+
+numba = require("numba", "int8", "the int8 kernels")
+njit, prange = numba.njit, numba.prange
 
 __all__ = [
     "PackedDepthwiseInt8",

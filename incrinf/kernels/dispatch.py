@@ -5,13 +5,12 @@ interpreter, which is how CI checks the kernels); ``INCRINF_FORCE_TRITON=0`` tak
 CUDA (the baseline the GPU benchmark compares against). Unset: Triton exactly when the tensors are on CUDA
 and Triton imports.
 
-The plan precomputes, per windowing and per full projection, a *combined* index over the virtual
-concatenation ``[base rows; region rows]`` (:func:`fuse_window_index`, :func:`fuse_scatter_index`; pure torch,
-importable without Triton), so the GPU kernel is one pure row gather from two sources.
-:func:`gather_windows`, :func:`overlay_rows` and :func:`project_full` keep the signatures of
-:mod:`incrinf.kernels.gather`; :func:`prepare_windows` and :func:`project` are the fused entry points the
-engine calls with a plan's combined index. :func:`free_device_memory` and :func:`peak_device_memory` size
-batches and report memory on CUDA (``None`` on CPU).
+Plans precompute, per windowing and per full projection, a *combined* index over the virtual concatenation
+``[base rows; region rows]`` (:func:`fuse_window_index`, :func:`fuse_scatter_index`; pure torch, importable
+without Triton), so the GPU kernel is one pure row gather from two sources. :func:`prepare_windows` and
+:func:`project` are the entry points the engine calls (for occlusion batches and for a moving camera's blocks).
+:func:`free_device_memory` and :func:`peak_device_memory` size batches and report memory on CUDA (``None`` on
+CPU).
 """
 
 from __future__ import annotations
@@ -105,34 +104,6 @@ def fuse_scatter_index(dest: torch.Tensor, source: torch.Tensor | None, n: int, 
     device = dest.device
     tiled = torch.arange(n_base_rows, device=device, dtype=torch.int64).repeat(n)
     return fuse_window_index(tiled, dest, source, n_base_rows)
-
-
-# --- same signatures as incrinf.kernels.gather -------------------------------------------------------------
-
-
-def gather_windows(base_rows: torch.Tensor, index: torch.Tensor, n: int, h: int, w: int) -> torch.Tensor:
-    """Gather N windows from one map: (Hp*Wp, C) rows, (N*h*w,) index -> (N*h*w, C) fresh rows."""
-    if use_triton(base_rows):
-        return _triton().gather_rows(base_rows, index)
-    return _torch_path.gather_windows(base_rows, index, n, h, w)
-
-
-def overlay_rows(window_rows: torch.Tensor, dest: torch.Tensor, region_rows: torch.Tensor,
-                 source: torch.Tensor | None = None) -> torch.Tensor:
-    """Write region rows ``source`` (all when ``None``) into rows ``dest`` of ``window_rows``, in place."""
-    if use_triton(window_rows):
-        return _triton().scatter_rows(window_rows, dest, region_rows, source)
-    return _torch_path.overlay_rows(window_rows, dest, region_rows, source)
-
-
-def project_full(base_rows: torch.Tensor, n: int, dest: torch.Tensor, region_rows: torch.Tensor,
-                 source: torch.Tensor | None = None) -> torch.Tensor:
-    """N copies of the (H*W, C) base rows with each position's region written in: (N*H*W, C)."""
-    if use_triton(base_rows):
-        tg = _triton()
-        combined = fuse_scatter_index(dest, source, n, base_rows.shape[0])
-        return tg.gather_rows(base_rows, combined, region_rows)
-    return _torch_path.project_full(base_rows, n, dest, region_rows, source)
 
 
 # --- fused entry points -------------------------------------------------------------------------------------

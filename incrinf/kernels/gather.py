@@ -1,4 +1,4 @@
-"""Vectorised window gathers and region scatters (one index operation each, no loop over positions).
+"""Tensors as rows: one row per spatial position, channels as columns.
 
 Tensors of update regions are kept channels-last in memory: a map is a table of ``rows = positions`` by
 ``columns = channels``, so preparing N read-in windows is one ``index_select`` of whole rows and the result is
@@ -7,36 +7,30 @@ already the channels-last layout PyTorch's CPU convolutions prefer.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def to_rows(x: torch.Tensor) -> torch.Tensor:
-    """(N, C..., H, W) -> (N*H*W, prod(C...)) rows (a view when ``x`` is channels-last contiguous)."""
-    d = x.dim()
-    n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
-    return x.permute(0, d - 2, d - 1, *range(1, d - 2)).reshape(n * h * w, -1)
-
-
-def from_rows(rows: torch.Tensor, n: int, h: int, w: int, channels: tuple[int, ...] | None = None
-              ) -> torch.Tensor:
-    """(N*H*W, C) rows -> (N, C..., H, W) channels-last view (``channels`` splits C for >4-D maps)."""
-    channels = channels or (rows.shape[1],)
-    k = len(channels)
-    return rows.view(n, h, w, *channels).permute(0, *range(3, 3 + k), 1, 2)
-
-
-def gather_windows(base_rows: torch.Tensor, index: torch.Tensor, n: int, h: int, w: int) -> torch.Tensor:
-    """Gather N windows from one map.
+def to_rows(x: torch.Tensor, spatial_dims: int | None = None) -> torch.Tensor:
+    """(N, C..., *spatial) -> (N * prod(spatial), prod(C...)) rows (a view when ``x`` is channels-last contiguous).
 
     Args:
-        base_rows: (Hp*Wp, C) the (padded) map as rows.
-        index: (N*h*w,) row of each window element, positions outermost.
-        n, h, w: number and size of the windows.
-
-    Returns:
-        (N*h*w, C) rows, a fresh tensor the caller may overwrite.
+        x: the tensor.
+        spatial_dims: number of trailing spatial axes (default: all but the batch and one channel axis).
     """
-    return base_rows.index_select(0, index)
+    d = x.dim() - 2 if spatial_dims is None else spatial_dims
+    c = x.dim() - d  # batch + channel axes
+    n = x.shape[0]
+    return x.permute(0, *range(c, x.dim()), *range(1, c)).reshape(n * math.prod(x.shape[c:]), -1)
+
+
+def from_rows(rows: torch.Tensor, n: int, dims: tuple[int, ...], channels: tuple[int, ...] | None = None
+              ) -> torch.Tensor:
+    """(N * prod(dims), C) rows -> (N, C..., *dims) channels-last view (``channels`` splits C into several axes)."""
+    channels = tuple(channels) if channels else (rows.shape[1],)
+    d, k = len(dims), len(channels)
+    return rows.view(n, *dims, *channels).permute(0, *range(d + 1, d + 1 + k), *range(1, d + 1))
 
 
 def overlay_rows(window_rows: torch.Tensor, dest: torch.Tensor, region_rows: torch.Tensor,
@@ -44,9 +38,9 @@ def overlay_rows(window_rows: torch.Tensor, dest: torch.Tensor, region_rows: tor
     """Write region values into gathered windows, in place.
 
     Args:
-        window_rows: (N*hr*wr, C) gathered windows.
+        window_rows: (N*prod(window), C) gathered windows.
         dest: (K,) destination rows in ``window_rows``.
-        region_rows: (N*h*w, C) incoming region values.
+        region_rows: (M, C) incoming region values.
         source: (K,) which region rows to copy (all, in order, when ``None``).
 
     Returns:
@@ -61,14 +55,14 @@ def project_full(base_rows: torch.Tensor, n: int, dest: torch.Tensor, region_row
     """Full projection: N copies of the base map with each position's region written in.
 
     Args:
-        base_rows: (H*W, C) the unchanged map as rows.
-        n: number of positions.
-        dest: (K,) destination rows in the (N*H*W, C) result.
-        region_rows: (N*h*w, C) region values.
+        base_rows: (P, C) the unchanged map as rows.
+        n: number of copies.
+        dest: (K,) destination rows in the (N*P, C) result.
+        region_rows: (M, C) region values.
         source: optional (K,) selection of region rows.
 
     Returns:
-        (N*H*W, C) rows.
+        (N*P, C) rows.
     """
     full = base_rows.repeat(n, 1)
     return overlay_rows(full, dest, region_rows, source)

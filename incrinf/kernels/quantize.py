@@ -14,7 +14,11 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-from numba import njit
+
+from incrinf.extras import require
+
+numba = require("numba", "int8", "the int8 kernels")
+njit = numba.njit
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1

@@ -22,10 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-# the index builders are pure torch and live with the dispatcher (importable without triton); re-exported here
-from incrinf.kernels.dispatch import fuse_scatter_index, fuse_window_index
-
-__all__ = ["fuse_scatter_index", "fuse_window_index", "gather_rows", "scatter_rows"]
+__all__ = ["gather_rows", "scatter_rows"]
 
 # Elements per program: large enough to amortize the per-row index load, small enough for registers.
 _BLOCK_ELEMS = 4096
@@ -119,7 +116,7 @@ def gather_rows(base_rows: torch.Tensor, index: torch.Tensor, region_rows: torch
     Args:
         base_rows: (B, C) the (padded) base map as rows.
         index: (R,) int64 row of every output row; with ``region_rows``, values ``>= B`` read region row
-            ``index - B`` (see :func:`fuse_window_index`).
+            ``index - B`` (see :func:`incrinf.kernels.dispatch.fuse_window_index`).
         region_rows: optional (M, C) incoming region values, same dtype and device as ``base_rows``.
         out: optional (R, C) destination with channel stride 1.
 

@@ -54,9 +54,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
-from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
+from incrinf.extras import require
 from incrinf.graph import captured_graph, split_points
 from incrinf.normalization import IMAGENET_MEAN, IMAGENET_STD, Normalization
 from incrinf.offload import wire
@@ -68,6 +67,9 @@ from incrinf.offload.store import SessionNotFound, SessionStore, TooManySessions
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "CacheConflict", "ModelService", "OffloadServer", "SessionNotFound",
            "SessionStore", "TooManySessions"]
+
+web = require("aiohttp.web", "serve", "the offload server")
+HttpProcessingError = require("aiohttp.http_exceptions", "serve", "the offload server").HttpProcessingError
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import cv2
 import numpy as np
 import torch
 
+from incrinf.extras import require
 from incrinf.stream.config import StreamConfig
+
+cv2 = require("cv2", "stream", "camera streams")
 
 Box = tuple[int, int, int, int]
 

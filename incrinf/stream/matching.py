@@ -11,8 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import cv2
 import numpy as np
+
+from incrinf.extras import require
+from incrinf.stream.warp import scale_homography
+
+cv2 = require("cv2", "stream", "camera streams")
 
 Matcher = Literal["orb", "akaze", "sift"]
 
@@ -227,29 +231,6 @@ def degeneracy_reason(matrix: np.ndarray | None, size: tuple[int, int]) -> str |
     if np.any(cross <= 0):
         return "degenerate homography: corners map to a non-convex quad"
     return None
-
-
-def scale_homography(matrix: np.ndarray, from_size: tuple[int, int], to_size: tuple[int, int]) -> np.ndarray:
-    """Re-express a homography estimated on images of ``from_size`` for maps of ``to_size``.
-
-    Uses the pixel-centre convention of ``align_corners=False`` resampling: a coordinate ``x`` on the
-    ``from`` grid is ``x' = (x + 0.5) * s - 0.5`` on the ``to`` grid, ``s = to_w / from_w`` (and likewise
-    for ``y``). The result is ``S @ H @ inv(S)``.
-
-    Args:
-        matrix: (3, 3) homography on the ``from`` grid.
-        from_size: (height, width) the homography was estimated on.
-        to_size: (height, width) of the target map (e.g. a feature map).
-
-    Returns:
-        (3, 3) float64 homography on the ``to`` grid, normalised so ``[2, 2] == 1``.
-    """
-    sy = to_size[0] / from_size[0]
-    sx = to_size[1] / from_size[1]
-    s = np.array([[sx, 0.0, 0.5 * sx - 0.5], [0.0, sy, 0.5 * sy - 0.5], [0.0, 0.0, 1.0]])
-    s_inv = np.array([[1 / sx, 0.0, 0.5 / sx - 0.5], [0.0, 1 / sy, 0.5 / sy - 0.5], [0.0, 0.0, 1.0]])
-    out = s @ np.asarray(matrix, dtype=np.float64) @ s_inv
-    return out / out[2, 2]
 
 
 class HomographyEstimator:

@@ -3,10 +3,10 @@
 Per frame: the frame becomes the model's input (resized and normalised, or taken as is), the homography
 previous -> current is estimated on the same pixels the model sees, the previous frame's *reference* (the
 pixels the cache stands for) is warped into the current view, and the cells where it differs by at least
-``threshold`` become the change mask. The sparse executor (:mod:`incrinf.stream.sparse`) then recomputes what
-the mask reaches and reads the rest from the cache. A frame falls back to full inference (and refills the
-cache) on the first frame, a failed match, a frame size change, too large a changed fraction, every
-``keyframe_interval`` frames and after a frame that raised.
+``threshold`` become the change mask. The engine (:class:`~incrinf.stream.executor.StreamExecutor` over
+:class:`~incrinf.engine.FrameEngine`) then recomputes what the mask reaches and reads the rest from the
+cache. A frame falls back to full inference (and refills the cache) on the first frame, a failed match, a frame
+size change, too large a changed fraction, every ``keyframe_interval`` frames and after a frame that raised.
 """
 
 from __future__ import annotations
@@ -19,19 +19,22 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import cv2
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from incrinf.engine import CacheMemory
+from incrinf.extras import require
 from incrinf.graph import capture, has_windows
 from incrinf.normalization import Normalization
 from incrinf.stream.change_mask import change_mask
 from incrinf.stream.config import StreamConfig
+from incrinf.stream.executor import StreamExecutor
 from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
-from incrinf.stream.sparse import CacheMemory, SparseExecutor
 from incrinf.stream.warp import warp_image, warp_valid_mask
+
+cv2 = require("cv2", "stream", "camera streams")
 
 
 class Cause(str, Enum):
@@ -160,7 +163,7 @@ class StreamSession:
         # is absorbed by min_motion instead
         options = {"refine": False, "max_features": 500, **self.config.matcher_options}
         self._estimator = HomographyEstimator(self.config.matcher, **options)
-        self._executors: dict[tuple[int, ...], SparseExecutor] = {}
+        self._executors: dict[tuple[int, ...], StreamExecutor] = {}
         self.stats: list[FrameStats] = []
         self._index = 0
         self._worker: threading.Thread | None = None
@@ -217,8 +220,8 @@ class StreamSession:
         except BaseException:
             self._failed = True
             raise
-        if reason is None and executor.last.full_reason:
-            reason = _Fallback(Cause.CACHE_UNUSABLE, executor.last.full_reason)
+        if reason is None and executor.full_reason:
+            reason = _Fallback(Cause.CACHE_UNUSABLE, executor.full_reason)
         refreshed = executor.last.refreshed if reason is None else None
         # only a moving camera's low saving predicts the next frame's (a still camera's follows the scene)
         moving = matrix is not None and not np.array_equal(matrix, np.eye(3))
@@ -248,7 +251,7 @@ class StreamSession:
 
     # --- steps -------------------------------------------------------------------------------------------
 
-    def _decide(self, executor: SparseExecutor, x: torch.Tensor, pixels: np.ndarray, raw_size: tuple[int, int],
+    def _decide(self, executor: StreamExecutor, x: torch.Tensor, pixels: np.ndarray, raw_size: tuple[int, int],
                 matrix_given: np.ndarray | None):
         """``(reason or None for cached, homography, change mask, warped reference, n_matches, keypoints of
         this frame or None)``; mutates nothing. Keypoints are detected only when a homography is estimated
@@ -373,11 +376,11 @@ class StreamSession:
             self._worker.join()
             self._worker = None
 
-    def _executor(self, shape: tuple[int, ...]) -> SparseExecutor:
+    def _executor(self, shape: tuple[int, ...]) -> StreamExecutor:
         executor = self._executors.get(shape)
         if executor is None:
             graph = capture(self.model, shape[1:])  # CaptureError when the model fails at this size
-            executor = SparseExecutor(graph, self.device, max_misalignment=self.config.max_misalignment,
+            executor = StreamExecutor(graph, self.device, max_misalignment=self.config.max_misalignment,
                                       feature_threshold=self.config.still_feature_threshold,
                                       moving_feature_threshold=self.config.moving_feature_threshold)
             self._executors[shape] = executor

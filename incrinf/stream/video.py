@@ -6,8 +6,11 @@ import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
-import cv2
 import numpy as np
+
+from incrinf.extras import require
+
+cv2 = require("cv2", "stream", "camera streams")
 
 BUNDLED_VIDEOS = ("bigbuckbunny.mp4", "bikes.mp4", "carphone_pristine.mp4", "carphone_distorted.mp4")
 

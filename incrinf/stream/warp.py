@@ -5,33 +5,23 @@
 came from, ``inv(H) @ (x, y, 1)``, and reads the previous image / cache there. That is CacheInf's "reading
 the cache through the homography by index transformation", ``G(u, v, M) = M^-1 (u, v)``.
 
-Two ways to read a cached feature map:
-
-- **nearest** (:func:`nearest_source_index` + :func:`warp_feature_map`): one integer index per current
-  position into the flattened previous map. A pure gather: cached values are copied, never blended, it
-  works for any dtype (int8 too), and the index tensor depends only on (H, sizes), so it can be built once
-  per frame and cached, and the engine can gather just the positions it needs (``idx[positions]``). This
-  is what the stream engine uses.
-- **bilinear** (:func:`warp_feature_map_bilinear`): ``grid_sample`` with a grid from the homography.
-  Sub-pixel accurate, but it creates new interpolated values over the whole map (cost of a dense pass)
-  and needs float maps. Use it for images, visualisation, or a dense merge where smoothness matters more
-  than exact reuse of cached numbers.
+Images are warped with OpenCV (:func:`warp_image`); maps of frames sent to the offload server are read at the
+nearest source position (:func:`nearest_source_index`: one integer index per position, a pure gather, exact
+copies of source values, any dtype). The stream's cached feature maps are moved by
+:mod:`incrinf.stream.executor`, which also keeps the nearest-neighbour rounding from adding up over frames.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-import cv2
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from incrinf.stream.matching import scale_homography
+from incrinf.extras import require
 
 Interpolation = Literal["nearest", "bilinear"]
 
-_CV2_INTERP = {"nearest": cv2.INTER_NEAREST, "bilinear": cv2.INTER_LINEAR}
 # Slack for float round-off when deciding whether a source coordinate lies on the border pixel.
 _EPS = 1e-6
 
@@ -58,11 +48,13 @@ def warp_image(
     img = np.ascontiguousarray(img)
     out_h, out_w = out_size if out_size is not None else img.shape[:2]
     n_channels = 1 if img.ndim == 2 else img.shape[2]
+    cv2 = require("cv2", "stream", "camera streams")  # here, not at import: the offload server has no OpenCV
+    flags = {"nearest": cv2.INTER_NEAREST, "bilinear": cv2.INTER_LINEAR}
     return cv2.warpPerspective(
         img,
         np.asarray(matrix, dtype=np.float64),
         (out_w, out_h),
-        flags=_CV2_INTERP[interpolation],
+        flags=flags[interpolation],
         borderMode=cv2.BORDER_CONSTANT,
         borderValue=(fill,) * min(n_channels, 4),
     ).reshape((out_h, out_w) + img.shape[2:])
@@ -176,78 +168,24 @@ def nearest_source_index(
     )
 
 
-def warp_feature_map(
-    prev: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, fill: float = 0.0
-) -> torch.Tensor:
-    """Warp a whole cached map with one gather (nearest neighbour).
+def scale_homography(matrix: np.ndarray, from_size: tuple[int, int], to_size: tuple[int, int]) -> np.ndarray:
+    """Re-express a homography estimated on images of ``from_size`` for maps of ``to_size``.
+
+    Uses the pixel-centre convention of ``align_corners=False`` resampling: a coordinate ``x`` on the
+    ``from`` grid is ``x' = (x + 0.5) * s - 0.5`` on the ``to`` grid, ``s = to_w / from_w`` (and likewise
+    for ``y``). The result is ``S @ H @ inv(S)``.
 
     Args:
-        prev: (..., h, w) previous feature map, e.g. (N, C, h, w); any dtype.
-        idx: (h * w,) int64 from :func:`nearest_source_index`, on ``prev``'s device.
-        valid: (h * w,) bool from :func:`nearest_source_index`; the caller keeps it to mark
-            ``~valid.view(h, w)`` as changed.
-        fill: value written where ``valid`` is False.
+        matrix: (3, 3) homography on the ``from`` grid.
+        from_size: (height, width) the homography was estimated on.
+        to_size: (height, width) of the target map (e.g. a feature map).
 
     Returns:
-        (..., h, w) warped map: ``out[..., p] = prev.flatten(-2)[..., idx[p]]``, ``fill`` where invalid.
+        (3, 3) float64 homography on the ``to`` grid, normalised so ``[2, 2] == 1``.
     """
-    h, w = prev.shape[-2:]
-    if idx.numel() != h * w:
-        raise ValueError(f"index map has {idx.numel()} entries, feature map has {h}x{w} positions")
-    out = prev.flatten(-2).index_select(-1, idx)
-    out.masked_fill_(~valid, fill)
-    return out.view(prev.shape)
-
-
-def sampling_grid(
-    matrix: np.ndarray,
-    feature_h: int,
-    feature_w: int,
-    image_size: tuple[int, int],
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``grid_sample`` grid (align_corners=False) reading the previous feature map through the homography.
-
-    Args:
-        matrix: (3, 3) homography previous -> current, in pixel coords of images of ``image_size``.
-        feature_h: feature map height.
-        feature_w: feature map width.
-        image_size: (height, width) of the frames ``matrix`` was estimated on.
-        device: device of the returned tensors.
-        dtype: grid dtype (the feature map's).
-
-    Returns:
-        ``(grid, valid)``: grid (1, feature_h, feature_w, 2) of normalised (x, y) in [-1, 1] (NaN
-        sources moved far outside); valid (feature_h, feature_w) bool, all four bilinear taps inside.
-    """
-    scaled = scale_homography(matrix, image_size, (feature_h, feature_w))
-    src_y, src_x = source_coords(scaled, feature_h, feature_w)
-    valid = source_valid(src_y, src_x, (feature_h, feature_w), "bilinear")
-    gx = np.nan_to_num((2 * src_x + 1) / feature_w - 1, nan=-4.0)
-    gy = np.nan_to_num((2 * src_y + 1) / feature_h - 1, nan=-4.0)
-    grid = torch.from_numpy(np.stack([gx, gy], axis=-1)[None]).to(device=device, dtype=dtype)
-    return grid, torch.from_numpy(valid).to(device)
-
-
-def warp_feature_map_bilinear(
-    prev: torch.Tensor, matrix: np.ndarray, image_size: tuple[int, int], fill: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Warp a float feature map with bilinear interpolation (``grid_sample``).
-
-    Args:
-        prev: (N, C, h, w) float previous feature map.
-        matrix: (3, 3) homography previous -> current, in pixel coords of images of ``image_size``.
-        image_size: (height, width) of the frames ``matrix`` was estimated on.
-        fill: value written where any bilinear tap lies outside the previous map.
-
-    Returns:
-        ``(out, valid)``: out (N, C, h, w); valid (h, w) bool.
-    """
-    n, _, h, w = prev.shape
-    grid, valid = sampling_grid(matrix, h, w, image_size, prev.device, prev.dtype)
-    out = F.grid_sample(
-        prev, grid.expand(n, h, w, 2), mode="bilinear", padding_mode="zeros", align_corners=False
-    )
-    out.masked_fill_(~valid, fill)
-    return out, valid
+    sy = to_size[0] / from_size[0]
+    sx = to_size[1] / from_size[1]
+    s = np.array([[sx, 0.0, 0.5 * sx - 0.5], [0.0, sy, 0.5 * sy - 0.5], [0.0, 0.0, 1.0]])
+    s_inv = np.array([[1 / sx, 0.0, 0.5 / sx - 0.5], [0.0, 1 / sy, 0.5 / sy - 0.5], [0.0, 0.0, 1.0]])
+    out = s @ np.asarray(matrix, dtype=np.float64) @ s_inv
+    return out / out[2, 2]

@@ -10,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import cv2
 import numpy as np
+
+from incrinf.extras import require
+
+cv2 = require("cv2", "stream", "camera streams")
 
 Motion = Literal["pan", "zoom", "pan_zoom"]
 

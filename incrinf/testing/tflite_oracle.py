@@ -12,10 +12,14 @@ Example:
 
 from __future__ import annotations
 
-import flatbuffers
 import numpy as np
-from ai_edge_litert import schema_py_generated as schema
-from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+from incrinf.extras import require
+
+flatbuffers = require("flatbuffers", "int8", "the TFLite oracle")
+schema = require("ai_edge_litert.schema_py_generated", "int8", "the TFLite oracle")
+_interpreter = require("ai_edge_litert.interpreter", "int8", "the TFLite oracle")
+Interpreter, OpResolverType = _interpreter.Interpreter, _interpreter.OpResolverType
 
 __all__ = ["TfliteRunner", "build_depthwise_model", "tflite_output_size"]
 

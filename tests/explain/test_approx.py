@@ -12,7 +12,7 @@ import torch.nn as nn
 from conftest import zoo_model
 
 from incrinf.analysis import analyze, occlusion_grid
-from incrinf.engine import IncrementalEngine
+from incrinf.engine import BatchEngine
 from incrinf.explain.approx import ERROR_SAMPLE_CELLS, occlusion
 from incrinf.explain.drilldown import (
     DrillDown,
@@ -59,38 +59,28 @@ def test_tau_one_is_the_exact_path_bit_for_bit(name: str) -> None:
         assert "sampled_max_abs_error" not in result.stats  # nothing approximate to measure
 
 
-def _reference_truncated(model: nn.Module, x: torch.Tensor, pos: tuple[int, int], patch: tuple[int, int],
-                         tau: float) -> torch.Tensor:
-    """The seed's truncated inference, one position, on full tensors: every local node sees its base input
-    with only the tau-cropped input box replaced, and keeps new values only inside its output box."""
+def _reference_capped(model: nn.Module, x: torch.Tensor, pos: tuple[int, int], patch: tuple[int, int],
+                      tau: float) -> torch.Tensor:
+    """Projective field thresholding, one position, on full tensors: every node keeps its new values only inside
+    its (capped) output box and holds its base values elsewhere; a capped node reads its whole input."""
     graph = captured_graph(model, x.shape[1:])
     prop = propagate(graph, input_region(np.array([pos]), patch, x.shape[-2:]), tau=tau, uniform=True)
-    base = IncrementalEngine(graph, x).base
+    base = BatchEngine(graph, x).base
     occluded = x.clone()
     occluded[..., pos[0]:pos[0] + patch[0], pos[1]:pos[1] + patch[1]] = 0.0
     env: dict[str, torch.Tensor] = {}
 
-    class Truncated(torch.fx.Interpreter):
+    class Capped(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node):
             node = graph.by_name.get(n.name)
-            saved = None
-            if node is not None and node.kind == NodeKind.LOCAL and prop.regions[node.inputs[0]].kind == RegionKind.BOX:
-                src, step, r = node.inputs[0], prop.steps[n.name], prop.regions[node.inputs[0]]
-                y, x_ = int(r.y[0]) + step.crop_y, int(r.x[0]) + step.crop_x
-                mixed = base[src].clone()
-                box = (..., slice(y, y + step.crop_h), slice(x_, x_ + step.crop_w))
-                mixed[box] = env[src][box]
-                saved, env[src] = env[src], mixed
             out = occluded if n.op == "placeholder" else super().run_node(n)
-            if saved is not None:
-                env[node.inputs[0]] = saved
             if node is not None and isinstance(out, torch.Tensor) and node.kind not in (
                     NodeKind.CONSTANT, NodeKind.META, NodeKind.INPUT):
                 region = prop.regions[n.name]
                 if region.kind == RegionKind.NONE:
                     out = base[n.name]
                 elif region.kind == RegionKind.BOX and out.dim() == 4:
-                    y, x_, h, w = (int(v[0]) for v in (region.y, region.x, region.h, region.w))
+                    (y, x_), (h, w) = (int(v) for v in region.start[0]), (int(v) for v in region.size[0])
                     kept = base[n.name].clone()
                     kept[..., y:y + h, x_:x_ + w] = out[..., y:y + h, x_:x_ + w]
                     out = kept
@@ -102,11 +92,11 @@ def _reference_truncated(model: nn.Module, x: torch.Tensor, pos: tuple[int, int]
                     torch.fx.node.map_arg(n.kwargs, lambda a: env[a.name]))
 
     with torch.no_grad():
-        return Truncated(graph.module).run(x)
+        return Capped(graph.module).run(x)
 
 
 @pytest.mark.parametrize("name", ["small", "resnet18"])
-def test_tau_below_one_is_the_seeds_truncated_inference(name: str) -> None:
+def test_tau_below_one_caps_every_box_and_reads_whole_inputs(name: str) -> None:
     model = small_net() if name == "small" else zoo_model(name)
     x = image()
     positions = np.array([[0, 0], [24, 40], [48, 48], [40, 8]])
@@ -114,15 +104,15 @@ def test_tau_below_one_is_the_seeds_truncated_inference(name: str) -> None:
     outputs, _ = runner.run(positions, (16, 16), 0.0, batch_size=4)
     naive = []
     for k, (py, px) in enumerate(positions):
-        expected = _reference_truncated(model, x, (int(py), int(px)), (16, 16), 0.5)
+        expected = _reference_capped(model, x, (int(py), int(px)), (16, 16), 0.5)
         torch.testing.assert_close(outputs[k:k + 1], expected, atol=1e-4, rtol=1e-4)
         occluded = x.clone()
         occluded[..., py:py + 16, px:px + 16] = 0.0
         with torch.no_grad():
             naive.append(model(occluded))
-    # and it is an approximation: some input box was cropped and the outputs moved
+    # and it is an approximation: some box was capped and the outputs moved
     prop = propagate(runner.graph, input_region(positions, (16, 16), x.shape[-2:]), tau=0.5)
-    assert any(step.crop_y > 0 or step.crop_x > 0 for step in prop.steps.values())
+    assert any(step.crop.any() for step in prop.steps.values())
     assert (outputs - torch.cat(naive)).abs().max() > 1e-5
 
 

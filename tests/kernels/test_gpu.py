@@ -76,12 +76,12 @@ def test_triton_kernels_on_cuda_match_torch(monkeypatch, dtype, channels):
     read = torch.randint(0, 5000, (90_000,), generator=gen).cuda()
     dest = torch.randperm(90_000, generator=gen)[:700].cuda()
     expected = base.index_select(0, read).index_copy_(0, dest, region)
-    fused = tg.gather_rows(base, tg.fuse_window_index(read, dest, None, 5000), region)
+    fused = tg.gather_rows(base, dispatch.fuse_window_index(read, dest, None, 5000), region)
     assert fused.is_cuda and torch.equal(fused, expected)
     rows = tg.gather_rows(base, read)
     assert torch.equal(tg.scatter_rows(rows, dest, region), expected)
     proj_dest = torch.randperm(3 * 5000, generator=gen)[:700].cuda()
-    proj = tg.gather_rows(base, tg.fuse_scatter_index(proj_dest, None, 3, 5000), region)
+    proj = tg.gather_rows(base, dispatch.fuse_scatter_index(proj_dest, None, 3, 5000), region)
     assert torch.equal(proj, base.repeat(3, 1).index_copy_(0, proj_dest, region))
 
 

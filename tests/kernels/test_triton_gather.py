@@ -17,6 +17,7 @@ if not torch.cuda.is_available():  # (importing torch does not import triton)
     # compiled kernels of tests/test_gpu.py into interpreted ones in the same process
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import functools  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
@@ -75,7 +76,7 @@ def _random_case(seed: int, c: int, dtype: torch.dtype):
 
 
 def _reference_windows(base, read, dest, region, source):
-    rows = torch_path.gather_windows(base, read, 0, 0, 0)
+    rows = base.index_select(0, read)
     return torch_path.overlay_rows(rows, dest, region, source)
 
 
@@ -86,15 +87,15 @@ def test_fuse_window_index_matches_gather_then_overlay():
     read = torch.tensor([4, 5, 6, 7, 0, 1])
     dest = torch.tensor([1, 4])
     source = torch.tensor([2, 0])
-    combined = tg.fuse_window_index(read, dest, source, n_base_rows=8)
+    combined = dispatch.fuse_window_index(read, dest, source, n_base_rows=8)
     assert combined.tolist() == [4, 10, 6, 7, 8, 1]
     assert read.tolist() == [4, 5, 6, 7, 0, 1]  # the plan's index is not modified
-    assert tg.fuse_window_index(read, dest, None, 8).tolist() == [4, 8, 6, 7, 9, 1]
-    assert tg.fuse_window_index(read, None, None, 8).tolist() == read.tolist()
+    assert dispatch.fuse_window_index(read, dest, None, 8).tolist() == [4, 8, 6, 7, 9, 1]
+    assert dispatch.fuse_window_index(read, None, None, 8).tolist() == read.tolist()
 
 
 def test_fuse_scatter_index_tiles_base_and_writes_region():
-    combined = tg.fuse_scatter_index(torch.tensor([1, 6]), None, n=2, n_base_rows=4)
+    combined = dispatch.fuse_scatter_index(torch.tensor([1, 6]), None, n=2, n_base_rows=4)
     assert combined.tolist() == [0, 4, 2, 3, 0, 1, 5, 3]
 
 
@@ -106,7 +107,7 @@ def test_fuse_scatter_index_tiles_base_and_writes_region():
 def test_fused_window_gather_matches_torch(seed, c, dtype):
     base, region, read, dest, source, n, hr, wr = _random_case(seed, c, dtype)
     expected = _reference_windows(base, read, dest, region, source)
-    combined = tg.fuse_window_index(read, dest, source, base.shape[0])
+    combined = dispatch.fuse_window_index(read, dest, source, base.shape[0])
     fused = tg.gather_rows(base, combined, region)
     assert fused.dtype == dtype and fused.shape == (n * hr * wr, c)
     assert torch.equal(fused, expected)  # pure copies: bit-exact
@@ -136,7 +137,7 @@ def test_projection_matches_torch(seed, c, dtype):
     base = _values(hh * ww, c, dtype, gen)
     region = _values(n * h * w, c, dtype, gen)
     expected = torch_path.project_full(base, n, dest, region)
-    combined = tg.fuse_scatter_index(dest, None, n, hh * ww)
+    combined = dispatch.fuse_scatter_index(dest, None, n, hh * ww)
     assert torch.equal(tg.gather_rows(base, combined, region), expected)
 
 
@@ -151,7 +152,7 @@ def test_many_rows_and_strided_tables(dtype):
     read = torch.randint(0, 3000, (20_000,), generator=gen)
     dest = torch.randperm(20_000, generator=gen)[:500]
     expected = _reference_windows(base.contiguous(), read, dest, region.contiguous(), None)
-    fused = tg.gather_rows(base, tg.fuse_window_index(read, dest, None, 3000), region)
+    fused = tg.gather_rows(base, dispatch.fuse_window_index(read, dest, None, 3000), region)
     assert torch.equal(fused, expected)
 
 
@@ -182,9 +183,9 @@ def test_dispatch_picks_path(monkeypatch):
     calls = []
     monkeypatch.setattr(tg, "gather_rows", lambda *a, **k: calls.append("triton") or torch.zeros(1, 2))
     monkeypatch.setenv(dispatch.FORCE_ENV, "1")
-    dispatch.gather_windows(cpu, torch.tensor([0]), 1, 1, 1)
+    dispatch.prepare_windows(cpu, torch.tensor([0]), None, None)
     monkeypatch.setenv(dispatch.FORCE_ENV, "0")
-    out = dispatch.gather_windows(cpu, torch.tensor([1]), 1, 1, 1)
+    out = dispatch.prepare_windows(cpu, torch.tensor([1]), None, None)
     assert calls == ["triton"] and out.shape == (1, 2)
 
 
@@ -194,14 +195,13 @@ def test_dispatch_functions_agree_across_paths(monkeypatch, dtype):
     results = {}
     for force in ("0", "1"):
         monkeypatch.setenv(dispatch.FORCE_ENV, force)
-        rows = dispatch.gather_windows(base, read, n, hr, wr)
-        dispatch.overlay_rows(rows, dest, region, source)
+        rows = _reference_windows(base, read, dest, region, source)
         fused = dispatch.prepare_windows(base, read, dest, region, source)
         pre = dispatch.prepare_windows(base, read, dest, region, source,
-                                       combined=tg.fuse_window_index(read, dest, source, base.shape[0]))
+                                       combined=dispatch.fuse_window_index(read, dest, source, base.shape[0]))
         plain = dispatch.prepare_windows(base, read, None, None)
         proj_dest = torch.arange(region.shape[0]) * 2 % (3 * base.shape[0])
-        proj = dispatch.project_full(base, 3, proj_dest, region)
+        proj = torch_path.project_full(base, 3, proj_dest, region)
         proj2 = dispatch.project(base, 3, proj_dest, region)
         results[force] = (rows, fused, pre, plain, proj, proj2)
     for a, b in zip(results["0"], results["1"]):
@@ -236,69 +236,106 @@ class _Tiny(nn.Module):
         return self.fc(torch.flatten(y, 1))
 
 
-def test_real_plan_windows_and_scatters_match_torch(monkeypatch):
-    """Every windowing and scatter of a real plan (positions at corners and edges) through both paths."""
-    from incrinf.engine import IncrementalEngine
+def _tiny_batch():
+    from incrinf.engine import BatchEngine, Boxes
+    from incrinf.geometry import input_region
     from incrinf.graph import capture
-    from incrinf.plan import build_plan
 
     torch.manual_seed(0)
     model = _Tiny().eval()
     image = torch.randn(1, 3, 16, 16)
     graph = capture(model, image.shape[1:])
-    engine = IncrementalEngine(graph, image)
     positions = np.array([[0, 0], [0, 12], [12, 0], [6, 5], [13, 13]])
-    plan = build_plan(graph, positions, (3, 3))
+    region = input_region(positions, (3, 3), (16, 16))
+    values = torch.randn(len(positions), 3, 3, 3)
+    start = Boxes(tuple(region.start.T), (3, 3), values)
+    return BatchEngine(graph, image), start
+
+
+def test_real_plan_windows_and_scatters_match_torch(monkeypatch):
+    """Every windowing and projection of a real plan (positions at corners and edges) through both paths."""
+    engine, start = _tiny_batch()
+    plan: dict = {}
+    monkeypatch.setenv(dispatch.FORCE_ENV, "1")  # plans carry the fused indexes the kernels use
+    engine.run(start, plan=plan)
+    store = engine.store
     checked = 0
-    for node in graph.nodes:
-        node_plan = plan.nodes[node.name]
-        for src, wnd in node_plan.windowings.items():
-            base = engine.padded_rows(node, src) if node.kind.name == "LOCAL" else engine.rows(src)
-            src_plan = plan.nodes[src]
-            region = torch.randn(plan.n * max(src_plan.h, 1) * max(src_plan.w, 1), base.shape[1])
-            combined = tg.fuse_window_index(wnd.read_index, wnd.dest, wnd.source, base.shape[0])
-            expected = _reference_windows(base, wnd.read_index, wnd.dest, region, wnd.source) \
-                if wnd.dest is not None else base.index_select(0, wnd.read_index)
-            monkeypatch.setenv(dispatch.FORCE_ENV, "1")
-            got = dispatch.prepare_windows(base, wnd.read_index, wnd.dest, region, wnd.source, combined)
-            assert torch.equal(got, expected), node.name
-            checked += 1
-        for src, sc in node_plan.scatters.items():
-            base = engine.rows(src)
-            region = torch.randn(plan.n * plan.nodes[src].h * plan.nodes[src].w, base.shape[1])
-            expected = torch_path.project_full(base, plan.n, sc.dest, region, sc.source)
-            monkeypatch.setenv(dispatch.FORCE_ENV, "1")
-            combined = tg.fuse_scatter_index(sc.dest, sc.source, plan.n, base.shape[0])
-            assert torch.equal(dispatch.project(base, plan.n, sc.dest, region, sc.source, combined), expected)
-            checked += 1
+    for key, index in plan.items():
+        kind, name = key[0], key[1]
+        table = store.rows(f"{name}/padded") if kind == "window" else store.rows(name)
+        if kind == "full":
+            dest, combined = index
+            region = torch.randn(int(dest.numel()), table.shape[1])
+            n = int(dest.max()) // table.shape[0] + 1
+            expected = torch_path.project_full(table, n, dest, region)
+            assert torch.equal(dispatch.project(table, n, dest, region, None, combined), expected), key
+        else:
+            read, dest, origin, combined = index
+            if dest is None:
+                continue
+            region = torch.randn(int(dest.numel() if origin is None else origin.max() + 1), table.shape[1])
+            expected = _reference_windows(table, read, dest, region, origin)
+            got = dispatch.prepare_windows(table, read, dest, region, origin, combined)
+            assert torch.equal(got, expected), key
+        checked += 1
     assert checked >= 4
 
 
 def test_engine_outputs_equal_with_triton_kernels(monkeypatch):
-    """The engine with its gathers routed through the dispatcher (Triton forced, interpreted) gives the same
-    outputs as the plain PyTorch engine."""
-    import incrinf.engine as engine_mod
-    from incrinf.graph import capture
-    from incrinf.plan import build_plan
-
-    torch.manual_seed(1)
-    model = _Tiny().eval()
-    image = torch.randn(1, 3, 16, 16)
-    graph = capture(model, image.shape[1:])
-    positions = np.array([[0, 0], [5, 9], [13, 2]])
-    plan = build_plan(graph, positions, (3, 3))
-    region = plan.prop.regions[graph.input.name]
-    h, w = int(region.h[0]), int(region.w[0])
-    values = torch.randn(len(positions), 3, h, w)
-    expected = engine_mod.IncrementalEngine(graph, image).run(plan, values)
+    """The occlusion engine with its gathers routed through the dispatcher (Triton forced, interpreted) gives
+    the same outputs as the plain PyTorch path."""
+    engine, start = _tiny_batch()
+    expected = engine.run(start).output
     launches = []  # the engine routes its gathers through the dispatcher; forcing Triton must launch kernels
-    real_gather, real_scatter = tg.gather_rows, tg.scatter_rows
+    real_gather = tg.gather_rows
     monkeypatch.setattr(tg, "gather_rows", lambda *a, **k: launches.append("g") or real_gather(*a, **k))
-    monkeypatch.setattr(tg, "scatter_rows", lambda *a, **k: launches.append("s") or real_scatter(*a, **k))
     monkeypatch.setenv(dispatch.FORCE_ENV, "1")
-    got = engine_mod.IncrementalEngine(graph, image).run(plan, values)
+    got = engine.run(start).output
     assert "g" in launches  # the kernels really ran (projection is a gather from two sources too)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _counted(launches: list[str], gather, *args, **kwargs):
+    launches.append("g")
+    return gather(*args, **kwargs)
+
+
+def test_triton_serves_a_moving_camera_frame(monkeypatch):
+    """A stream frame whose camera moved (the block walk: cached tensors gathered through index maps) gives the
+    same output with Triton's gathers as with PyTorch's, and equals full inference."""
+    from incrinf.engine import FrameEngine, Motion
+    from incrinf.graph import capture
+
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1),
+                          nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 4)).eval()
+    wide = torch.randn(1, 3, 32, 40)
+    x0, x1 = wide[..., :32], wide[..., 4:36]  # the view moves 4 px right: whole positions at strides 1 and 2
+    outputs = {}
+    for force in ("0", "1"):
+        monkeypatch.setenv(dispatch.FORCE_ENV, force)
+        launches: list[str] = []
+        monkeypatch.setattr(tg, "gather_rows", functools.partial(_counted, launches, tg.gather_rows))
+        engine = FrameEngine(capture(model, (3, 32, 32)))
+        engine.full(x0)
+        motion = Motion()
+        for dims in engine.resolutions:
+            motion.new_padding[dims] = ("left",)
+            shift = 4 * dims[1] // 32
+            cols = np.arange(dims[1]) + shift
+            motion.index[dims] = torch.from_numpy((np.arange(dims[0])[:, None] * dims[1]
+                                                   + np.minimum(cols, dims[1] - 1)[None, :]).reshape(-1))
+            motion.invalid[dims] = np.broadcast_to(cols >= dims[1], dims).copy()
+        changed = np.zeros((32, 32), bool)
+        changed[:, 28:] = True
+        engine.boxes = False  # the block walk even where a box would do
+        outputs[force] = engine.cached(x1, changed, motion)
+        assert bool(launches) == (force == "1")
+        monkeypatch.undo()
+    torch.testing.assert_close(outputs["1"], outputs["0"], rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(outputs["0"], model(x1), rtol=1e-5, atol=1e-5)
 
 
 # --- robustness to import order -------------------------------------------------------------------------
@@ -320,9 +357,9 @@ def test_fresh_process_imports_triton_first():
         os.environ.pop("TRITON_INTERPRET", None)
         import triton  # noqa: F401
         import torch
-        from incrinf.kernels import triton_gather as tg
+        from incrinf.kernels import dispatch, triton_gather as tg
         base, region = torch.randn(6, 5), torch.randn(2, 5)
-        combined = tg.fuse_window_index(torch.tensor([5, 4, 3]), torch.tensor([1]), torch.tensor([1]), 6)
+        combined = dispatch.fuse_window_index(torch.tensor([5, 4, 3]), torch.tensor([1]), torch.tensor([1]), 6)
         out = tg.gather_rows(base, combined, region)
         assert torch.equal(out, torch.stack([base[5], region[1], base[3]])), out
         print("ok")

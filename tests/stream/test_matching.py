@@ -10,9 +10,8 @@ from incrinf.stream.matching import (
     corner_distance,
     degeneracy_reason,
     estimate_homography,
-    scale_homography,
 )
-from incrinf.stream.warp import warp_image, warp_valid_mask
+from incrinf.stream.warp import scale_homography, warp_image, warp_valid_mask
 from incrinf.testing.synthetic import synthetic_camera, synthetic_scene
 
 SIZE = (160, 160)

@@ -8,10 +8,11 @@ import torch
 import torch.nn as nn
 
 from incrinf import models
+from incrinf.engine import boxes as box_walk
 from incrinf.stream import session as session_module
 from incrinf.stream.config import StreamConfig
+from incrinf.stream.executor import StreamExecutor
 from incrinf.stream.session import FrameStats, StreamSession
-from incrinf.stream.sparse import SparseExecutor
 
 H, W = 80, 96
 
@@ -216,7 +217,7 @@ def test_a_failure_inside_a_frame_does_not_corrupt_the_next(zoo, photo, monkeypa
     def boom(*args, **kwargs):
         raise RuntimeError("simulated failure in the middle of the cached path")
 
-    monkeypatch.setattr(SparseExecutor, "_run_chain", boom)
+    monkeypatch.setattr(box_walk, "_run_step", boom)
     changed = frame.copy()
     changed[10:20, 10:20] = 0
     with pytest.raises(RuntimeError, match="simulated"):
@@ -508,9 +509,22 @@ def test_a_moving_frame_builds_its_index_maps_once(zoo, photo, monkeypatch):
     session = StreamSession(model, keyframe_interval=None)
     session(_crop(photo, 40, 40))
     calls = []
-    original = SparseExecutor._warp_maps
-    monkeypatch.setattr(SparseExecutor, "_warp_maps", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    original = StreamExecutor._warp_maps
+    monkeypatch.setattr(StreamExecutor, "_warp_maps", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     frame = _crop(photo, 40, 72)
     out = session(frame, homography=np.array([[1.0, 0, -32], [0, 1, 0], [0, 0, 1]]))
     assert session.stats[-1].mode == "cached" and calls == [1]
+    _assert_close(out, _full(model, frame))
+
+
+def test_integer_pan_moves_a_stride_one_stem(photo):
+    # the first cached map has the frame's own size (a stride-1 stem, as VGG's): it moves with the camera too
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).eval()
+    session = StreamSession(model, keyframe_interval=None, still_fraction=0)
+    session(_crop(photo, 40, 40))
+    frame = _crop(photo, 40, 56)
+    out = session(frame, homography=np.array([[1.0, 0, -16], [0, 1, 0], [0, 0, 1]]))
+    assert session.stats[-1].mode == "cached" and session.stats[-1].flops_ratio > 1.0
     _assert_close(out, _full(model, frame))

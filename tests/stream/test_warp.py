@@ -8,14 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from incrinf.stream.warp import (
-    nearest_source_index,
-    source_coords,
-    warp_feature_map,
-    warp_feature_map_bilinear,
-    warp_image,
-    warp_valid_mask,
-)
+from incrinf.stream.warp import nearest_source_index, source_coords, warp_image, warp_valid_mask
 
 
 def _translation(dx: float, dy: float) -> np.ndarray:
@@ -32,6 +25,13 @@ def _shifted(prev: torch.Tensor, dx: int, dy: int, fill: float) -> torch.Tensor:
     return out
 
 
+def _gather(prev: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """A whole map read through an index map: ``out[..., p] = prev[..., idx[p]]``, ``fill`` where invalid."""
+    out = prev.flatten(-2).index_select(-1, idx)
+    out.masked_fill_(~valid, fill)
+    return out.view(prev.shape)
+
+
 @pytest.fixture(scope="module")
 def image() -> np.ndarray:
     return cv2.resize(skimage.data.astronaut(), (80, 64), interpolation=cv2.INTER_AREA)
@@ -43,7 +43,7 @@ def test_identity_index_map():
     torch.testing.assert_close(idx, torch.arange(35))
     assert bool(valid.all())
     prev = torch.randn(2, 3, 5, 7)
-    torch.testing.assert_close(warp_feature_map(prev, idx, valid), prev)
+    torch.testing.assert_close(_gather(prev, idx, valid), prev)
 
 
 def test_source_coords_inverse_mapping():
@@ -57,7 +57,7 @@ def test_source_coords_inverse_mapping():
 def test_integer_translation_shifts_exactly(dx, dy, fill):
     prev = torch.arange(2 * 3 * 8 * 9, dtype=torch.float32).view(2, 3, 8, 9)
     idx, valid = nearest_source_index(_translation(dx, dy), 8, 9, (8, 9))
-    out = warp_feature_map(prev, idx, valid, fill=fill)
+    out = _gather(prev, idx, valid, fill=fill)
     torch.testing.assert_close(out, _shifted(prev, dx, dy, fill))
     expected_valid = _shifted(torch.ones(8, 9), dx, dy, 0.0).bool()
     torch.testing.assert_close(valid.view(8, 9), expected_valid)
@@ -67,19 +67,13 @@ def test_translation_is_rescaled_to_the_feature_grid():
     # 8 px on a 64 x 96 image is 2 positions on a stride-4 map of 16 x 24.
     prev = torch.randn(1, 4, 16, 24)
     idx, valid = nearest_source_index(_translation(8, -4), 16, 24, (64, 96))
-    torch.testing.assert_close(warp_feature_map(prev, idx, valid), _shifted(prev, 2, -1, 0.0))
+    torch.testing.assert_close(_gather(prev, idx, valid), _shifted(prev, 2, -1, 0.0))
 
 
 def test_integer_dtypes_and_leading_dims():
     prev = torch.randint(-128, 127, (3, 6, 6), dtype=torch.int8)
     idx, valid = nearest_source_index(_translation(1, 2), 6, 6, (6, 6))
-    torch.testing.assert_close(warp_feature_map(prev, idx, valid, fill=0), _shifted(prev, 1, 2, 0))
-
-
-def test_index_map_size_mismatch_raises():
-    idx, valid = nearest_source_index(np.eye(3), 4, 4, (4, 4))
-    with pytest.raises(ValueError, match="index map has 16 entries"):
-        warp_feature_map(torch.zeros(1, 1, 5, 5), idx, valid)
+    torch.testing.assert_close(_gather(prev, idx, valid, fill=0), _shifted(prev, 1, 2, 0))
 
 
 @pytest.mark.parametrize("interpolation", ["bilinear", "nearest"])
@@ -102,24 +96,3 @@ def test_warp_image_grayscale_and_out_size(image):
     assert out.shape == (50, 70)
     np.testing.assert_array_equal(out[1:, 2:], gray[:49, :68])
     assert (out[0] == 255).all()
-
-
-def test_bilinear_integer_translation_equals_gather():
-    prev = torch.randn(2, 3, 10, 12)
-    out, valid = warp_feature_map_bilinear(prev, _translation(3, -2), (10, 12), fill=7.0)
-    torch.testing.assert_close(out, _shifted(prev, 3, -2, 7.0))
-    idx, valid_nearest = nearest_source_index(_translation(3, -2), 10, 12, (10, 12))
-    torch.testing.assert_close(valid.view(-1), valid_nearest)
-
-
-def test_bilinear_matches_opencv_warp():
-    rng = np.random.default_rng(0)
-    smooth = cv2.GaussianBlur(rng.uniform(0, 255, (48, 64)).astype(np.float32), (0, 0), 3)
-    matrix = np.array([[1.04, 0.02, -1.3], [-0.01, 1.03, 0.7], [1e-4, -2e-4, 1.0]])
-    out, valid = warp_feature_map_bilinear(torch.from_numpy(smooth)[None, None], matrix, (48, 64))
-    reference = warp_image(smooth, matrix)
-    assert valid.numpy().mean() > 0.8
-    np.testing.assert_array_equal(valid.numpy(), warp_valid_mask(matrix, (48, 64)))
-    # OpenCV quantises sampling positions to 1/32 px, hence the tolerance.
-    np.testing.assert_allclose(out[0, 0].numpy()[valid.numpy()], reference[valid.numpy()], atol=0.3)
-    assert (out[0, 0].numpy()[~valid.numpy()] == 0).all()

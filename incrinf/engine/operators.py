@@ -1,0 +1,178 @@
+"""Operator handling, once for every workload: invoking a node on region values, the window operator with
+padding 0 (its windows arrive pre-padded), batch-norm folding, 1x1 convolutions as matrix products over rows,
+and the average-pool border correction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from incrinf.graph import Graph, Node, NodeKind, Operator
+from incrinf.graph.execute import arguments, invoke, module_of, unary
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+WindowOp = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _arg(args: list, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+class Operators:
+    """Bound operators of one captured graph.
+
+    Args:
+        graph: the captured graph (its module runs the nodes; may be a private copy, see
+            :func:`incrinf.graph.execute.copy_graph`).
+        env: every node's value for one input (constants are taken from it; shapes are read from it).
+    """
+
+    def __init__(self, graph: Graph, env: dict[str, Any]) -> None:
+        self.graph = graph
+        self.d = graph.spatial_dims
+        self.constants = {n.name: env[n.name] for n in graph.nodes if n.kind == NodeKind.CONSTANT}
+
+    # --- any node ----------------------------------------------------------------------------------------
+
+    def invoke(self, node: Node, values: dict[str, Any], like: torch.Tensor | None = None) -> Any:
+        """Run ``node`` on ``values`` (its tensor inputs by name); constants are bound and sizes (META nodes, e.g.
+        a channel shuffle's ``view``) evaluated for the region at hand: a tensor they read that ``values`` lacks
+        stands in with its channels and the batch and spatial extents of ``like`` (the region's values)."""
+        return invoke(self.graph, node, self._lookup(dict(values), like))
+
+    def _lookup(self, values: dict[str, Any], like: torch.Tensor | None = None) -> Callable[[str], Any]:
+        d = self.d
+
+        def value(name: str) -> Any:
+            if name in values:
+                return values[name]
+            if name in self.constants:
+                return self.constants[name]
+            node = self.graph.by_name[name]
+            if node.kind == NodeKind.META:
+                values[name] = invoke(self.graph, node, value)
+                return values[name]
+            if like is not None and self.graph.is_map(node.shape):  # only its size is read (by a META node)
+                shape = (like.shape[0], *node.shape[1:-d], *like.shape[-d:])
+                return torch.empty(shape, dtype=like.dtype, device="meta")
+            raise KeyError(f"no value for {name} (an input of a region step)")
+
+        return value
+
+    def _parameters(self, node: Node) -> tuple[list, dict]:
+        """A node's arguments with constants bound and tensor inputs as None (to read its settings)."""
+        return arguments(node, lambda name: self.constants.get(name))
+
+    def unary(self, node: Node, source: str) -> Callable[[Any], Any]:
+        """``node`` as a function of its input ``source`` alone, the rest bound once (see
+        :func:`incrinf.graph.execute.unary`)."""
+        if any(self.graph.by_name[i].kind == NodeKind.META for i in node.inputs):
+            return lambda v: self.invoke(node, {source: v}, like=v)  # sizes follow the values
+        return unary(self.graph, node, source, self._lookup({}))
+
+    # --- local nodes -------------------------------------------------------------------------------------
+
+    def conv_params(self, node: Node) -> tuple[torch.Tensor, torch.Tensor | None, Any, Any, int] | None:
+        """``(weight, bias, stride, dilation, groups)`` of a convolution node, else None."""
+        if node.operator != Operator.CONV:
+            return None
+        mod = module_of(self.graph, node)
+        if mod is not None:
+            return mod.weight, mod.bias, mod.stride, mod.dilation, mod.groups
+        args, kwargs = self._parameters(node)
+        return (_arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias"), _arg(args, kwargs, 3, "stride", 1),
+                _arg(args, kwargs, 5, "dilation", 1), int(_arg(args, kwargs, 6, "groups", 1)))
+
+    def batch_norm(self, node: Node) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(scale, shift)`` of an eval-mode batch-norm module node (``y = x * scale + shift``), else None."""
+        if node.operator != Operator.BATCH_NORM:
+            return None
+        mod = module_of(self.graph, node)
+        scale = torch.rsqrt(mod.running_var + mod.eps)
+        if mod.weight is not None:
+            scale = scale * mod.weight
+        shift = -mod.running_mean * scale
+        if mod.bias is not None:
+            shift = shift + mod.bias
+        return scale.detach(), shift.detach()
+
+    def fold(self, conv: Node, bn: Node) -> tuple[torch.Tensor, torch.Tensor, Any, Any, int]:
+        """A convolution followed by a batch norm as one convolution's parameters."""
+        weight, bias, stride, dilation, groups = self.conv_params(conv)
+        scale, shift = self.batch_norm(bn)
+        folded = (weight * scale.view(-1, *([1] * (weight.dim() - 1)))).detach()
+        if weight.dim() == 4:
+            folded = folded.contiguous(memory_format=torch.channels_last)
+        folded_bias = shift if bias is None else bias.detach() * scale + shift
+        return folded, folded_bias.contiguous(), stride, dilation, groups
+
+    def window(self, node: Node, folded: tuple | None = None) -> WindowOp:
+        """The LOCAL node's operator with padding 0 (its input windows arrive padded), ``folded`` convolution
+        parameters replacing its own."""
+        d = self.d
+        if node.operator == Operator.CONV:
+            weight, bias, stride, dilation, groups = folded or self.conv_params(node)
+            conv = _CONV[d]
+            return lambda x: conv(x, weight, bias, stride, 0, dilation, groups)
+        if node.operator == Operator.WINDOWED:
+            return module_of(self.graph, node).without_padding()
+        g = node.geometry
+        kernel = tuple((e - 1) // dl + 1 for e, dl in zip(g.kernel, g.dilation))
+        if node.operator in (Operator.MAX_POOL, Operator.ADAPTIVE_MAX_POOL):
+            pool = _MAX_POOL[d]
+            return lambda x: pool(x, kernel, g.stride, 0, g.dilation)
+        if node.operator in (Operator.AVG_POOL, Operator.ADAPTIVE_AVG_POOL):
+            pool = _AVG_POOL[d]
+            return lambda x: pool(x, kernel, g.stride, 0)
+        raise AssertionError(f"no window operator for {node.name} ({node.op})")
+
+    def linear(self, node: Node, folded: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(weight (C_out, C_in), bias)`` of a 1x1, stride-1, unpadded, ungrouped convolution, to run as a
+        matrix product over rows of positions; None for anything else."""
+        if node.operator != Operator.CONV or node.is_window:
+            return None
+        weight, bias, _, _, groups = folded or self.conv_params(node)
+        if groups != 1:
+            return None
+        return weight.reshape(weight.shape[0], -1).contiguous(), bias
+
+    def border_factors(self, node: Node, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """(1, 1, *out) factors turning a plain k-element average into the node's true average (which may
+        divide by fewer elements at the border: ``count_include_pad=False``, ``ceil_mode`` overhang,
+        ``divisor_override``); None when every output divides by the kernel size."""
+        if node.operator != Operator.AVG_POOL:
+            return None
+        mod = module_of(self.graph, node)
+        if mod is not None:
+            kernel, stride, padding = mod.kernel_size, mod.stride or mod.kernel_size, mod.padding
+            ceil_mode, include_pad = mod.ceil_mode, mod.count_include_pad
+            override = getattr(mod, "divisor_override", None)
+        else:
+            args, kwargs = self._parameters(node)
+            kernel = _arg(args, kwargs, 1, "kernel_size")
+            stride = _arg(args, kwargs, 2, "stride", None) or kernel
+            padding = _arg(args, kwargs, 3, "padding", 0)
+            ceil_mode = _arg(args, kwargs, 4, "ceil_mode", False)
+            include_pad = _arg(args, kwargs, 5, "count_include_pad", True)
+            override = _arg(args, kwargs, 6, "divisor_override", None) if self.d > 1 else None
+        d = self.d
+        in_dims = self.graph.by_name[node.inputs[0]].shape[-d:]
+        ones = torch.ones(1, 1, *in_dims, dtype=dtype, device=device)
+        options = (kernel, stride, padding, ceil_mode, include_pad) + ((override,) if d > 1 else ())
+        true = _AVG_POOL[d](ones, *options)
+        g = node.geometry
+        pads = []
+        for before, after in zip(reversed(g.pad_before), reversed(g.pad_after)):
+            pads.extend((before, after))
+        plain = _AVG_POOL[d](F.pad(ones, pads), kernel, stride, 0)
+        plain = plain[(..., *(slice(0, n) for n in true.shape[-d:]))]
+        factors = true / plain.clamp_min(1e-12)
+        return None if torch.allclose(factors, torch.ones_like(factors)) else factors
+

@@ -1,0 +1,197 @@
+"""The read-in windows of a sliding-window step, in the coordinates of the tensor it reads.
+
+Constant-padding nodes that feed only windows (EfficientNet's "static same" padding) are not run: a window
+reads their source with their padding as a *view* in front of its own. A window's padded source is therefore
+``source`` padded first by the views' value, then by the operator's own padding value; :func:`padded_map`
+builds it whole, :func:`padded_crop` only around one output box (a view of the source where no padding is
+needed), and :func:`padded_rows` as a row table for gathers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from incrinf.graph import Graph, Node, NodeKind, Operator
+from incrinf.kernels.gather import to_rows
+
+Bounds = tuple[int, ...]  # (lo0, hi0, lo1, hi1, ...): half-open per spatial axis, outermost first; (y0, y1, x0, x1)
+EMPTY: Bounds = ()
+
+
+@dataclass
+class WindowSpec:
+    """A sliding-window step's geometry in its source's coordinates (padding views resolved).
+
+    Attributes:
+        source: the tensor the window reads (behind any padding views).
+        offset: (d,) padding before the first element: views plus the operator's own (source coord =
+            ``out * stride + tap - offset``).
+        view_before, view_after: (d,) extent of the padding views around the source.
+        view_value: value of the views' border.
+        pad_value: value of the operator's own padding, outside the views.
+        own_after: (d,) the operator's own padding after the views.
+        extent: (d,) effective kernel extent.
+        stride: (d,) stride.
+        dilation: (d,) dilation.
+        cheap: a pool or depthwise convolution (about one multiply-add per element and tap).
+    """
+
+    source: str
+    offset: tuple[int, ...]
+    view_before: tuple[int, ...]
+    view_after: tuple[int, ...]
+    view_value: float
+    pad_value: float
+    own_after: tuple[int, ...]
+    extent: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    cheap: bool
+    tables: dict = field(default_factory=dict, repr=False)  # per block size, built once (see block_table)
+
+    @property
+    def pads(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """``(view_before, view_after, own_before, own_after)`` per axis."""
+        own_before = tuple(o - v for o, v in zip(self.offset, self.view_before))
+        return self.view_before, self.view_after, own_before, self.own_after
+
+    def read_size(self, out_size: tuple[int, ...]) -> tuple[int, ...]:
+        """Read-in window extent of ``out_size`` outputs."""
+        return tuple((n - 1) * s + e for n, s, e in zip(out_size, self.stride, self.extent))
+
+
+def window_spec(graph: Graph, node: Node) -> WindowSpec:
+    """The :class:`WindowSpec` of a LOCAL node, reading through any chain of padding nodes in front of it."""
+    g = node.geometry
+    d = graph.spatial_dims
+    source = node.inputs[0]
+    before, after = [0] * d, [0] * d
+    view_value = 0.0
+    while graph.by_name[source].kind == NodeKind.PAD:
+        pad = graph.by_name[source]
+        in_dims = graph.by_name[pad.inputs[0]].shape[-d:]
+        for a in range(d):
+            before[a] += pad.shift[a]
+            after[a] += pad.shape[-d + a] - in_dims[a] - pad.shift[a]
+        view_value = pad.pad_value
+        source = pad.inputs[0]
+    cheap = node.operator in (Operator.MAX_POOL, Operator.AVG_POOL, Operator.ADAPTIVE_MAX_POOL,
+                              Operator.ADAPTIVE_AVG_POOL) or node.is_depthwise
+    return WindowSpec(source, tuple(b + p for b, p in zip(before, g.pad_before)), tuple(before), tuple(after),
+                      view_value, g.pad_value, tuple(g.pad_after), tuple(g.kernel), tuple(g.stride),
+                      tuple(g.dilation), cheap)
+
+
+def _pad_args(before: tuple[int, ...], after: tuple[int, ...]) -> list[int]:
+    """``F.pad``'s argument: (before, after) pairs from the last axis backwards."""
+    out: list[int] = []
+    for b, a in zip(reversed(before), reversed(after)):
+        out.extend((b, a))
+    return out
+
+
+def padded_map(spec: WindowSpec, source: torch.Tensor) -> torch.Tensor:
+    """The whole source (N, C, *dims) padded for the window: views' value first, then the operator's own."""
+    view_before, view_after, own_before, own_after = spec.pads
+    if any(view_before) or any(view_after):
+        source = F.pad(source, _pad_args(view_before, view_after), value=spec.view_value)
+    if any(own_before) or any(own_after):
+        source = F.pad(source, _pad_args(own_before, own_after), value=spec.pad_value)
+    return source
+
+
+def padded_rows(spec: WindowSpec, source: torch.Tensor) -> torch.Tensor:
+    """:func:`padded_map` as rows (one per padded position, channels-last), for gathering windows."""
+    return to_rows(padded_map(spec, source)).contiguous()
+
+
+def padded_crop(spec: WindowSpec, source: torch.Tensor, bounds: Bounds) -> torch.Tensor:
+    """The read-in window of the output box ``bounds``: a crop (a view) of ``source`` (1, C, *dims), padded where
+    it reaches beyond the map (first the views' value, then the operator's own).
+
+    Returns:
+        (1, C, *read_size) ready for the operator with padding 0.
+    """
+    d = len(spec.stride)
+    dims = source.shape[-d:]
+    lo = [bounds[2 * a] * spec.stride[a] - spec.offset[a] for a in range(d)]
+    hi = [(bounds[2 * a + 1] - 1) * spec.stride[a] - spec.offset[a] + spec.extent[a] for a in range(d)]
+    crop = source[(..., *(slice(max(lo[a], 0), min(hi[a], dims[a])) for a in range(d)))]
+    need_before = [max(0, -lo[a]) for a in range(d)]
+    need_after = [max(0, hi[a] - dims[a]) for a in range(d)]
+    if not any(need_before) and not any(need_after):
+        return crop
+    view_b = tuple(min(n, v) for n, v in zip(need_before, spec.view_before))
+    view_a = tuple(min(n, v) for n, v in zip(need_after, spec.view_after))
+    if any(view_b) or any(view_a):
+        crop = F.pad(crop, _pad_args(view_b, view_a), value=spec.view_value)
+    own_b = tuple(n - v for n, v in zip(need_before, view_b))
+    own_a = tuple(n - v for n, v in zip(need_after, view_a))
+    if any(own_b) or any(own_a):
+        crop = F.pad(crop, _pad_args(own_b, own_a), value=spec.pad_value)
+    return crop
+
+
+def box_rows(start: np.ndarray, size: tuple[int, ...], dims: tuple[int, ...], batch_stride: int = 0) -> np.ndarray:
+    """Row index of every element of N boxes in a row-major map of extents ``dims``.
+
+    Args:
+        start: (N, d) first corners.
+        size: (d,) the boxes' uniform extent.
+        dims: (d,) the map's extents.
+        batch_stride: added per box (rows of one map, to index N stacked maps).
+
+    Returns:
+        (N * prod(size),) int64, boxes outermost, then the box's elements row-major.
+    """
+    n, d = start.shape
+    rows = np.zeros((n, *size), np.int64)
+    for a in range(d):
+        shape = [1] * (d + 1)
+        shape[a + 1] = size[a]
+        coord = start[:, a].reshape(-1, *([1] * d)) + np.arange(size[a]).reshape(shape)
+        rows = rows * dims[a] + coord
+    rows += (np.arange(n) * batch_stride).reshape(-1, *([1] * d))
+    return rows.reshape(-1)
+
+
+@dataclass
+class BlockTable:
+    """Read-in windows of every output block of a window step, built once: a frame only picks rows.
+
+    Attributes:
+        index: (blocks, prod(read)) source row of each window element (0 on padding).
+        codes: (blocks, prod(read)) int8: 0 inside the source, 1 on a padding view, 2 on the operator's own padding.
+        border: (blocks,) bool, whether the block's window touches any padding.
+    """
+
+    index: torch.Tensor
+    codes: np.ndarray
+    border: np.ndarray
+
+
+def block_table(spec: WindowSpec, grid: tuple[int, ...], block: tuple[int, ...], source_dims: tuple[int, ...],
+                device: torch.device) -> BlockTable:
+    """The :class:`BlockTable` of ``grid`` blocks of ``block`` outputs each, reading a source of ``source_dims``."""
+    d = len(grid)
+    read = spec.read_size(block)
+    coords = np.unravel_index(np.arange(math.prod(grid)), grid)
+    inside = in_view = True
+    index = 0
+    for a in range(d):
+        shape = [-1] + [1] * d
+        shape[a + 1] = read[a]
+        first = (coords[a] * block[a] * spec.stride[a] - spec.offset[a]).reshape(-1, *([1] * d))
+        c = first + np.arange(read[a]).reshape(shape)
+        inside = inside & (c >= 0) & (c < source_dims[a])
+        in_view = in_view & (c >= -spec.view_before[a]) & (c < source_dims[a] + spec.view_after[a])
+        index = index * source_dims[a] + np.clip(c, 0, source_dims[a] - 1)
+    inside, in_view = np.broadcast_arrays(inside, in_view)
+    codes = np.where(inside, 0, np.where(in_view, 1, 2)).astype(np.int8).reshape(len(coords[0]), -1)
+    index = np.where(inside, np.broadcast_to(index, inside.shape), 0).reshape(len(coords[0]), -1)
+    return BlockTable(torch.from_numpy(index).to(device), codes, (codes != 0).any(axis=1))

@@ -1,0 +1,246 @@
+"""The engine's frame cache driven by camera motion: homographies become per-resolution index maps.
+
+A frame's homography (previous -> current, input pixel coordinates) is scaled to every cached resolution and
+turned into a nearest-neighbour index map (:class:`~incrinf.engine.blocks.Motion`). Nearest-neighbour reads round
+every frame; to keep that rounding from adding up over frames (a 3 px pan is 0.09 of a stride-32 position:
+rounded to 0 every frame, the deep cache would never move), each resolution keeps a *drift* field: the offset
+between where a position's cached content belongs and where it sits. Reads compensate for it, the field takes
+the new rounding error, and recomputed positions have none. Positions the motion misplaces by more than
+``max_misalignment`` are recomputed instead of reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from incrinf.engine import CacheMemory, ExecStats, FrameEngine, Motion
+from incrinf.graph import Graph
+from incrinf.stream.warp import scale_homography
+
+
+@dataclass
+class _Warp:
+    """One resolution's map for a frame: source rows (None: identity), positions without a usable source (None:
+    none), the drift after the move, and the sides whose padding held content in the previous frame."""
+
+    index: torch.Tensor | None
+    invalid: np.ndarray | None
+    drift: np.ndarray
+    new_padding: tuple[str, ...] = ()
+
+
+class StreamExecutor:
+    """Full and cached inference of camera frames (a :class:`~incrinf.engine.FrameEngine` plus motion).
+
+    Args:
+        graph: captured graph for the frame size.
+        device: device of the model and the frames.
+        feature_threshold: value-based pruning of frames where the camera did not move (0: exact).
+        moving_feature_threshold: the same for frames where it moved.
+        max_misalignment: recompute cached positions whose content the nearest-neighbour warp misplaces by more
+            than this (in positions of their map).
+
+    Attributes:
+        engine: the frame engine.
+        last: :class:`~incrinf.engine.ExecStats` of the latest frame; ``full_reason`` is set when a cached frame
+            ran as full inference instead (and why).
+    """
+
+    def __init__(self, graph: Graph, device: torch.device | str = "cpu", feature_threshold: float = 0.0,
+                 moving_feature_threshold: float | None = None, max_misalignment: float = 0.5) -> None:
+        if moving_feature_threshold is None:
+            moving_feature_threshold = feature_threshold
+        for name, value in (("feature_threshold", feature_threshold),
+                            ("moving_feature_threshold", moving_feature_threshold)):
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if not 0.0 <= max_misalignment <= 0.5:
+            raise ValueError(f"max_misalignment must be in [0, 0.5] positions, got {max_misalignment}")
+        self.engine = FrameEngine(graph, device)
+        self.feature_threshold = float(feature_threshold)
+        self.moving_feature_threshold = float(moving_feature_threshold)
+        self.max_misalignment = float(max_misalignment)
+        self.input_dims = tuple(graph.input_shape[-2:])
+        self._grids = {r: np.mgrid[0:r[0], 0:r[1]].astype(np.float64) for r in self.engine.resolutions}
+        self._arange = {r: np.arange(r[0] * r[1]) for r in self.engine.resolutions}
+        self._drift: dict[tuple[int, int], np.ndarray] = {}
+        self._memo: tuple[bytes, dict[tuple[int, int], _Warp]] | None = None
+        self.full_reason = ""
+
+    # --- the engine's surface ----------------------------------------------------------------------------
+
+    @property
+    def last(self) -> ExecStats:
+        return self.engine.last
+
+    @property
+    def has_cache(self) -> bool:
+        return self.engine.has_cache
+
+    @property
+    def dense_cut(self) -> float:
+        return self.engine.dense_cut
+
+    def cache_memory(self) -> CacheMemory:
+        return self.engine.cache_memory()
+
+    def reset(self) -> None:
+        """Drop the cache (the next frame must go through :meth:`full`)."""
+        self.engine.reset()
+        self._drift = {}
+        self._memo = None
+
+    # --- frames ------------------------------------------------------------------------------------------
+
+    def full(self, x: torch.Tensor) -> Any:
+        """Full inference of ``x`` (1, C, H, W) that also refills the cache."""
+        self._drift = {r: np.zeros((2, *r)) for r in self.engine.cached_resolutions}
+        self._memo = None
+        self.full_reason = ""
+        thresholds = self.feature_threshold > 0 or self.moving_feature_threshold > 0
+        return self.engine.full(x, scales=thresholds)
+
+    def unusable_fraction(self, matrix: np.ndarray) -> float:
+        """Share of the first cached map that the motion ``matrix`` (3, 3, previous -> current, input pixel
+        coords) leaves without a usable source; above ``dense_cut`` :meth:`cached` runs full inference, so a
+        caller can skip preparing the change mask."""
+        warps = self._warps(matrix)
+        invalid = warps[self.engine.first_resolution].invalid if self.engine.first_resolution in warps else None
+        return float(invalid.mean()) if invalid is not None else 0.0
+
+    def cached(self, x: torch.Tensor, changed: np.ndarray, matrix: np.ndarray) -> Any:
+        """Inference of a frame from the cache.
+
+        Args:
+            x: (1, C, H, W) the frame as the model sees it.
+            changed: (H, W) bool, pixels to recompute.
+            matrix: (3, 3) homography previous -> current frame, in pixel coords of ``x``.
+
+        Returns:
+            The model's output for ``x``.
+        """
+        self.full_reason = ""
+        unusable = self.unusable_fraction(matrix)
+        warps, self._memo = self._warps(matrix), None
+        if unusable > self.dense_cut:
+            # the motion leaves most of the first cached map without a usable source: everything after it would
+            # be recomputed, and full inference does that with less bookkeeping
+            out = self.full(x)
+            self.full_reason = f"{unusable:.0%} of the cache misaligned by the motion"
+            return out
+        still = all(w.index is None and w.invalid is None and not w.new_padding for w in warps.values())
+        motion = None if still else Motion(
+            {r: w.index for r, w in warps.items() if w.index is not None},
+            {r: w.invalid for r, w in warps.items() if w.invalid is not None},
+            {r: w.new_padding for r, w in warps.items() if w.new_padding})
+        drifting = any(d.any() for d in self._drift.values())
+        threshold = self.feature_threshold if still else self.moving_feature_threshold
+        out = self.engine.cached(x, changed, motion, threshold, fresh=drifting or not still)
+        for res, warp in warps.items():
+            if res not in self.engine.cached_resolutions:
+                continue
+            drift = warp.drift
+            fresh = self.engine.last.fresh.get(res)
+            if fresh is not None:
+                drift[:, fresh] = 0.0
+            self._drift[res] = drift
+        return out
+
+    # --- warping -----------------------------------------------------------------------------------------
+
+    def _warps(self, matrix: np.ndarray) -> dict[tuple[int, int], _Warp]:
+        """:meth:`_warp_maps` of this frame's motion, computed once when :meth:`unusable_fraction` asked first
+        (the maps depend on the drift, which changes only when a frame ends: the memo is dropped then)."""
+        matrix = np.asarray(matrix, dtype=np.float64)
+        key = matrix.tobytes()
+        if self._memo is None or self._memo[0] != key:
+            self._memo = (key, self._warp_maps(matrix))
+        return self._memo[1]
+
+    def _warp_maps(self, matrix: np.ndarray) -> dict[tuple[int, int], _Warp]:
+        """Per cached resolution, where each current position reads the previous map (the first cached map
+        first: when the motion leaves most of it without a source, only it is returned, since the frame then
+        runs as full inference)."""
+        first = self.engine.first_resolution
+        still = np.allclose(matrix, np.eye(3), rtol=0.0, atol=1e-12)
+        warps: dict[tuple[int, int], _Warp] = {}
+        for res in sorted(self.engine.resolutions, key=lambda r: r != first):
+            if warps.get(first) is not None and warps[first].invalid is not None \
+                    and warps[first].invalid.mean() > self.dense_cut:
+                break
+            h, w = res
+            drift = self._drift.get(res)
+            # a cached tensor of the frame's size (a stride-1 stem) moves; the frame itself never does
+            cached = res in self.engine.cached_resolutions
+            if still and (not cached or drift is None or np.abs(drift).max() < 0.5):
+                # a still camera: every map is read in place and keeps its drift
+                warps[res] = _Warp(None, None, drift if drift is not None else np.zeros((2, h, w)))
+                continue
+            m = scale_homography(matrix, self.input_dims, res)
+            inv = np.linalg.inv(m)
+            sides = _new_padding(inv, h, w)
+            if not cached:  # the frame itself is never cached: only its padding matters
+                warps[res] = _Warp(None, None, np.zeros((2, h, w)), sides)
+                continue
+            ys, xs = self._grids[res]
+            hw_ = inv[2, 0] * xs + inv[2, 1] * ys + inv[2, 2]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                hw_ = np.where(hw_ > 0, hw_, np.nan)
+                sx = (inv[0, 0] * xs + inv[0, 1] * ys + inv[0, 2]) / hw_
+                sy = (inv[1, 0] * xs + inv[1, 1] * ys + inv[1, 2]) / hw_
+                valid = (sx >= -0.5) & (sx < w - 0.5) & (sy >= -0.5) & (sy < h - 0.5)
+            all_valid = bool(valid.all())
+            if not all_valid:
+                sx = np.where(valid, sx, np.clip(np.nan_to_num(sx), 0, w - 1))
+                sy = np.where(valid, sy, np.clip(np.nan_to_num(sy), 0, h - 1))
+            if drift is None:
+                drift = np.zeros((2, h, w))
+            qy0 = np.clip(np.floor(sy + 0.5), 0, h - 1).astype(np.int64)
+            qx0 = np.clip(np.floor(sx + 0.5), 0, w - 1).astype(np.int64)
+            qy = np.clip(np.floor(sy - drift[0][qy0, qx0] + 0.5), 0, h - 1).astype(np.int64)
+            qx = np.clip(np.floor(sx - drift[1][qy0, qx0] + 0.5), 0, w - 1).astype(np.int64)
+            index = (qy * w + qx).reshape(-1)
+            identity = all_valid and bool((index == self._arange[res]).all())
+            # where the content read from q belongs in the current frame, minus where it is put
+            ly, lx = qy + drift[0][qy, qx], qx + drift[1][qy, qx]
+            pw = m[2, 0] * lx + m[2, 1] * ly + m[2, 2]
+            new_drift = np.stack([(m[1, 0] * lx + m[1, 1] * ly + m[1, 2]) / pw - ys,
+                                  (m[0, 0] * lx + m[0, 1] * ly + m[0, 2]) / pw - xs])
+            if self.max_misalignment < 0.5:
+                # cached content further than this from where it belongs is recomputed, not reused
+                off = (np.abs(new_drift) > self.max_misalignment).any(axis=0)
+                if off.any():
+                    valid = valid & ~off
+                    all_valid = False
+            if not all_valid:
+                new_drift[:, ~valid] = 0.0
+            warps[res] = _Warp(None if identity else torch.from_numpy(index).to(self.engine.device),
+                               None if all_valid else ~valid, new_drift, sides)
+        return warps
+
+
+def _new_padding(inv: np.ndarray, h: int, w: int) -> tuple[str, ...]:
+    """Sides of an (h, w) map whose zero padding lies inside the previous map (``inv``: current -> previous
+    coords): positions reading that padding saw image content in the previous frame."""
+    def source(xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        hw_ = inv[2, 0] * xs + inv[2, 1] * ys + inv[2, 2]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return ((inv[0, 0] * xs + inv[0, 1] * ys + inv[0, 2]) / hw_,
+                    (inv[1, 0] * xs + inv[1, 1] * ys + inv[1, 2]) / hw_)
+
+    cols, rows = np.arange(w, dtype=np.float64), np.arange(h, dtype=np.float64)
+    sides = []
+    with np.errstate(invalid="ignore"):
+        if (source(cols, np.zeros(w))[1] >= 0.5).any():
+            sides.append("top")
+        if (source(cols, np.full(w, h - 1.0))[1] < h - 1.5).any():
+            sides.append("bottom")
+        if (source(np.zeros(h), rows)[0] >= 0.5).any():
+            sides.append("left")
+        if (source(np.full(h, w - 1.0), rows)[0] < w - 1.5).any():
+            sides.append("right")
+    return tuple(sides)
