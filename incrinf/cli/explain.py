@@ -99,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--out", default="heatmap.png", help="picture to write, or the folder of a dataset run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_explain_options(p)
-    from incrinf.explain.dataset_cli import add_dataset_arguments
+    from incrinf.cli.dataset import add_dataset_arguments
 
     add_dataset_arguments(p)
     p.set_defaults(func=run)
@@ -120,8 +120,8 @@ def _read_image(path: str | None) -> np.ndarray:
 
 def run(args: argparse.Namespace) -> int:
     from incrinf import models
+    from incrinf.cli.dataset import is_dataset_run, run_dataset
     from incrinf.explain import approx
-    from incrinf.explain.dataset_cli import is_dataset_run, run_dataset
 
     options = apply_explain_options(args)
     if is_dataset_run(args):
