@@ -1,7 +1,7 @@
 """incrinf: incremental CNN inference for occlusion explanations and camera streams.
 
 Entry points: :func:`analyze` (theoretical speedup), :func:`occlusion` (heat maps) and :func:`tune`,
-``incrinf.captum`` (Captum drop-ins), :class:`StreamSession` (camera streams) with :class:`StreamConfig`,
+``incrinf.captum`` and ``incrinf.monai`` (Captum and MONAI drop-ins), :class:`StreamSession` (camera streams) with :class:`StreamConfig`,
 :class:`OffloadingSession` (streams with an offload server), :func:`runtime_cache` (plan cache),
 :func:`capture` (the typed graph), and the submodules ``incrinf.models`` (zoo) and ``incrinf.kernels``.
 Everything beyond the occlusion path loads on first use, so ``import incrinf`` stays light.
@@ -30,6 +30,7 @@ _LAZY = {
     "depthwise_conv2d_int8": "incrinf.kernels.depthwise_int8",
     "models": "incrinf.models:",
     "captum": "incrinf.captum:",
+    "monai": "incrinf.monai:",
     "kernels": "incrinf.kernels:",
     "stream": "incrinf.stream:",
     "offload": "incrinf.offload:",
