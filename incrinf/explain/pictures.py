@@ -44,7 +44,8 @@ def save_heatmap(pixel: np.ndarray, path: str | Path, image: np.ndarray | torch.
     else:
         raise ValueError(f"cannot draw a heat map with {d} spatial axes")
     fig.suptitle(title)
-    fig.tight_layout()
+    if d != 3:  # the montage lays itself out (constrained, with one colour bar for every slice)
+        fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -86,14 +87,16 @@ def _montage(plt, pixel: np.ndarray, image, label: str):
         volume = _numpy(image)
         volume = volume.reshape(-1, *volume.shape[-3:]).mean(axis=0)
     low, high = float(pixel.min()), float(pixel.max())
-    fig, axes = plt.subplots(1, len(picks), figsize=(2.6 * len(picks) + 1.2, 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(picks), figsize=(2.6 * len(picks) + 1.2, 3.2), squeeze=False,
+                             layout="constrained")
     shown = None
     for ax, z in zip(axes[0], picks):
+        # origin "lower": the file's second axis (y, anterior in RAS volumes) points up
         if volume is not None:
-            ax.imshow(volume[z], cmap="gray")
-            shown = ax.imshow(pixel[z], cmap="jet", alpha=0.45, vmin=low, vmax=high)
+            ax.imshow(volume[z], cmap="gray", origin="lower")
+            shown = ax.imshow(pixel[z], cmap="jet", alpha=0.45, vmin=low, vmax=high, origin="lower")
         else:
-            shown = ax.imshow(pixel[z], cmap="jet", vmin=low, vmax=high)
+            shown = ax.imshow(pixel[z], cmap="jet", vmin=low, vmax=high, origin="lower")
         ax.set_title(f"slice {z}")
         ax.set_axis_off()
     fig.colorbar(shown, ax=axes[0].tolist(), label=label, shrink=0.8)
