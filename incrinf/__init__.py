@@ -29,6 +29,7 @@ _LAZY = {
     "OffloadingSession": "incrinf.offload.session",
     "QuantizedDepthwiseConv2d": "incrinf.kernels.quantized_module",
     "depthwise_conv2d_int8": "incrinf.kernels.depthwise_int8",
+    "explain_dataset": "incrinf.explain.dataset",
     "models": "incrinf.models:",
     "captum": "incrinf.captum:",
     "monai": "incrinf.monai:",

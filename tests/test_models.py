@@ -8,12 +8,13 @@ import torch
 from incrinf import models
 
 
-def test_efficientnet_lite0_real_weights_classify_the_cat() -> None:
-    model = models.load("efficientnet_lite0")
-    x = models.preprocess(models.sample_image())
-    assert x.shape == (3, 224, 224)
+@pytest.mark.parametrize("name,size", [("efficientnet_lite0", 224), ("efficientnet_lite1", 240)])
+def test_efficientnet_lite_real_weights_classify_the_cat(name: str, size: int) -> None:
+    model = models.load(name)
+    x = models.preprocess(models.sample_image(), name)
+    assert x.shape == (3, size, size) and models.info(name).pretrained
     with torch.no_grad():
-        assert int(model(x[None]).argmax()) == 285
+        assert int(model(x[None]).argmax()) == 285  # Egyptian cat
 
 
 def test_preprocess_without_crop_keeps_aspect() -> None:

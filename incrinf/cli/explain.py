@@ -18,6 +18,9 @@ def add_explain_options(parser: argparse.ArgumentParser) -> None:
     """Add the approximation options to the ``explain`` parser."""
     group = parser.add_argument_group("approximation (faster, measured error)")
     group.add_argument("--tau", type=float, default=1.0, help="projective field threshold in (0, 1]; 1 = exact")
+    group.add_argument("--feature-threshold", type=number, default=0.0,
+                       help="value-based pruning: changes under this share of a layer's mean magnitude stop "
+                            "spreading; 0 = exact")
     group.add_argument("--target-ssim", type=number,
                        help="wanted heat-map SSIM; tau comes from --profile (see `incrinf tune`)")
     group.add_argument("--profile", help="tuning profile JSON written by `incrinf tune`")
@@ -39,13 +42,15 @@ def apply_explain_options(args: argparse.Namespace) -> dict[str, Any]:
     from incrinf.explain.tuning import TuningProfile
 
     kwargs: dict[str, Any] = {"tau": getattr(args, "tau", 1.0)}
+    if getattr(args, "feature_threshold", 0.0):
+        kwargs["feature_threshold"] = args.feature_threshold
     target_ssim = getattr(args, "target_ssim", None)
     profile = getattr(args, "profile", None)
     if target_ssim is not None and profile is None:
         raise ValueError("--target-ssim needs --profile (make one with `incrinf tune`)")
     if profile is not None:
-        if kwargs["tau"] != 1.0:
-            raise ValueError("give either --tau or --target-ssim/--profile, not both")
+        if kwargs["tau"] != 1.0 or kwargs.get("feature_threshold"):
+            raise ValueError("give either --tau/--feature-threshold or --target-ssim/--profile, not both")
         kwargs["profile"] = TuningProfile.load(profile)
         kwargs["target_ssim"] = target_ssim
     fraction = getattr(args, "drill_down", None)
@@ -59,9 +64,14 @@ def apply_explain_options(args: argparse.Namespace) -> dict[str, Any]:
 def describe_approximation(stats: dict[str, Any]) -> str:
     """One or two lines on what was approximated and the error measured (for ``incrinf explain``)."""
     if not stats.get("approximate"):
-        return "exact heat map (tau = 1, no drill-down)"
-    parts = [f"tau {stats['tau']:g}" + (f" (from the profile for SSIM {stats['target_ssim']:g})"
-                                       if stats.get("tau_source") == "profile" else "")]
+        return "exact heat map (tau = 1, no pruning, no drill-down)"
+    knobs = [f"tau {stats['tau']:g}"] if stats["tau"] < 1 else []
+    if stats.get("feature_threshold"):
+        knobs.append(f"feature threshold {stats['feature_threshold']:g}")
+    parts = [", ".join(knobs) or "drill-down"]
+    if stats.get("setting_source") == "profile":
+        parts[0] += (f" (from the profile for SSIM {stats['target_ssim']:g}, which held "
+                     f"{stats['predicted_ssim']:.3f} when tuned)")
     if stats.get("stage_one_stride"):
         s1 = stats["stage_one_stride"]
         parts.append(f"drill-down: stage one stride {s1[0]}, {stats['stage_one_positions']} + "
@@ -71,7 +81,8 @@ def describe_approximation(stats: dict[str, Any]) -> str:
         parts.append(f"measured SSIM {stats['ssim']:.3f} vs the exact map (max |error| {stats['max_abs_error']:.3g})")
     elif "sampled_cells" in stats:
         parts.append(f"error on {stats['sampled_cells']} cells recomputed exactly: "
-                     f"max {stats['sampled_max_abs_error']:.3g}, mean {stats['sampled_mean_abs_error']:.3g}")
+                     f"max {stats['sampled_max_abs_error']:.3g}, mean {stats['sampled_mean_abs_error']:.3g} "
+                     f"(estimated SSIM {stats['estimated_ssim']:.3f})")
     return "approximate: " + "; ".join(parts)
 
 
@@ -90,11 +101,12 @@ def baseline_value(text: str) -> float | str:
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``explain`` subcommand."""
     p = subparsers.add_parser("explain", help="occlusion heat map by incremental inference")
-    p.add_argument("image", nargs="?", help="image file (default: a shipped photo of a cat), or a NIfTI volume "
-                                           "(.nii, .nii.gz; needs the [nifti] extra)")
+    p.add_argument("image", nargs="*", help="image file (default: a shipped photo of a cat), or a NIfTI volume "
+                   "(.nii, .nii.gz; needs the [nifti] extra); several image files, directories or glob patterns "
+                   "explain a dataset (see --out DIR)")
     p.add_argument("--model", type=model_name,
                    help="zoo model (default: efficientnet_lite0 for images, monai_densenet121_3d for volumes)")
-    p.add_argument("--weights", help="state-dict file for the zoo architecture")
+    p.add_argument("--weights", help="state-dict file for a zoo architecture")
     p.add_argument("--patch", type=positive_int, help="occlusion window (default 16)")
     p.add_argument("--stride", type=positive_int, help="window stride (default 4 for images, 16 for volumes)")
     p.add_argument("--baseline", type=baseline_value, default=0.0,
@@ -102,13 +114,16 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--target", type=int, help="class to explain (default: predicted)")
     p.add_argument("--output", choices=["logit", "prob"], default="prob")
     p.add_argument("--batch-size", type=positive_int)
-    p.add_argument("--out", default="heatmap.png")
+    p.add_argument("--out", default="heatmap.png", help="picture to write, or the folder of a dataset run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     volumes = p.add_argument_group("volumes (NIfTI)")
     volumes.add_argument("--volume-index", type=int, default=0, help="which volume of a 4-D (x, y, z, t) file")
     volumes.add_argument("--resize", type=volume_size, metavar="DxHxW",
                          help="resample the volume (trilinear), e.g. to fit the model's downsampling")
     add_explain_options(p)
+    from incrinf.explain.dataset_cli import add_dataset_arguments
+
+    add_dataset_arguments(p)
     p.set_defaults(func=run)
     return p
 
@@ -128,14 +143,24 @@ def _read_image(path: str | None) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     from incrinf import models
     from incrinf.explain import approx
+    from incrinf.explain.dataset_cli import is_dataset_run, run_dataset
 
-    if is_volume_path(args.image):
-        return run_volume(args, args.baseline)
+    volumes = [path for path in args.image or [] if is_volume_path(path)]
+    if volumes:
+        if len(args.image) > 1:
+            raise ValueError("NIfTI volumes are explained one at a time: give a single .nii/.nii.gz file")
+        return run_volume(args, volumes[0], args.baseline)
     name = args.model or "efficientnet_lite0"
     if models.is_volume_model(name):
         raise ValueError(f"{name} explains 3-D volumes: give a NIfTI file (.nii, .nii.gz)")
     options = apply_explain_options(args)
-    image = _read_image(args.image)
+    if is_dataset_run(args):
+        # the dataset path reads the same options as one image: fill in the image defaults it would not know
+        args.model, args.patch, args.stride = name, args.patch or 16, args.stride or 4
+        if args.baseline != 0.0:
+            options["baseline"] = args.baseline
+        return run_dataset(args, options)
+    image = _read_image(args.image[0] if args.image else None)
     model = models.load(name, args.weights)
     x = models.preprocess(image, name)
     start = time.perf_counter()

@@ -69,8 +69,8 @@ def volume_size(text: str) -> tuple[int, int, int]:
     return size  # type: ignore[return-value]
 
 
-def run_volume(args: argparse.Namespace, baseline: object) -> int:
-    """The ``explain`` subcommand for a volume."""
+def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
+    """The ``explain`` subcommand for the volume file ``path``."""
     from incrinf import models
     from incrinf.explain.occlusion import occlusion
 
@@ -82,7 +82,7 @@ def run_volume(args: argparse.Namespace, baseline: object) -> int:
         raise ValueError(f"{name} explains RGB images; a volume needs a 3-D model: "
                          f"{', '.join(models.VOLUME_MODELS)}")
     try:
-        volume = read_volume(args.image, args.volume_index)
+        volume = read_volume(path, args.volume_index)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"incrinf explain: {exc}") from None
     if args.resize:
@@ -93,7 +93,7 @@ def run_volume(args: argparse.Namespace, baseline: object) -> int:
                        baseline=baseline, batch_size=args.batch_size or "auto", output=args.output,
                        progress=not args.quiet, tau=args.tau, spatial_dims=3)
     elapsed = time.perf_counter() - start
-    out = result.save(args.out, image=volume, title=f"{name} on {Path(args.image).name}: class {result.target}")
+    out = result.save(args.out, image=volume, title=f"{name} on {Path(path).name}: class {result.target}")
     s = result.stats
     shape = "x".join(map(str, volume.shape[1:]))
     print(f"explained class {result.target} of a {shape} volume with {s['positions']} positions in {elapsed:.1f} s "

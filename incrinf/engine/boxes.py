@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes, Crop, grow, union
+from incrinf.engine.regions import Boxes, grow, union
 from incrinf.engine.stores import take
 from incrinf.kernels.gather import from_rows, to_rows
 
@@ -29,7 +29,7 @@ class Store(Protocol):
     """Where a walk's unchanged values come from (:class:`~incrinf.engine.stores.BaseStore` or
     :class:`~incrinf.engine.stores.FrameCache`)."""
 
-    def windows(self, step: Step, src: Boxes, out: Boxes, crop: Crop | None) -> torch.Tensor: ...
+    def windows(self, step: Step, src: Boxes, out: Boxes) -> torch.Tensor: ...
 
     def aligned(self, name: str, region: Boxes | None, out: Boxes, key: str | None = None) -> torch.Tensor: ...
 
@@ -127,8 +127,8 @@ def _run_step(program: Program, store: Store, step: Step, regions: dict[str, Box
             return None
         if tau < 1.0 and src.covers(program.dims(step.window.source)):
             tau = 1.0  # a change covering the whole map is computed whole (the seed truncates boxes only)
-        out, crop = grow(src, step.window, step.dims, tau, quantum)
-        values = step.op(store.windows(step, src, out, crop))
+        out = grow(src, step.window, step.dims, tau, quantum)
+        values = step.op(store.windows(step, src, out))
         if step.factors is not None:
             values = values * take(step.factors, out)
     else:

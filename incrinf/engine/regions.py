@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from incrinf.engine.windows import Bounds, WindowSpec
+from incrinf.engine.windows import Bounds, WindowSpec, box_rows
 from incrinf.geometry import bounding_axis, largest, local_axis, minimum
+from incrinf.kernels.gather import from_rows, to_rows
 
 
 @dataclass
@@ -70,39 +71,35 @@ class Boxes:
         return self.area >= share * math.prod(dims)
 
 
-Crop = tuple[tuple[int, int], ...]  # per spatial axis (offset, size) of the part of a box that a window reads
-
-
-def grow(boxes: Boxes, spec: WindowSpec, out_dims: tuple[int, ...], tau: float = 1.0, quantum: int = 1
-         ) -> tuple[Boxes, Crop | None]:
+def grow(boxes: Boxes, spec: WindowSpec, out_dims: tuple[int, ...], tau: float = 1.0, quantum: int = 1) -> Boxes:
     """The outputs of a window step that ``boxes`` (in its source) reaches: Krypton's equations per axis.
 
     Args:
         boxes: the changed boxes of the window's source.
         spec: the window.
         out_dims: the output's spatial extents.
-        tau: projective field threshold; below 1 the incoming boxes may be centre-cropped
-            (:func:`incrinf.geometry.local_axis`).
+        tau: projective field threshold: below 1 an output box is capped at ``round(tau * extent)``, centred on
+            the change (:func:`incrinf.geometry.local_axis`). The capped outputs still read the whole incoming
+            change inside their windows: the seed also cropped the incoming box to the part whose every read lies
+            in the cap (``cap * stride - kernel + 1`` elements, one or two on a 7x7 map), which threw most of the
+            change away at no saving (the output box, hence the FLOPs, are the same).
         quantum: round box sides up to multiples of this (oneDNN builds a kernel per input shape; a few recurring
             shapes reuse them).
 
     Returns:
-        ``(output boxes without values, crop)``: ``crop`` is the part of the incoming boxes the windows read
-        when tau cropped them, else None.
+        The output boxes, without values.
     """
-    lo, size, crop = [], [], []
+    lo, size = [], []
     for a, dim in enumerate(out_dims):
-        out_lo, out_size, offset, _, in_size = local_axis(boxes.lo[a], boxes.size[a], spec.extent[a], spec.stride[a],
-                                                          spec.offset[a], dim, tau)
+        out_lo, out_size, *_ = local_axis(boxes.lo[a], boxes.size[a], spec.extent[a], spec.stride[a], spec.offset[a],
+                                          dim, tau)
         out_size = largest(out_size)
         if quantum > 1:
             out_size = min(dim, -(-out_size // quantum) * quantum)
             out_lo = minimum(out_lo, dim - out_size)
         lo.append(out_lo)
         size.append(out_size)
-        crop.append((offset, largest(in_size)))
-    cropped = any(c != (0, s) for c, s in zip(crop, boxes.size))
-    return Boxes(tuple(lo), tuple(size)), (tuple(crop) if cropped else None)
+    return Boxes(tuple(lo), tuple(size))
 
 
 def union(regions: list[Boxes], dims: tuple[int, ...]) -> Boxes:
@@ -117,12 +114,14 @@ def union(regions: list[Boxes], dims: tuple[int, ...]) -> Boxes:
     return Boxes(tuple(lo), tuple(size))
 
 
-def cut(boxes: Boxes, keep: np.ndarray) -> Boxes | None:
+def cut(boxes: Boxes, keep: np.ndarray, quantum: int = 1) -> Boxes | None:
     """``boxes`` cut to the bounding box of the positions ``keep`` marks (value-based pruning).
 
     Args:
         boxes: boxes with values.
         keep: (N, *size) bool, positions whose values changed enough to matter.
+        quantum: round the cut sides up to multiples of this (pruned boxes vary with the data; oneDNN builds a
+            kernel per input shape, and a few recurring shapes reuse them).
 
     Returns:
         The smallest boxes of one size holding every kept position (values cropped from ``boxes``); queries with
@@ -132,29 +131,25 @@ def cut(boxes: Boxes, keep: np.ndarray) -> Boxes | None:
     d = len(boxes.size)
     if not keep.any():
         return None
-    lo, size, index = [], [], []
+    lo, size = [], []
     for a in range(d):
         along = keep.any(axis=tuple(i + 1 for i in range(d) if i != a))  # (N, size[a])
         has = along.any(axis=1)
         first = np.where(has, along.argmax(axis=1), 0)
         last = np.where(has, boxes.size[a] - along[:, ::-1].argmax(axis=1), 1)
-        extent = int((last - first).max())
-        first = np.minimum(first, boxes.size[a] - extent)
-        lo.append(first)
+        extent = min(boxes.size[a], -(-int((last - first).max()) // quantum) * quantum)
+        lo.append(np.minimum(first, boxes.size[a] - extent))
         size.append(extent)
-        index.append(first[:, None] + np.arange(extent))
-    if all(s == full for s, full in zip(size, boxes.size)):
+    if tuple(size) == boxes.size:
         return boxes
     values = boxes.values
-    channels = values.dim() - d
     if boxes.single:
         sl = tuple(slice(int(f[0]), int(f[0]) + e) for f, e in zip(lo, size))
         return Boxes(tuple(int(lo_a) + int(f[0]) for lo_a, f in zip(boxes.lo, lo)), tuple(size),
                      values[(..., *sl)])
-    for a in range(d):  # gather each query's window along each axis in turn
-        idx = torch.from_numpy(index[a]).to(values.device)
-        shape = [len(idx)] + [1] * (channels - 1) + [1] * d
-        shape[channels + a] = size[a]
-        idx = idx.view(*shape).expand(*values.shape[:channels + a], size[a], *values.shape[channels + a + 1:])
-        values = torch.gather(values, channels + a, idx)
-    return Boxes(tuple(lo_a + f for lo_a, f in zip(boxes.lo, lo)), tuple(size), values)
+    # one gather of the kept part of every query's box, as rows (positions by channels)
+    index = box_rows(np.stack(lo, axis=1), tuple(size), boxes.size, batch_stride=boxes.area)
+    channels = tuple(values.shape[1:values.dim() - d])
+    rows = to_rows(values, d).index_select(0, torch.from_numpy(index).to(values.device))
+    return Boxes(tuple(lo_a + f for lo_a, f in zip(boxes.lo, lo)), tuple(size),
+                 from_rows(rows, boxes.n, tuple(size), channels))

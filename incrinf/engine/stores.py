@@ -21,40 +21,41 @@ import numpy as np
 import torch
 
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes, Crop, cut
+from incrinf.engine.regions import Boxes, cut
 from incrinf.engine.windows import box_rows, padded_crop, padded_rows
 from incrinf.kernels import dispatch
 from incrinf.kernels.gather import from_rows, to_rows
 
 # Every this many positions of a tensor estimate its mean magnitude (the pruning threshold's unit).
 _SCALE_STRIDE = 7
+# Pruned boxes of a batch are rounded up to even sides: their sizes follow the data, and each new shape costs
+# oneDNN a kernel build.
+PRUNED_QUANTUM = 2
 
 
 def _index(a: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
     return None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
 
-def _overlay(region: Boxes, offset: np.ndarray, window: tuple[int, ...], crop: Crop | None
-             ) -> tuple[np.ndarray, np.ndarray | None]:
+def _overlay(region: Boxes, offset: np.ndarray, window: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
     """Rows of N stacked windows of extent ``window`` receiving the region's values (placed at ``offset`` (N, d)
     inside each window), and the region's source rows (None: all of them, in order); elements falling outside
     their window are dropped."""
     n, d = offset.shape
-    crop = crop or tuple((0, s) for s in region.size)
-    dest = np.zeros((n, *[c[1] for c in crop]), np.int64)
+    dest = np.zeros((n, *region.size), np.int64)
     source = np.zeros_like(dest)
     valid = np.ones(dest.shape, bool)
     for a in range(d):
         shape = [1] * (d + 1)
-        shape[a + 1] = crop[a][1]
-        k = np.arange(crop[a][1]).reshape(shape)
+        shape[a + 1] = region.size[a]
+        k = np.arange(region.size[a]).reshape(shape)
         w = offset[:, a].reshape(-1, *([1] * d)) + k
         valid &= (w >= 0) & (w < window[a])
         dest = dest * window[a] + w
-        source = source * region.size[a] + crop[a][0] + k
+        source = source * region.size[a] + k
     dest = dest + (np.arange(n) * math.prod(window)).reshape(-1, *([1] * d))
     source = source + (np.arange(n) * region.area).reshape(-1, *([1] * d))
-    if valid.all() and crop == tuple((0, s) for s in region.size):
+    if valid.all():
         return dest.reshape(-1), None
     return dest[valid], source[valid]
 
@@ -110,7 +111,7 @@ class BaseStore:
             found = self.plan[key] = build()
         return found
 
-    def windows(self, step: Step, src: Boxes, out: Boxes, crop: Crop | None) -> torch.Tensor:
+    def windows(self, step: Step, src: Boxes, out: Boxes) -> torch.Tensor:
         """(N, C, *read) the read-in windows of ``out``: the padded base source with ``src`` overlaid."""
         spec = step.window
         source = self.base[spec.source]
@@ -122,8 +123,7 @@ class BaseStore:
 
         def build() -> tuple:
             start = out.start() * np.asarray(spec.stride)
-            offset = src.start() + np.asarray([c[0] for c in crop] if crop else 0) + np.asarray(spec.offset) - start
-            dest, origin = _overlay(src, offset, read, crop)
+            dest, origin = _overlay(src, src.start() + np.asarray(spec.offset) - start, read)
             return self._windowing(box_rows(start, read, padded), dest, origin, table.shape[0])
 
         return self._gather(table, self._indices(("window", step.out), build), src, out.n, read)
@@ -141,7 +141,7 @@ class BaseStore:
             start = out.start()
             dest = origin = None
             if region is not None:
-                dest, origin = _overlay(region, region.start() - start, out.size, None)
+                dest, origin = _overlay(region, region.start() - start, out.size)
             return self._windowing(box_rows(start, out.size, dims), dest, origin, table.shape[0])
 
         index = self._indices(None if key is None else ("aligned", name, key), build)
@@ -188,7 +188,7 @@ class BaseStore:
         old = self.aligned(name, None, region)  # no key: pruned boxes follow the data, no plan holds them
         delta = (region.values - old).abs_()
         keep = delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > threshold * scale
-        return cut(region, keep.cpu().numpy())
+        return cut(region, keep.cpu().numpy(), PRUNED_QUANTUM)
 
     def _windowing(self, read: np.ndarray, dest: np.ndarray | None, origin: np.ndarray | None, n_rows: int) -> tuple:
         device = self.device
@@ -247,7 +247,7 @@ class FrameCache:
             if scales:
                 self.scales[name] = float(rows[::_SCALE_STRIDE].abs().mean())
 
-    def windows(self, step: Step, src: Boxes, out: Boxes, crop: Crop | None) -> torch.Tensor:
+    def windows(self, step: Step, src: Boxes, out: Boxes) -> torch.Tensor:
         """(1, C, *read) the read-in window of ``out``: a padded crop of the merged source."""
         return padded_crop(step.window, self.map(step.window.source), out.bounds)
 

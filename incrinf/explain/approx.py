@@ -36,7 +36,7 @@ from incrinf.explain.occlusion import (
 )
 from incrinf.explain.occlusion import occlusion as exact_occlusion
 from incrinf.explain.runner import OcclusionRunner, RunStats
-from incrinf.explain.tuning import TuningProfile, _check_target_ssim, heatmap_ssim
+from incrinf.explain.tuning import Setting, TuningProfile, check_target_ssim, heatmap_ssim, profile_for
 from incrinf.validation import (
     check_feature_threshold,
     check_image,
@@ -83,31 +83,35 @@ def occlusion(
             approximate (faster).
         drill_down: a :class:`DrillDown`: stage one at the stride ``S1`` that its target speedup needs, stage
             two at ``stride`` on its fraction of the grid with the largest stage-one drops.
-        target_ssim: wanted heat-map quality; tau is taken from ``profile`` (``profile.tau_for``). Cannot be
-            combined with an explicit ``tau`` below 1.
-        profile: a :class:`TuningProfile` or the path of one saved by ``incrinf tune`` / ``profile.save``.
-            Given alone, its tuned tau is used.
+        target_ssim: wanted heat-map quality: the knobs (tau, feature threshold, drill-down) are the fastest
+            setting ``profile`` measured holding it (:meth:`TuningProfile.choose`). Cannot be combined with
+            explicit knobs.
+        profile: a :class:`TuningProfile` or the path of one saved by ``incrinf tune`` / ``profile.save``. Given
+            alone, its chosen setting is used.
         measure_quality: also compute the exact heat map and report the measured SSIM and errors against it
             (costs one exact run).
 
     Returns:
         An :class:`OcclusionResult` with the full fine grid. ``fine`` marks the cells computed at ``stride``
-        (all without drill-down). ``stats`` adds ``tau``, ``tau_source``, ``approximate``,
-        ``stage_one_stride`` (``None`` without drill-down), drill-down counts and speedups, and the measured
-        error: ``ssim``, ``max_abs_error``, ``mean_abs_error`` (measure_quality) or ``sampled_cells``,
-        ``sampled_max_abs_error``, ``sampled_mean_abs_error``, ``error_check_seconds`` (otherwise, for
-        approximate maps).
+        (all without drill-down). ``stats`` adds ``tau``, ``feature_threshold``, ``setting_source``,
+        ``approximate``, ``stage_one_stride`` (``None`` without drill-down), drill-down counts and speedups, and
+        the error: ``ssim``, ``max_abs_error``, ``mean_abs_error`` (measure_quality), or for approximate maps the
+        error measured on a few cells recomputed exactly (``sampled_cells``, ``sampled_max_abs_error``,
+        ``sampled_mean_abs_error``, ``estimated_ssim``: the mean SSIM of the sampled 7x7 windows,
+        ``error_check_seconds``); with a profile also ``predicted_ssim`` (what the setting held when tuned).
 
     Raises:
         TypeError / ValueError: as the exact front end; bad drill-down, unreachable drill-down target
             (the message gives the highest reachable speedup), ``target_ssim`` without a profile, a profile
-            tuned for another model, or ``target_ssim`` together with ``tau`` < 1.
+            tuned for another model, a target no tuned setting reaches with a speedup (the message names the
+            best reachable), or ``target_ssim``/``profile`` together with explicit knobs.
         FileNotFoundError: ``profile`` names no file.
     """
-    tau, tau_info = _resolve_tau(tau, target_ssim, profile)
     feature_threshold = check_feature_threshold(feature_threshold)
     if drill_down is not None and not isinstance(drill_down, DrillDown):
         raise TypeError(f"drill_down must be a DrillDown, got {type(drill_down).__name__}")
+    tau, feature_threshold, drill_down, tau_info = _resolve_setting(check_tau(tau), feature_threshold, drill_down,
+                                                                    target_ssim, profile)
     loaded = tau_info.pop("_profile", None)
     if loaded is not None:
         _check_profile(loaded, model, image, patch, stride, output)
@@ -130,27 +134,32 @@ def occlusion(
     return result
 
 
-# --- tau from arguments or a profile ---------------------------------------------------------------------
+# --- the knobs from arguments or a profile -----------------------------------------------------------------
 
 
-def _resolve_tau(tau: Any, target_ssim: float | None, profile: TuningProfile | str | Path | None
-                 ) -> tuple[float, dict[str, Any]]:
-    tau = check_tau(tau)
+def _resolve_setting(tau: float, feature_threshold: float, drill_down: DrillDown | None, target_ssim: float | None,
+                     profile: TuningProfile | str | Path | None
+                     ) -> tuple[float, float, DrillDown | None, dict[str, Any]]:
+    info: dict[str, Any] = {"tau": tau}
     if profile is None and target_ssim is None:
-        return tau, {"tau": tau, "tau_source": "argument"}
+        return tau, feature_threshold, drill_down, {**info, "setting_source": "argument"}
     if profile is None:
         raise ValueError("target_ssim needs a tuning profile (profile=...): run incrinf.tune(model, images) "
                          "or `incrinf tune` first")
-    if not isinstance(profile, TuningProfile):
-        if not isinstance(profile, (str, Path)):
-            raise TypeError(f"profile must be a TuningProfile or a path, got {type(profile).__name__}")
-        profile = TuningProfile.load(profile)
-    if tau < 1.0:
-        raise ValueError(f"give either tau ({tau:g}) or target_ssim/profile, not both")
-    target = profile.target_ssim if target_ssim is None else _check_target_ssim(target_ssim)
-    chosen = profile.tau_for(target)
-    return chosen, {"tau": chosen, "tau_source": "profile", "target_ssim": target,
-                    "predicted_ssim": profile.predict(chosen) if chosen < 1.0 else 1.0, "_profile": profile}
+    if tau < 1.0 or feature_threshold > 0 or drill_down is not None:
+        raise ValueError("give either explicit knobs (tau, feature_threshold, drill_down) or target_ssim/profile, "
+                         "not both")
+    profile = profile_for(profile)
+    target = profile.target_ssim if target_ssim is None else check_target_ssim(target_ssim)
+    index = profile.chosen if target_ssim is None else profile.choose(target)
+    setting = Setting(**profile.settings[index])
+    if setting.exact:  # tune() recorded that nothing faster holds the target: asking for it is an error
+        raise ValueError(f"{profile.unreached(target)}. Run the exact path (no target_ssim or profile) or ask "
+                         "for a lower target_ssim")
+    drill = DrillDown.from_factor(setting.drill_factor, setting.drill_fraction) if setting.drill_factor > 1 else None
+    return setting.tau, setting.feature_threshold, drill, {
+        "tau": setting.tau, "setting_source": "profile", "setting": setting.describe(), "target_ssim": target,
+        "predicted_ssim": profile.quality(index), "_profile": profile}
 
 
 def _check_profile(profile: TuningProfile, model: nn.Module, image: torch.Tensor, patch: Any, stride: Any,
@@ -296,7 +305,39 @@ def _sample_error(result: OcclusionResult, model: nn.Module, image: torch.Tensor
     exact = (base[result.target] - _score(out, output)[:, result.target]).cpu().numpy()
     err = np.abs(result.heatmap.reshape(-1)[cells] - exact)
     result.stats.update(sampled_cells=len(cells), sampled_max_abs_error=float(err.max()),
-                        sampled_mean_abs_error=float(err.mean()), error_check_seconds=time.perf_counter() - start)
+                        sampled_mean_abs_error=float(err.mean()),
+                        estimated_ssim=estimated_ssim(result.heatmap, float(np.mean(err**2))),
+                        error_check_seconds=time.perf_counter() - start)
 
 
-__all__ = ["DrillDown", "OcclusionResult", "occlusion"]
+def estimated_ssim(approx: np.ndarray, error_power: float) -> float:
+    """The SSIM against the exact map that an approximate map would have if its error were noise of power
+    ``error_power`` (mean squared error, e.g. measured on a few cells recomputed exactly), uncorrelated with the
+    map: per 7x7 window, SSIM's contrast-structure term ``(2 s^2 + C2) / (2 s^2 + e + C2)``, ``s^2`` the exact
+    map's variance there (the approximate map's less ``e``; the luminance term is about 1: the error has no
+    mean).
+
+    Args:
+        approx: (rows, cols) approximate heat map.
+        error_power: mean squared error of the approximation.
+
+    Returns:
+        The estimate, the mean over windows as :func:`heatmap_ssim` takes it.
+    """
+    from scipy.ndimage import uniform_filter
+
+    side = min(approx.shape)
+    win = min(7, side if side % 2 else side - 1)
+    if win < 3:
+        return float("nan")
+    heat = np.asarray(approx, np.float64)
+    mean = uniform_filter(heat, win)
+    variance = np.maximum(uniform_filter(heat * heat, win) - mean * mean, 0.0) * win * win / (win * win - 1)
+    c2 = (0.03 * max(float(heat.max() - heat.min()), 1e-12)) ** 2
+    pad = win // 2
+    signal = np.maximum(variance - error_power, 0.0)
+    ratio = (2 * signal + c2) / (2 * signal + error_power + c2)
+    return float(ratio[pad:heat.shape[0] - pad, pad:heat.shape[1] - pad].mean())
+
+
+__all__ = ["DrillDown", "OcclusionResult", "estimated_ssim", "occlusion"]

@@ -56,6 +56,14 @@ class DrillDown:
         if self.target_speedup <= 0.0:
             raise ValueError(f"DrillDown.target_speedup must be positive, got {self.target_speedup!r}")
 
+    @classmethod
+    def from_factor(cls, factor: int, fraction: float) -> DrillDown:
+        """Drill-down with stage one at ``factor`` times the stride (its cells are fine cells too) and stage two
+        on ``fraction`` of the fine grid: the target speedup ``factor^2 / (1 + fraction factor^2)``."""
+        if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
+            raise ValueError(f"drill-down factor must be an integer >= 2, got {factor!r}")
+        return cls(fraction, factor**2 / (1.0 + fraction * factor**2))
+
     def stage_one_stride(self, stride: tuple[int, int], image_hw: tuple[int, int]) -> tuple[int, int]:
         """``S1 = sqrt(target / (1 - r * target)) * S2`` per axis, rounded up (so the theoretical speedup is
         at least the target) and never below ``S2``.

@@ -1,15 +1,17 @@
-"""Automatic tuning of projective field thresholding (Krypton, seed 002 section 4.3): pick the lowest ``tau``
-whose heat maps stay above a target SSIM.
+"""Tuning the approximation to a target heat-map SSIM: measure, on sample images, every setting of the knobs
+(projective field cap ``tau``, value threshold ``feature_threshold``, drill-down ``factor``/``fraction``), pick the
+fastest one whose SSIM holds the target on most fitting images, and check it on held-out ones.
 
-Offline, :func:`tune` computes exact and approximate heat maps of sample images for a few ``tau`` values,
-measures their SSIM and fits second-degree curves ``SSIM(tau)``. Online, :meth:`TuningProfile.tau_for` maps a
-target SSIM to the lowest ``tau`` that the fitted curve predicts reaches it. Profiles are JSON files.
+Per sample image :func:`tune` runs the exact map once and one approximate map per (tau, feature threshold) pair;
+drill-down needs no run of its own: its stage-one cells are the approximate map's cells at every ``factor``-th
+position and its stage-two cells the same map's values (each query's output does not depend on the others), so
+every drill-down setting is read off those maps. Speeds are measured wall times relative to the exact run.
+The :class:`TuningProfile` (JSON) records the graph signature it was tuned for and refuses another model.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -22,20 +24,25 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from incrinf.validation import check_image, check_patch, check_stride, check_tau
+from incrinf.validation import check_feature_threshold, check_image, check_patch, check_stride, check_tau
 
 PROFILE_FORMAT = "incrinf-tuning-profile"
-PROFILE_VERSION = 1
-DEFAULT_TAUS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
-TAU_STEP = 0.01  # resolution of the tau returned by tau_for
+PROFILE_VERSION = 2
+# The projective field cap is measured only when asked for: on real pretrained models its SSIM swings from image to
+# image (EfficientNet-Lite0, 96 px, tau 0.9: 0.37-0.89 over five photos), so a cap tuned on some does not hold
+# on others; value thresholds follow each image's own change (0.97-1.0 there at 0.05).
+DEFAULT_TAUS = (1.0,)
+DEFAULT_FEATURE_THRESHOLDS = (0.0, 0.01, 0.02, 0.04, 0.08, 0.16)
+DEFAULT_DRILL_DOWNS = ((1, 0.0), (2, 0.1), (2, 0.25))  # (stage-one stride factor, stage-two fraction)
+# A setting counts as faster than the exact run only beyond this (wall times on a shared machine vary by ~10%).
+MIN_SPEEDUP = 1.1
 
 
 def heatmap_ssim(exact: np.ndarray, approx: np.ndarray) -> float:
     """SSIM of an approximate heat map against the exact one (scikit-image ``structural_similarity``).
 
     ``data_range`` is the exact map's range (max - min): the same absolute error counts the same whatever the
-    approximation does to its own range, and the measure is symmetric in the sense the tuning needs (exact is
-    the reference). The window is 7x7, or the largest odd size that fits a smaller grid.
+    approximation does to its own range. The window is 7x7, or the largest odd size that fits a smaller grid.
 
     Args:
         exact: (rows, cols) exact heat map.
@@ -65,34 +72,63 @@ def heatmap_ssim(exact: np.ndarray, approx: np.ndarray) -> float:
     return float(structural_similarity(exact, approx, win_size=win, data_range=data_range))
 
 
-def fit_curve(taus: Sequence[float], values: Sequence[float]) -> list[float]:
-    """Least-squares second-degree polynomial ``SSIM(tau)``, coefficients highest degree first."""
-    taus = np.asarray(taus, np.float64)
-    values = np.asarray(values, np.float64)
-    degree = min(2, len(np.unique(taus)) - 1)
-    coeffs = np.polyfit(taus, values, degree) if degree >= 0 else np.zeros(1)
-    return [float(c) for c in np.concatenate([np.zeros(2 - degree), coeffs])]
+@dataclass(frozen=True)
+class Setting:
+    """One setting of the approximation's knobs.
+
+    Attributes:
+        tau: projective field threshold in (0, 1] (1: no cap).
+        feature_threshold: value-based pruning threshold (0: none).
+        drill_factor: drill-down stage-one stride as a multiple of the stride (1: no drill-down).
+        drill_fraction: drill-down stage-two share of the fine grid (0 with factor 1).
+    """
+
+    tau: float = 1.0
+    feature_threshold: float = 0.0
+    drill_factor: int = 1
+    drill_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_tau(self.tau)
+        check_feature_threshold(self.feature_threshold)
+        if isinstance(self.drill_factor, bool) or not isinstance(self.drill_factor, int) or self.drill_factor < 1:
+            raise ValueError(f"drill_factor must be an integer >= 1, got {self.drill_factor!r}")
+        if (self.drill_factor == 1 and self.drill_fraction != 0.0) or \
+                (self.drill_factor > 1 and not 0.0 < self.drill_fraction < 1.0):
+            raise ValueError(f"drill_fraction must be in (0, 1) with drill-down and 0 without; got "
+                             f"{self.drill_fraction!r}")
+
+    @property
+    def exact(self) -> bool:
+        return self.tau == 1.0 and self.feature_threshold == 0.0 and self.drill_factor == 1
+
+    def describe(self) -> str:
+        parts = [f"tau {self.tau:g}"] if self.tau < 1.0 else []
+        if self.feature_threshold > 0:
+            parts.append(f"feature threshold {self.feature_threshold:g}")
+        if self.drill_factor > 1:
+            parts.append(f"drill-down x{self.drill_factor} r={self.drill_fraction:g}")
+        return ", ".join(parts) or "exact"
 
 
 @dataclass
 class TuningProfile:
-    """The result of :func:`tune`: measured SSIMs per image and tau, and the fitted curves.
+    """What :func:`tune` measured, and the setting it chose.
 
     Attributes:
         model: model name (the class name unless given).
-        signature: captured-graph signature (structure and input shape) the profile was tuned on.
+        signature: captured-graph signature (structure and input shape) the profile was tuned for.
         input_shape: (1, C, H, W) of the tuning images.
         patch: (h, w) occlusion window.
         stride: (sy, sx).
         output: "logit" or "prob".
-        taus: tau values measured (descending).
-        ssim: per image, SSIM at each tau (``len(images) x len(taus)``).
-        coefficients: mean curve: quadratic fit of every (tau, SSIM) point, highest degree first (the seed's).
-        lower_coefficients: quadratic fit of the per-tau ``1 - coverage`` quantile of SSIM over images: the
-            curve that about ``coverage`` of the images stay above; :meth:`tau_for` uses it by default.
-        coverage: share of images meant to reach the target (0.8 in the seed's evaluation).
         target_ssim: the target the profile was tuned for.
-        tau: ``tau_for(target_ssim)``.
+        coverage: share of the fitting images a setting must hold the target on.
+        settings: every setting measured (``asdict(Setting)`` each).
+        ssim: per image, SSIM of each setting against the exact map.
+        speed: per image, the exact run's cost over the setting's (wall time, or multiply-adds: ``speed_unit``).
+        check: indices of the held-out images (used only to check the chosen setting).
+        chosen: index of the chosen setting (the exact one when none reaches the target with a speedup).
         images: names of the tuning images.
         seconds: tuning time.
     """
@@ -103,61 +139,92 @@ class TuningProfile:
     patch: list[int]
     stride: list[int]
     output: str
-    taus: list[float]
-    ssim: list[list[float]]
-    coefficients: list[float]
-    lower_coefficients: list[float]
-    coverage: float
     target_ssim: float
-    tau: float
+    coverage: float
+    settings: list[dict]
+    ssim: list[list[float]]
+    speed: list[list[float]]
+    check: list[int]
+    chosen: int = 0
     images: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    speed_unit: str = "wall"
 
-    # --- the curve --------------------------------------------------------------------------------------
+    # --- choosing --------------------------------------------------------------------------------------
 
-    def predict(self, tau: float | np.ndarray, conservative: bool = True) -> float | np.ndarray:
-        """Predicted SSIM at ``tau`` from the lower (``conservative``) or the mean curve."""
-        coeffs = self.lower_coefficients if conservative else self.coefficients
-        out = np.polyval(coeffs, np.asarray(tau, np.float64))
-        return float(out) if np.ndim(out) == 0 else out
+    @property
+    def setting(self) -> Setting:
+        """The chosen setting."""
+        return Setting(**self.settings[self.chosen])
 
-    def tau_for(self, target_ssim: float | None = None, conservative: bool = True) -> float:
-        """The lowest tau whose predicted SSIM reaches ``target_ssim``.
+    def _fit(self) -> list[int]:
+        return [i for i in range(len(self.ssim)) if i not in set(self.check)] or list(range(len(self.ssim)))
 
-        Walks down from 1 in steps of 0.01 to the smallest tuned tau and stops at the first tau predicted
-        below the target (a quadratic fit may rise again further down; that part is not trusted). No
-        extrapolation below the tuned range; 1.0 (exact) when even the first step misses the target.
+    def quality(self, index: int, images: Sequence[int] | None = None) -> float:
+        """The SSIM a setting holds on ``coverage`` of the images (default: the fitting ones)."""
+        rows = np.asarray(self.ssim)[list(images) if images is not None else self._fit(), index]
+        return float(np.quantile(rows, 1.0 - self.coverage))
 
-        Args:
-            target_ssim: wanted SSIM in (-1, 1] (default: the profile's).
-            conservative: use the lower (coverage) curve rather than the mean curve.
+    def median_speed(self, index: int, images: Sequence[int] | None = None) -> float:
+        """Median speed of a setting over the images (default: the fitting ones)."""
+        return float(np.median(np.asarray(self.speed)[list(images) if images is not None else self._fit(), index]))
+
+    def choose(self, target_ssim: float | None = None) -> int:
+        """Index of the fastest setting whose SSIM holds ``target_ssim`` on ``coverage`` of the fitting images
+        and that is faster than the exact run (by :data:`MIN_SPEEDUP`); the exact setting when none is (the
+        exact path holds any target; :meth:`unreached` says why nothing faster did).
+
+        Raises:
+            ValueError: a bad target, or a profile without the exact setting.
         """
-        target = self.target_ssim if target_ssim is None else _check_target_ssim(target_ssim)
-        if target >= 1.0:
-            return 1.0
-        lowest = min(self.taus)
-        best = 1.0
-        steps = int(round((1.0 - lowest) / TAU_STEP))
-        for k in range(1, steps + 1):
-            tau = round(1.0 - k * TAU_STEP, 6)
-            if self.predict(tau, conservative) < target:
-                break
-            best = tau
-        return best
+        target = self.target_ssim if target_ssim is None else check_target_ssim(target_ssim)
+        candidates = [i for i, s in enumerate(self.settings) if not Setting(**s).exact
+                      and self.quality(i) >= target and self.median_speed(i) > MIN_SPEEDUP]
+        if candidates:
+            return max(candidates, key=self.median_speed)
+        exact = [i for i, s in enumerate(self.settings) if Setting(**s).exact]
+        if not exact:
+            raise ValueError(f"the profile has no exact setting to fall back on: {self.unreached(target)}")
+        return exact[0]
 
-    def mean_ssim(self) -> list[float]:
-        """Mean SSIM over the tuning images, per tau."""
-        return [float(v) for v in np.mean(np.asarray(self.ssim), axis=0)]
+    def unreached(self, target_ssim: float | None = None) -> str:
+        """Why no approximate setting holds ``target_ssim`` with a speedup: the best reachable ones."""
+        target = self.target_ssim if target_ssim is None else check_target_ssim(target_ssim)
+        approximate = [i for i, s in enumerate(self.settings) if not Setting(**s).exact]
+        if not approximate:
+            return "the profile holds no approximate setting"
+        best_quality = max(approximate, key=self.quality)
+        faster = [i for i in approximate if self.median_speed(i) > MIN_SPEEDUP]
+        best_fast = max(faster, key=self.quality) if faster else None
+        reach = (f"; the best faster one is {self._label(best_fast)}" if best_fast is not None else
+                 "; no approximate setting was faster than the exact run")
+        return (f"no tuned setting holds SSIM {target:g} on {self.coverage:.0%} of the tuning images with a "
+                f"speedup: the highest SSIM is {self._label(best_quality)}{reach}")
+
+    def _label(self, index: int) -> str:
+        return (f"{Setting(**self.settings[index]).describe()} (SSIM {self.quality(index):.3f}, "
+                f"{self.median_speed(index):.2f}x)")
+
+    def check_result(self) -> tuple[float, float] | None:
+        """``(SSIM held on coverage of the held-out images, their median speed)`` of the chosen setting."""
+        if not self.check or Setting(**self.settings[self.chosen]).exact:
+            return None
+        return self.quality(self.chosen, self.check), self.median_speed(self.chosen, self.check)
 
     def summary(self) -> str:
-        """A short table: tau, mean and lowest SSIM measured, and the two fitted curves."""
-        arr = np.asarray(self.ssim)
-        lines = [f"{'tau':>5} {'mean SSIM':>9} {'min SSIM':>8} {'fit':>6} {'lower fit':>9}"]
-        for j, tau in enumerate(self.taus):
-            lines.append(f"{tau:>5.2f} {arr[:, j].mean():>9.3f} {arr[:, j].min():>8.3f} "
-                         f"{self.predict(tau, False):>6.3f} {self.predict(tau, True):>9.3f}")
-        lines.append(f"target SSIM {self.target_ssim:g} -> tau {self.tau:g} "
-                     f"({len(self.ssim)} images, coverage {self.coverage:g})")
+        """A table of every setting: SSIM held (fitting images), median speed, and the choice with its check."""
+        lines = [f"{'setting':<44} {'SSIM held':>9} {'speed':>7}"]
+        for i, s in enumerate(self.settings):
+            mark = " <- chosen" if i == self.chosen else ""
+            lines.append(f"{Setting(**s).describe():<44} {self.quality(i):>9.3f} {self.median_speed(i):>6.2f}x{mark}")
+        fit = len(self._fit())
+        lines.append(f"target SSIM {self.target_ssim:g} on {self.coverage:.0%} of {fit} fitting images -> "
+                     f"{self.setting.describe()}")
+        checked = self.check_result()
+        if checked is not None:
+            lines.append(f"held out ({len(self.check)} images): SSIM {checked[0]:.3f} on {self.coverage:.0%} of them, "
+                         f"{checked[1]:.2f}x" + ("" if checked[0] >= self.target_ssim else
+                                                 " -- BELOW the target: the setting did not hold on unseen images"))
         return "\n".join(lines)
 
     # --- files ------------------------------------------------------------------------------------------
@@ -166,8 +233,7 @@ class TuningProfile:
         """Write the profile as JSON; returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self)}
-        path.write_text(json.dumps(data, indent=1))
+        path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self)}, indent=1))
         return path
 
     @classmethod
@@ -176,7 +242,7 @@ class TuningProfile:
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: not JSON, not a profile, a missing field or a field of the wrong type or shape.
+            ValueError: not JSON, not a profile, another version, or a field of the wrong type or shape.
         """
         path = Path(path)
         if not path.is_file():
@@ -193,96 +259,25 @@ class TuningProfile:
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             raise ValueError(f"{source} is not an incrinf tuning profile (no \"format\": \"{PROFILE_FORMAT}\")")
         if data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"{source}: unsupported profile version {data.get('version')!r} "
-                             f"(this incrinf reads version {PROFILE_VERSION})")
-        missing = [name for name in _FIELDS if name not in data]
-        if missing:
-            raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
-        values = {}
-        for name, check in _FIELDS.items():
-            try:
-                values[name] = check(data[name])
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{source}: bad field {name!r}: {exc}") from None
-        for name in ("images", "seconds"):
-            if name in data:
-                try:
-                    values[name] = [str(v) for v in data[name]] if name == "images" else _number(data[name])
-                except (TypeError, ValueError) as exc:
-                    raise ValueError(f"{source}: bad field {name!r}: {exc}") from None
-        profile = cls(**values)
-        if any(len(row) != len(profile.taus) for row in profile.ssim) or not profile.ssim:
-            raise ValueError(f"{source}: field 'ssim' must hold one row of {len(profile.taus)} values per image")
+            raise ValueError(f"{source}: unsupported profile version {data.get('version')!r} (this incrinf reads "
+                             f"version {PROFILE_VERSION}; tune again with incrinf tune)")
+        try:
+            values = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+            profile = cls(**values)
+            settings = [Setting(**s) for s in profile.settings]
+            ssim, speed = np.asarray(profile.ssim, np.float64), np.asarray(profile.speed, np.float64)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"{source}: malformed profile ({exc})") from None
+        if ssim.ndim != 2 or ssim.shape != speed.shape or ssim.shape[1] != len(settings) or not len(settings):
+            raise ValueError(f"{source}: 'ssim' and 'speed' must hold one value per image and setting")
+        if not np.isfinite(ssim).all() or not (speed > 0).all() or not 0 <= profile.chosen < len(settings):
+            raise ValueError(f"{source}: non-finite SSIMs, non-positive speeds or a bad 'chosen' index")
+        profile.target_ssim = check_target_ssim(profile.target_ssim)
         return profile
 
 
-# --- field validators for load ---------------------------------------------------------------------------
-
-
-def _number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"expected a finite number, got {value!r}")
-    return float(value)
-
-
-def _ints(length: int) -> Any:
-    def check(value: Any) -> list[int]:
-        if not isinstance(value, list) or len(value) != length or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
-            raise ValueError(f"expected a list of {length} positive ints, got {value!r}")
-        return list(value)
-    return check
-
-
-def _numbers(length: int | None = None) -> Any:
-    def check(value: Any) -> list[float]:
-        if not isinstance(value, list) or (length is not None and len(value) != length) or not value:
-            raise ValueError(f"expected a list of {length or 'some'} numbers, got {value!r}")
-        return [_number(v) for v in value]
-    return check
-
-
-def _taus(value: Any) -> list[float]:
-    taus = _numbers()(value)
-    for t in taus:
-        check_tau(t)
-    return taus
-
-
-def _rows(value: Any) -> list[list[float]]:
-    if not isinstance(value, list):
-        raise ValueError(f"expected a list of rows, got {type(value).__name__}")
-    return [_numbers()(row) for row in value]
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
-def _output(value: Any) -> str:
-    if value not in ("logit", "prob"):
-        raise ValueError(f"expected 'logit' or 'prob', got {value!r}")
-    return value
-
-
-def _coverage(value: Any) -> float:
-    value = _number(value)
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"expected a number in (0, 1), got {value!r}")
-    return value
-
-
-_FIELDS = {
-    "model": _text, "signature": _text, "input_shape": _ints(4), "patch": _ints(2), "stride": _ints(2),
-    "output": _output, "taus": _taus, "ssim": _rows, "coefficients": _numbers(3),
-    "lower_coefficients": _numbers(3), "coverage": _coverage, "target_ssim": lambda v: _check_target_ssim(v),
-    "tau": lambda v: check_tau(_number(v)),
-}
-
-
-def _check_target_ssim(value: Any) -> float:
+def check_target_ssim(value: Any) -> float:
+    """A target SSIM in (-1, 1]."""
     try:
         target = float(value)
     except (TypeError, ValueError):
@@ -292,138 +287,170 @@ def _check_target_ssim(value: Any) -> float:
     return target
 
 
-def _check_coverage(value: Any) -> float:
-    try:
-        return _coverage(value)
-    except ValueError:
-        raise ValueError(f"coverage must be a number in (0, 1), got {value!r}") from None
+# --- measuring ----------------------------------------------------------------------------------------------
 
 
-# --- tuning ----------------------------------------------------------------------------------------------
+def drill_down_map(approx: np.ndarray, factor: int, fraction: float) -> tuple[np.ndarray, float]:
+    """The heat map a drill-down run with stage-one stride ``factor`` x the stride and stage-two ``fraction``
+    would return, read off a map computed at the fine stride with the same settings; and its share of queries.
 
-
-def profile_from_measurements(taus: Sequence[float], ssim: Sequence[Sequence[float]], target_ssim: float = 0.9,
-                              coverage: float = 0.8, **meta: Any) -> TuningProfile:
-    """Fit the curves to measured SSIMs and pick tau (the tuning arithmetic, without running a model).
-
-    Args:
-        taus: tau values, one per column of ``ssim``.
-        ssim: per image, SSIM at each tau.
-        target_ssim: wanted SSIM.
-        coverage: share of images the lower curve is meant to cover.
-        **meta: model, signature, input_shape, patch, stride, output, images, seconds.
+    Stage one takes every ``factor``-th cell (and the last row and column), interpolates the others
+    bilinearly, and stage two takes the fine values of the ``fraction`` of the grid with the largest drops
+    (Krypton's choice), as :func:`incrinf.explain.approx.occlusion` runs it.
     """
-    target_ssim = _check_target_ssim(target_ssim)
-    coverage = _check_coverage(coverage)
-    taus = [check_tau(t) for t in taus]
-    arr = np.asarray(ssim, np.float64)
-    if arr.ndim != 2 or arr.shape[1] != len(taus) or arr.shape[0] == 0:
-        raise ValueError(f"ssim must be (images x {len(taus)}) values, got shape {arr.shape}")
-    order = np.argsort(taus)[::-1]
-    taus = [taus[i] for i in order]
-    arr = arr[:, order]
-    points_tau = np.tile(np.asarray(taus), arr.shape[0])
-    mean_fit = fit_curve(points_tau, arr.ravel())
-    lower_fit = fit_curve(taus, np.quantile(arr, 1.0 - coverage, axis=0))
-    defaults: dict[str, Any] = {"model": "model", "signature": "", "input_shape": [1, 3, 1, 1], "patch": [1, 1],
-                                "stride": [1, 1], "output": "logit"}
-    defaults.update(meta)
-    profile = TuningProfile(ssim=arr.tolist(), taus=taus, coefficients=mean_fit, lower_coefficients=lower_fit,
-                            coverage=coverage, target_ssim=target_ssim, tau=1.0, **defaults)
-    profile.tau = profile.tau_for(target_ssim)
-    return profile
+    from incrinf.explain.drilldown import select_cells
+
+    rows, cols = approx.shape
+    ri = np.unique(np.r_[np.arange(0, rows, factor), rows - 1])
+    ci = np.unique(np.r_[np.arange(0, cols, factor), cols - 1])
+    coarse = approx[np.ix_(ri, ci)]
+    wide = np.stack([np.interp(np.arange(cols), ci, row) for row in coarse])
+    out = np.stack([np.interp(np.arange(rows), ri, col) for col in wide.T], axis=1)
+    known = np.zeros(approx.shape, bool)
+    known[np.ix_(ri, ci)] = True
+    out[known] = approx[known]
+    if fraction > 0:  # the largest drops of the whole grid; those stage one computed are not run again
+        known |= select_cells(out, fraction)
+    out[known] = approx[known]
+    return out, float(known.mean())
 
 
 def tune(
     model: nn.Module,
     images: Sequence[torch.Tensor],
     target_ssim: float = 0.9,
-    taus: Sequence[float] = DEFAULT_TAUS,
     patch: int | tuple[int, int] = 16,
     stride: int | tuple[int, int] = 4,
+    taus: Sequence[float] = DEFAULT_TAUS,
+    feature_thresholds: Sequence[float] = DEFAULT_FEATURE_THRESHOLDS,
+    drill_downs: Sequence[tuple[int, float]] = DEFAULT_DRILL_DOWNS,
+    holdout: float = 1 / 3,
+    coverage: float = 0.8,
+    speed: str = "wall",
     baseline: float | torch.Tensor = 0.0,
     output: str = "logit",
     batch_size: int | str = "auto",
     max_memory: str | int = "2GiB",
-    coverage: float = 0.8,
     progress: bool = True,
     name: str | None = None,
     image_names: Sequence[str] | None = None,
 ) -> TuningProfile:
-    """Tune ``tau`` for a model on sample images (the seed's offline phase).
+    """Fit the approximation's knobs to a target SSIM on sample images and check the fit on held-out ones.
 
-    For each image: the exact heat map (tau = 1) and one approximate map per tau, their SSIM
-    (:func:`heatmap_ssim`), then second-degree fits of SSIM against tau and the lowest tau predicted to
-    reach ``target_ssim``. Tune with the patch, stride and image size you will explain with.
+    Tune with the patch, stride and image size you will explain with, on images of the same kind.
 
     Args:
         model: a ``torch.fx``-traceable classifier.
         images: sample images, each (3, H, W) or (1, 3, H, W), normalised for the model, all of one size.
         target_ssim: wanted SSIM (0.90-0.95 is nearly imperceptible).
-        taus: tau values to measure (1.0 is always included).
         patch, stride, baseline, output, batch_size, max_memory: as in :func:`incrinf.occlusion`.
-        coverage: share of images meant to reach the target; the lower curve fits the per-tau
-            ``1 - coverage`` quantile of SSIM over the images.
-        progress: show a progress bar over (image, tau) runs.
+        taus: projective field thresholds to measure.
+        feature_thresholds: value-based pruning thresholds to measure (every (tau, threshold) pair is run).
+        drill_downs: ``(stage-one stride factor, stage-two fraction)`` pairs to read off each run.
+        holdout: share of the images kept out of the choice to check it (every k-th image; at least one when
+            there are three or more).
+        coverage: share of the fitting images a setting must hold the target on.
+        speed: ``"wall"``: a setting's speed is the exact run's wall time over its own (what a user gains, noisy
+            on a busy machine); ``"flops"``: the ratio of the multiply-adds they computed (repeatable, blind to
+            the overheads of pruning).
+        progress: show a progress bar over runs.
         name: model name stored in the profile (default: the class name).
         image_names: names stored in the profile (default: ``image0``, ``image1``, ...).
 
     Returns:
-        A :class:`TuningProfile` (``profile.tau`` is the tuned tau; ``profile.save(path)`` writes it).
+        A :class:`TuningProfile`; ``profile.setting`` is the chosen setting, ``profile.summary()`` the table
+        (with the held-out check), ``profile.save(path)`` writes it. When no setting holds the target with a
+        speedup the exact setting is recorded as chosen, a warning names the best reachable ones, and
+        ``occlusion(profile=...)`` refuses the profile with that message.
 
     Raises:
-        ValueError: no images, images of different sizes, bad taus, target or coverage.
+        ValueError: no images, images of different sizes, bad settings, target, holdout or coverage.
     """
     from incrinf.explain.occlusion import occlusion
     from incrinf.graph import captured_graph
 
-    target_ssim = _check_target_ssim(target_ssim)
-    coverage = _check_coverage(coverage)
-    if isinstance(images, torch.Tensor) and images.dim() == 4 and images.shape[0] > 1:
-        images = list(images)
+    target_ssim = check_target_ssim(target_ssim)
+    if not 0.0 < coverage < 1.0:
+        raise ValueError(f"coverage must be a number in (0, 1), got {coverage!r}")
+    if not 0.0 <= holdout < 1.0:
+        raise ValueError(f"holdout must be a share in [0, 1), got {holdout!r}")
+    if speed not in ("wall", "flops"):
+        raise ValueError(f"speed must be 'wall' or 'flops', got {speed!r}")
     if isinstance(images, torch.Tensor):
-        images = [images]
+        images = list(images) if images.dim() == 4 and images.shape[0] > 1 else [images]
     images = [check_image(img) for img in images]
     if not images:
         raise ValueError("tune needs at least one sample image")
-    shapes = {tuple(img.shape) for img in images}
-    if len(shapes) > 1:
-        raise ValueError(f"tuning images must all have one size, got {sorted(shapes)}")
-    taus = sorted({check_tau(t) for t in taus} | {1.0}, reverse=True)
-    if len(taus) < 2:
-        raise ValueError("taus must include at least one value below 1")
+    if len({tuple(img.shape) for img in images}) > 1:
+        raise ValueError(f"tuning images must all have one size, got {sorted({tuple(i.shape) for i in images})}")
     shape = images[0].shape
     patch_hw = check_patch(patch, (shape[-2], shape[-1]))
     stride_hw = check_stride(stride)
-    model = model.eval()
-    graph = captured_graph(model, shape[1:])
-    start = time.perf_counter()
-    rows: list[list[float]] = []
-    bar = tqdm(total=len(images) * len(taus), desc="tuning tau", disable=not progress, leave=False)
-    for image in images:
-        common = {"patch": patch_hw, "stride": stride_hw, "baseline": baseline, "output": output,
-                  "batch_size": batch_size, "max_memory": max_memory, "progress": False}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            exact = occlusion(model, image, **common)
-        bar.update(1)
-        row = []
-        for tau in taus:
-            if tau == 1.0:
-                row.append(1.0)
-                continue
-            approx = occlusion(model, image, target=exact.target, tau=tau, **common)
-            row.append(heatmap_ssim(exact.heatmap, approx.heatmap))
-            bar.update(1)
-        rows.append(row)
-    bar.close()
+    runs = sorted({(check_tau(t), check_feature_threshold(f)) for t in taus for f in feature_thresholds} | {(1.0, 0.0)},
+                  key=lambda r: (-r[0], r[1]))
+    settings = [Setting(t, f, k, r) for t, f in runs for k, r in drill_downs]
+    if (1.0, 0.0, 1, 0.0) not in {(s.tau, s.feature_threshold, s.drill_factor, s.drill_fraction) for s in settings}:
+        settings.insert(0, Setting())
     names = list(image_names) if image_names is not None else [f"image{i}" for i in range(len(images))]
     if len(names) != len(images):
         raise ValueError(f"image_names has {len(names)} names for {len(images)} images")
-    return profile_from_measurements(
-        taus, rows, target_ssim, coverage, model=name or type(model).__name__, signature=graph.signature,
-        input_shape=[int(s) for s in shape], patch=list(patch_hw), stride=list(stride_hw), output=output,
-        images=names, seconds=time.perf_counter() - start)
+    graph = captured_graph(model.eval(), shape[1:])
+    start = time.perf_counter()
+    ssim_rows, speed_rows = [], []
+    bar = tqdm(total=len(images) * len(runs), desc="tuning", disable=not progress, leave=False)
+    common = {"patch": patch_hw, "stride": stride_hw, "baseline": baseline, "output": output,
+              "batch_size": batch_size, "max_memory": max_memory, "progress": False}
+    for image in images:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t0 = time.perf_counter()
+            exact = occlusion(model, image, **common)
+            exact_cost = time.perf_counter() - t0 if speed == "wall" else 1.0 / exact.stats["realized_flop_ratio"]
+        maps: dict[tuple[float, float], tuple[np.ndarray, float]] = {(1.0, 0.0): (exact.heatmap, exact_cost)}
+        bar.update(1)
+        for tau, threshold in runs:
+            if (tau, threshold) == (1.0, 0.0):
+                continue
+            t0 = time.perf_counter()
+            approx = occlusion(model, image, target=exact.target, tau=tau, feature_threshold=threshold, **common)
+            cost = time.perf_counter() - t0 if speed == "wall" else 1.0 / approx.stats["realized_flop_ratio"]
+            maps[(tau, threshold)] = (approx.heatmap, cost)
+            bar.update(1)
+        ssim_row, speed_row = [], []
+        for s in settings:
+            fine, cost = maps[(s.tau, s.feature_threshold)]
+            heat, queries = drill_down_map(fine, s.drill_factor, s.drill_fraction) if s.drill_factor > 1 \
+                else (fine, 1.0)
+            ssim_row.append(heatmap_ssim(exact.heatmap, heat))
+            speed_row.append(exact_cost / max(cost * queries, 1e-12))
+        ssim_rows.append(ssim_row)
+        speed_rows.append(speed_row)
+    bar.close()
+    every = round(1 / holdout) if holdout > 0 and len(images) >= 3 else 0
+    check = list(range(every - 1, len(images), every)) if every else []
+    profile = TuningProfile(
+        model=name or type(model).__name__, signature=graph.signature, input_shape=[int(s) for s in shape],
+        patch=list(patch_hw), stride=list(stride_hw), output=output, target_ssim=target_ssim, coverage=coverage,
+        settings=[asdict(s) for s in settings], ssim=ssim_rows, speed=speed_rows, check=check, images=names,
+        seconds=time.perf_counter() - start, speed_unit=speed)
+    profile.chosen = profile.choose()
+    if profile.setting.exact:
+        warnings.warn(f"{profile.unreached()}: the exact setting is chosen", stacklevel=2)
+    checked = profile.check_result()
+    if checked is not None and checked[0] < target_ssim:
+        warnings.warn(f"the chosen setting ({profile.setting.describe()}) held SSIM {checked[0]:.3f} < {target_ssim:g} "
+                      f"on the held-out images: tune with more images, or a higher target", stacklevel=2)
+    return profile
 
 
-__all__ = ["DEFAULT_TAUS", "TuningProfile", "fit_curve", "heatmap_ssim", "profile_from_measurements", "tune"]
+def profile_for(profile: TuningProfile | str | Path) -> TuningProfile:
+    """A profile object from a profile or the path of one."""
+    if isinstance(profile, TuningProfile):
+        return profile
+    if not isinstance(profile, (str, Path)):
+        raise TypeError(f"profile must be a TuningProfile or a path, got {type(profile).__name__}")
+    return TuningProfile.load(profile)
+
+
+__all__ = ["DEFAULT_DRILL_DOWNS", "DEFAULT_FEATURE_THRESHOLDS", "DEFAULT_TAUS", "Setting", "TuningProfile",
+           "check_target_ssim", "drill_down_map", "heatmap_ssim", "profile_for", "tune"]

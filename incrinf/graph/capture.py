@@ -1,8 +1,13 @@
 """Capture: trace a model with ``torch.fx``, propagate shapes for one input shape, type every node.
 
-Tracing patches process-wide state (``torch.fx`` swaps ``nn.Module.__call__`` while it runs), so captures
-from several threads at once would corrupt each other: every trace holds one lock. :func:`captured_graph`
-keeps one graph per (model, input shape), shared read-only by everything that runs that model.
+Tracing patches process-wide state: while ``torch.fx`` traces, ``nn.Module.__call__`` and ``__getattr__`` are
+replaced *for every thread*. Two things follow. Captures from several threads at once would corrupt each
+other, so every trace holds one lock. And a thread that merely runs a model (any model) while another thread
+traces would walk into the tracer: its calls would be recorded into the graph being traced and it would get
+proxies back (both sides fail with ``Unexpected key ...`` errors). The tracer here therefore records only
+calls from the thread that is tracing; every other thread's module calls and attribute reads pass through to
+the real ones. :func:`captured_graph` keeps one graph per (model, input shape), shared read-only by
+everything that runs that model.
 """
 
 from __future__ import annotations
@@ -48,7 +53,32 @@ def parse_input_shape(input_shape: Any) -> tuple[int, ...]:
 
 
 class _Tracer(torch.fx.Tracer):
-    """Keeps modules that declare their own window geometry (``without_padding``) as leaves."""
+    """Keeps modules that declare their own window geometry (``without_padding``) as leaves, and traces only
+    the calls of the thread that runs :meth:`trace` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tracing_thread: int | None = None
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> torch.fx.Graph:
+        self._tracing_thread = threading.get_ident()
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            self._tracing_thread = None
+
+    def _foreign(self) -> bool:
+        return threading.get_ident() != self._tracing_thread
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._foreign():  # another thread running a model during our trace: a plain call
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if self._foreign():
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return callable(getattr(m, "without_padding", None)) or super().is_leaf_module(m, module_qualified_name)

@@ -11,6 +11,8 @@ _EXPORTS = {
     "OffloadServer": ".server",
     "OffloadClient": ".client",
     "OffloadError": ".client",
+    "RateLimited": ".client",
+    "ServerConfig": ".config",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,8 +1,10 @@
 """HTTP client of the offload server, online link estimation, and retry back-off.
 
-- :class:`OffloadClient`: one persistent HTTP/1.1 connection (stdlib ``http.client``, TCP_NODELAY), a
-  timeout per request taken from the frame's budget, one transparent reconnect when a kept-alive connection
-  turns out to be stale. Every transfer is timed and fed to a :class:`LinkEstimator`.
+- :class:`OffloadClient`: one persistent HTTP/1.1 or HTTPS connection (stdlib ``http.client``, TCP_NODELAY),
+  a timeout per request taken from the frame's budget, one transparent reconnect when a kept-alive connection
+  turns out to be stale, the bearer token (argument or ``$INCRINF_TOKEN``), TLS verification on by default,
+  and ``Retry-After`` honoured when the server limits the request rate (429). Every transfer is timed and fed
+  to a :class:`LinkEstimator`.
 - :class:`LinkEstimator`: round-trip time and bandwidth from real transfers. Each request gives one sample
   ``(bytes moved, seconds on the wire)`` (the server's compute time, reported in ``X-Server-Seconds``, is
   subtracted); a weighted least-squares fit of ``seconds = rtt + bytes / bandwidth`` over recent samples,
@@ -18,7 +20,9 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
 import socket
+import ssl
 import threading
 import time
 from collections import deque
@@ -28,6 +32,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from incrinf.offload import wire
+from incrinf.offload.credentials import client_ssl_context, client_token
 
 SESSION_HEADER = "X-Incrinf-Session"
 # Request line, headers and their response counterparts: counted as bytes on the wire.
@@ -56,6 +61,18 @@ class RemoteError(OffloadError):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+
+
+class RateLimited(RemoteError):
+    """429: this credential's request rate or open-session cap is exceeded.
+
+    Attributes:
+        retry_after: seconds the server asks us to wait before the next request.
+    """
+
+    def __init__(self, status: int, message: str, retry_after: float) -> None:
+        super().__init__(status, message)
+        self.retry_after = retry_after
 
 
 class SessionLost(RemoteError):
@@ -174,11 +191,12 @@ class Backoff:
         self.retry_at = -math.inf
         self._lock = threading.Lock()
 
-    def failure(self, now: float | None = None) -> float:
-        """Record a failure; returns the delay before the next attempt."""
+    def failure(self, now: float | None = None, at_least: float = 0.0) -> float:
+        """Record a failure; returns the delay before the next attempt (``at_least`` when the server asked for
+        that long, e.g. in ``Retry-After``, even beyond ``cap``)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            delay = min(self.cap, self.initial * self.factor ** self.failures)
+            delay = max(at_least, min(self.cap, self.initial * self.factor ** self.failures))
             self.failures += 1
             self.retry_at = now + delay
             return delay
@@ -204,28 +222,59 @@ class _Connection(http.client.HTTPConnection):
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class _TLSConnection(http.client.HTTPSConnection):
+    def connect(self) -> None:
+        super().connect()  # TCP, then the TLS handshake (certificate and host name checked by the context)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class OffloadClient:
     """Synchronous client of one offload server over a persistent connection. Not thread-safe: give each
     thread its own client (they may share a :class:`LinkEstimator`).
 
     Args:
-        url: ``http://host:port``.
-        token: bearer token, if the server wants one.
+        url: ``http://host:port`` or ``https://host:port``.
+        token: bearer token; None reads ``$INCRINF_TOKEN`` (unset: none); ``""`` sends none.
         timeout: default per-request timeout in seconds.
         link: estimator fed with every transfer (a new one if None).
+        ca_file: PEM file of the certificate authority (or the self-signed certificate) that signed the
+            server's certificate; default: the system's trust store. HTTPS only.
+        verify: check the server's certificate and host name (HTTPS). False encrypts without knowing who
+            answers: anyone on the path can impersonate the server and read the token. Testing only.
+        wait_rate_limited: on 429, sleep for ``Retry-After`` and retry when that fits in the request's timeout
+            (False: raise :class:`RateLimited` at once, for callers with a fallback of their own).
+
+    Raises:
+        ValueError: a malformed URL, token or CA file.
     """
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 2.0,
-                 link: LinkEstimator | None = None) -> None:
+                 link: LinkEstimator | None = None, *, ca_file: str | os.PathLike | None = None, verify: bool = True,
+                 wait_rate_limited: bool = True) -> None:
         parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"offload URL must look like http://host:port, got {url!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"offload URL must look like http://host:port or https://host:port, got {url!r}")
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"offload URL has a bad port: {url!r}") from None
         self.url = url
-        self.host, self.port = parts.hostname, parts.port or 80
-        self.token = token
+        self.tls = parts.scheme == "https"
+        self.host, self.port = parts.hostname, port or (443 if self.tls else 80)
+        self.token = client_token(token)
         self.timeout = timeout
         self.link = link if link is not None else LinkEstimator()
-        self._conn: _Connection | None = None
+        self.wait_rate_limited = wait_rate_limited
+        self._ssl: ssl.SSLContext | None = client_ssl_context(ca_file, verify) if self.tls else None
+        self._conn: http.client.HTTPConnection | None = None
+
+    def __repr__(self) -> str:  # never the token
+        return f"OffloadClient({self.url!r}, token={'***' if self.token else None})"
+
+    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+        if self._ssl is not None:
+            return _TLSConnection(self.host, self.port, timeout=timeout, context=self._ssl)
+        return _Connection(self.host, self.port, timeout=timeout)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -247,36 +296,24 @@ class OffloadClient:
         """Send one request and decode the reply.
 
         Raises:
-            ServerUnavailable: network failure or timeout. SessionLost: 404. ReferenceMismatch: 409.
+            ServerUnavailable: network failure, TLS failure or timeout. SessionLost: 404. ReferenceMismatch: 409.
+            RateLimited: 429 (after waiting once for ``Retry-After`` when allowed and it fits in ``timeout``).
             RemoteError: any other error status.
         """
         timeout = self.timeout if timeout is None else timeout
+        deadline = time.perf_counter() + timeout
         headers = self._headers(session, body is not None)
-        for attempt in (0, 1):
-            reused = self._conn is not None
-            t0 = time.perf_counter()
-            try:
-                if self._conn is None:
-                    self._conn = _Connection(self.host, self.port, timeout=timeout)
-                    self._conn.connect()
-                else:
-                    self._conn.sock.settimeout(timeout)
-                self._conn.request(method, path, body=body, headers=headers)
-                response = self._conn.getresponse()
-                data = response.read()
-            except (OSError, http.client.HTTPException) as exc:
-                self.close()
-                if measure and isinstance(exc, TimeoutError):  # censored sample: the link is at least this slow
-                    self.link.add(len(body or b"") + HTTP_OVERHEAD_BYTES, time.perf_counter() - t0)
-                # A kept-alive connection the server has closed fails at once: retry once on a fresh one.
-                stale = reused and not isinstance(exc, TimeoutError)
-                if attempt == 0 and stale and time.perf_counter() - t0 < timeout / 2:
-                    continue
-                raise ServerUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-            seconds = time.perf_counter() - t0
-            if response.getheader("Connection", "").lower() == "close":
-                self.close()
-            break
+        waited = False
+        while True:
+            response, data, seconds = self._exchange(method, path, body, headers, timeout, measure)
+            if response.status != 429:
+                break
+            retry_after = _retry_after(response, data)
+            left = deadline - time.perf_counter()
+            if waited or not self.wait_rate_limited or retry_after >= left:
+                raise RateLimited(429, _error_message(data), retry_after)
+            time.sleep(retry_after)  # the server asked for it and the request's time allows it
+            waited, timeout = True, deadline - time.perf_counter()
         server_seconds = float(response.getheader("X-Server-Seconds", "0") or 0)
         up = len(body or b"") + HTTP_OVERHEAD_BYTES // 2
         down = len(data) + HTTP_OVERHEAD_BYTES // 2
@@ -294,8 +331,44 @@ class OffloadClient:
             except wire.PayloadError as exc:
                 raise RemoteError(response.status, f"undecodable reply: {exc}") from None
         elif content_type.startswith("application/json"):
-            js = json.loads(data)
+            try:
+                js = json.loads(data)
+            except ValueError:
+                raise RemoteError(response.status, "undecodable JSON reply") from None
         return Reply(output, js, seconds, server_seconds, up, down, response.getheader("X-Frame-Digest"))
+
+    def _exchange(self, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float,
+                  measure: bool) -> tuple[http.client.HTTPResponse, bytes, float]:
+        """One request/response on the kept-alive connection, reopened once if it turns out stale."""
+        for attempt in (0, 1):
+            reused = self._conn is not None
+            t0 = time.perf_counter()
+            try:
+                if self._conn is None:
+                    self._conn = self._connect(timeout)
+                    self._conn.connect()
+                else:
+                    self._conn.sock.settimeout(timeout)
+                self._conn.request(method, path, body=body, headers=headers)
+                response = self._conn.getresponse()
+                data = response.read()
+            except ssl.SSLCertVerificationError as exc:  # not a flaky link: retrying cannot help
+                self.close()
+                raise ServerUnavailable(f"{method} {path}: TLS certificate not trusted: {exc.verify_message}") from exc
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                if measure and isinstance(exc, TimeoutError):  # censored sample: the link is at least this slow
+                    self.link.add(len(body or b"") + HTTP_OVERHEAD_BYTES, time.perf_counter() - t0)
+                # A kept-alive connection the server has closed fails at once: retry once on a fresh one.
+                stale = reused and not isinstance(exc, TimeoutError)
+                if attempt == 0 and stale and time.perf_counter() - t0 < timeout / 2:
+                    continue
+                raise ServerUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+            seconds = time.perf_counter() - t0
+            if response.getheader("Connection", "").lower() == "close":
+                self.close()
+            return response, data, seconds
+        raise AssertionError("unreachable")
 
     # --- endpoints -------------------------------------------------------------------------------------
 
@@ -337,6 +410,20 @@ class OffloadClient:
     def probe(self, nbytes: int, timeout: float | None = None) -> Reply:
         """Send ``nbytes`` of filler to measure the uplink (the server discards them)."""
         return self.request("POST", "/probe", bytes(nbytes), None, timeout)
+
+
+def _retry_after(response: http.client.HTTPResponse, data: bytes) -> float:
+    """Seconds to wait from a 429: the JSON ``retry_after`` (sub-second), else ``Retry-After``, else 1."""
+    try:
+        value = float(json.loads(data)["retry_after"])
+        if math.isfinite(value) and value >= 0:
+            return value
+    except (ValueError, KeyError, TypeError):
+        pass
+    try:
+        return max(0.0, float(response.getheader("Retry-After", "1")))
+    except ValueError:  # an HTTP date: not something this server sends
+        return 1.0
 
 
 def _error_message(data: bytes) -> str:

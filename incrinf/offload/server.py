@@ -1,4 +1,4 @@
-"""The offload server: full, cached and split (suffix) inference over HTTP, with per-client stream caches.
+"""The offload server: full, cached and split (suffix) inference over HTTP(S), with per-client stream caches.
 
 Stack: ``aiohttp`` (asyncio HTTP/1.1 with keep-alive, request-size limits and a mature parser); the model
 runs in a small thread pool so a slow inference never blocks the event loop, and one client's bad request
@@ -7,7 +7,8 @@ never stops the others.
 Endpoints (binary bodies are :mod:`incrinf.offload.wire` tensor messages):
 
 =========================  ===================================================================================
-``GET /health``            liveness + model identity (name, graph signature, weight digest); no token needed
+``GET /health``            liveness, model identity (name, graph signature, weight digest), whether a token and
+                           TLS are required, and the limits; no token needed, no secret in it
 ``GET /profile``           per-node times of the server's model (measured once at start-up) and split points
 ``POST /session``          open a stream cache; answers ``{"session": id}`` (a 128-bit random capability)
 ``DELETE /session``        drop the cache named by the ``X-Incrinf-Session`` header
@@ -25,11 +26,17 @@ Endpoints (binary bodies are :mod:`incrinf.offload.wire` tensor messages):
 
 Responses carry ``X-Server-Seconds`` (compute time, so the client can separate network from compute) and,
 for cached streams, ``X-Frame-Digest`` of the reference frame. Errors are JSON ``{"error": ...}`` with 400
-(malformed payload), 401 (missing or wrong bearer token), 404 (unknown session), 409 (the client's reference
-frame is not the server's: send a full frame), 413 (request too large).
+(malformed payload), 401 (missing or wrong bearer token), 404 (unknown session or route), 409 (the client's
+reference frame is not the server's: send a full frame), 413 (request too large), 429 (the credential's request
+rate or open-session cap is exceeded: ``Retry-After`` says when to come back, JSON ``retry_after`` more
+precisely).
 
-Isolation: caches are keyed by (credential, session id); session ids are server-issued random capabilities,
-so a client can neither read (run the model on) nor overwrite another client's reference frame.
+Security (:class:`~incrinf.offload.config.ServerConfig`): loopback by default, and a public interface only with
+tokens (or an explicit ``insecure``); any number of tokens, each its own credential; TLS when a certificate and
+key are given; per-credential request rate (token bucket) and open-session cap; refused requests are
+rate-limited per peer address. Isolation: caches are keyed by (credential, session id); session ids are
+server-issued random capabilities, so a client can neither read (run the model on) nor overwrite another
+client's reference frame.
 """
 
 from __future__ import annotations
@@ -38,93 +45,57 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from incrinf.extras import require
-from incrinf.graph import capture, split_points
+from incrinf.graph import captured_graph, split_points
 from incrinf.normalization import IMAGENET_MEAN, IMAGENET_STD, Normalization
 from incrinf.offload import wire
+from incrinf.offload.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+from incrinf.offload.credentials import server_ssl_context
+from incrinf.offload.limits import RateLimiter, retry_after_header
 from incrinf.offload.profile import NodeProfile, SplitRunner, model_digest, profile_graph
+from incrinf.offload.store import SessionNotFound, SessionStore, TooManySessions
+
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "CacheConflict", "ModelService", "OffloadServer", "SessionNotFound",
+           "SessionStore", "TooManySessions"]
 
 web = require("aiohttp.web", "serve", "the offload server")
+HttpProcessingError = require("aiohttp.http_exceptions", "serve", "the offload server").HttpProcessingError
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Incrinf-Session"
-DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+# The request's credential, set by the guard (typed keys from aiohttp 3.14; a plain string before).
+_OWNER: Any = web.RequestKey("owner", str) if hasattr(web, "RequestKey") else "incrinf.owner"
 
 
-class SessionNotFound(LookupError):
-    """The session id is unknown to this server (expired, evicted, another client's, or a restart)."""
+class _ClientFaultFilter(logging.Filter):
+    """aiohttp logs every request it cannot parse at ERROR, with a traceback: the client's fault, not the server's,
+    and a client sending many would flood the log. They become one short INFO line each."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError) and (error.code or 400) < 500:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "malformed request answered %s: %s", (error.code, str(error.message)[:120])
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_CLIENT_FAULTS = _ClientFaultFilter()
 
 
 class CacheConflict(RuntimeError):
     """The client's reference frame id is not the server's: the client must send a full frame."""
-
-
-@dataclass
-class _StreamCache:
-    frame: np.ndarray | None = None
-    frame_id: int | None = None
-    last_used: float = field(default_factory=time.monotonic)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class SessionStore:
-    """Per-client reference frames, LRU-bounded and expiring.
-
-    Args:
-        max_sessions: most caches kept; the least recently used is dropped beyond it.
-        ttl: seconds after which an unused cache is dropped.
-    """
-
-    def __init__(self, max_sessions: int = 256, ttl: float = 600.0) -> None:
-        self.max_sessions = max_sessions
-        self.ttl = ttl
-        self._caches: OrderedDict[tuple[str, str], _StreamCache] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def _expire(self, now: float) -> None:
-        while self._caches:
-            key, cache = next(iter(self._caches.items()))
-            if now - cache.last_used <= self.ttl and len(self._caches) <= self.max_sessions:
-                break
-            del self._caches[key]
-
-    def create(self, owner: str) -> str:
-        session = secrets.token_urlsafe(16)
-        with self._lock:
-            self._caches[(owner, session)] = _StreamCache()
-            self._expire(time.monotonic())
-        return session
-
-    def get(self, owner: str, session: str) -> _StreamCache:
-        now = time.monotonic()
-        with self._lock:
-            self._expire(now)
-            cache = self._caches.get((owner, session))
-            if cache is None:
-                raise SessionNotFound("unknown session (expired, evicted or never opened here): open a new one")
-            cache.last_used = now
-            self._caches.move_to_end((owner, session))
-            return cache
-
-    def delete(self, owner: str, session: str) -> bool:
-        with self._lock:
-            return self._caches.pop((owner, session), None) is not None
-
-    def __len__(self) -> int:
-        return len(self._caches)
 
 
 class ModelService:
@@ -147,7 +118,7 @@ class ModelService:
                  profile_repeats: int = 5, max_sessions: int = 256, session_ttl: float = 600.0) -> None:
         self.model = model.eval()
         self.name = name
-        self.graph = capture(model, input_shape)
+        self.graph = captured_graph(model, input_shape)  # shared with every other user of this model
         self.input_shape = tuple(self.graph.input_shape)
         self.normalization = Normalization(mean, std)
         self.mean, self.std = self.normalization.mean, self.normalization.std
@@ -261,34 +232,48 @@ def _int_meta(msg: wire.Message, key: str) -> int:
     return value
 
 
-def _error(status: int, message: str, **headers: str) -> web.Response:
-    return web.json_response({"error": message, "status": status}, status=status, headers=headers or None)
+def _error(status: int, message: str, headers: dict[str, str] | None = None, **fields: Any) -> web.Response:
+    return web.json_response({"error": message, "status": status, **fields}, status=status, headers=headers)
+
+
+def _too_many(message: str, retry_after: float) -> web.Response:
+    return _error(429, message, {"Retry-After": retry_after_header(retry_after)}, retry_after=round(retry_after, 3))
+
+
+def _owner_of(token: bytes) -> str:
+    # Caches and limits are namespaced by credential; a hash, so the key never holds the secret itself.
+    return "token:" + hashlib.sha256(token).hexdigest()[:16]
 
 
 class OffloadServer:
-    """HTTP front of a :class:`ModelService`.
+    """HTTP(S) front of a :class:`ModelService`.
 
     Use :meth:`start` / :meth:`stop` (background thread, for tests, benchmarks and embedding) or
     :meth:`serve_forever` (the ``incrinf serve`` command).
 
     Args:
         service: the model service.
-        host: interface to bind (keep 127.0.0.1 unless the network is trusted; there is no TLS).
-        port: TCP port, 0 for any free one (see :attr:`port`).
-        token: if set, every endpoint but ``/health`` needs ``Authorization: Bearer <token>``.
-        max_request_bytes: larger request bodies get 413.
-        workers: inference threads.
+        config: the server settings (:class:`~incrinf.offload.config.ServerConfig`: interface, tokens, TLS,
+            limits); default: its defaults (loopback, no token).
+        token: one accepted bearer token (added to ``config.tokens``); every endpoint but ``/health`` then needs
+            ``Authorization: Bearer <token>``.
+        **settings: any :class:`~incrinf.offload.config.ServerConfig` field (``host=``, ``port=``,
+            ``tls_cert=``, ``requests_per_second=``, ...), replacing the one in ``config``.
+
+    Raises:
+        ValueError: a public interface without a token (unless ``insecure``), bad limits, an unusable
+            certificate. TypeError: an unknown setting.
     """
 
-    def __init__(self, service: ModelService, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, workers: int = 2) -> None:
+    def __init__(self, service: ModelService, config: ServerConfig | None = None, *, token: str | None = None,
+                 **settings: Any) -> None:
         self.service = service
-        self.host, self._requested_port = host, port
-        self._token = token.encode() if token else None
-        # Caches are namespaced by credential so that adding per-client tokens later keeps them apart.
-        self._owner = "token:" + hashlib.sha256(self._token).hexdigest()[:16] if self._token else "anon"
-        self.max_request_bytes = max_request_bytes
-        self.workers = workers
+        self.config = ServerConfig.build(config, token=token, **settings)
+        self.host, self._requested_port = self.config.host, self.config.port
+        self._tokens = [(t.encode(), _owner_of(t.encode())) for t in self.config.tokens]
+        self.max_request_bytes = self.config.max_request_bytes
+        self._ssl = server_ssl_context(self.config.tls_cert, self.config.tls_key) if self.config.tls else None
+        self._rate = RateLimiter(self.config.requests_per_second, self.config.burst)
         self._executor: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -302,7 +287,8 @@ class OffloadServer:
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("server not started")
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self._ssl else 'http'}://{host}:{self.port}"
 
     # --- app ---------------------------------------------------------------------------------------------
 
@@ -318,14 +304,31 @@ class OffloadServer:
         app.router.add_post("/probe", self._probe)
         return app
 
+    def _credential(self, request: web.Request) -> str | None:
+        """The owner key of the request's credential, ``"anon"`` on a server without tokens, None if refused."""
+        if not self._tokens:
+            return "anon"
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        presented = given.strip().encode("utf-8", "surrogateescape")
+        owner = None
+        for token, key in self._tokens:  # compare with every token: the time taken says nothing about which
+            if hmac.compare_digest(presented, token) and scheme.lower() == "bearer":
+                owner = key
+        return owner
+
     @web.middleware
     async def _guard(self, request: web.Request,
                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        if self._token is not None and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            scheme, _, credential = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(credential.strip().encode(), self._token):
-                return _error(401, "missing or wrong bearer token", **{"WWW-Authenticate": 'Bearer realm="incrinf"'})
+        if request.path != "/health":
+            owner = self._credential(request)
+            # Refused requests are limited per peer address too, so guessing tokens is as slow as the rate.
+            wait = self._rate.acquire(owner or f"peer:{request.remote}")
+            if wait > 0:
+                return _too_many(f"request rate above {self.config.requests_per_second:g}/s for this credential",
+                                 wait)
+            if owner is None:
+                return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": 'Bearer realm="incrinf"'})
+            request[_OWNER] = owner
         length = request.content_length
         if length is not None and length > self.max_request_bytes:
             return _error(413, f"request body of {length} bytes exceeds the limit of {self.max_request_bytes}")
@@ -341,6 +344,11 @@ class OffloadServer:
             return _error(404, str(exc))
         except CacheConflict as exc:
             return _error(409, str(exc))
+        except TooManySessions as exc:
+            return _too_many(str(exc), exc.retry_after)
+        except (ConnectionResetError, HttpProcessingError) as exc:  # the body broke off: the client's fault
+            log.debug("request %s %s: incomplete body: %s", request.method, request.path, exc)
+            return _error(400, f"incomplete request body: {type(exc).__name__}")
         except Exception:  # a bug must not take the server down; the client sees a 500
             log.exception("request %s %s failed", request.method, request.path)
             return _error(500, "internal error")
@@ -364,30 +372,35 @@ class OffloadServer:
         return web.Response(body=wire.encode({"output": out}), content_type=wire.CONTENT_TYPE, headers=headers)
 
     async def _health(self, request: web.Request) -> web.Response:
+        sessions = self.service.sessions
+        limits = {**self.config.limits_json(), "max_sessions": sessions.max_sessions, "session_ttl": sessions.ttl}
         return web.json_response({"status": "ok", **self.service.identity(),
-                                  "uptime": time.monotonic() - self.started_at})
+                                  "uptime": time.monotonic() - self.started_at, "auth": "token" if self._tokens else
+                                  "none", "tls": self._ssl is not None, "limits": limits,
+                                  "open_sessions": sessions.count()})
 
     async def _profile(self, request: web.Request) -> web.Response:
         return web.json_response(self.service.profile_json())
 
     async def _open_session(self, request: web.Request) -> web.Response:
-        return web.json_response({"session": self.service.sessions.create(self._owner)})
+        session = self.service.sessions.create(request[_OWNER], self.config.sessions_per_token)
+        return web.json_response({"session": session})
 
     async def _close_session(self, request: web.Request) -> web.Response:
         session = self._session(request, required=True)
-        if not self.service.sessions.delete(self._owner, session):
+        if not self.service.sessions.delete(request[_OWNER], session):
             raise SessionNotFound("unknown session")
         return web.json_response({"deleted": session})
 
     async def _full(self, request: web.Request) -> web.Response:
         msg = await self._body(request)
-        out, seconds, digest = await self._compute(self.service.infer_full, msg, self._owner,
+        out, seconds, digest = await self._compute(self.service.infer_full, msg, request[_OWNER],
                                                    self._session(request, required=False))
         return self._tensor_response(out, seconds, digest)
 
     async def _cached(self, request: web.Request) -> web.Response:
         msg = await self._body(request)
-        out, seconds, digest = await self._compute(self.service.infer_cached, msg, self._owner,
+        out, seconds, digest = await self._compute(self.service.infer_cached, msg, request[_OWNER],
                                                    self._session(request, required=True))
         return self._tensor_response(out, seconds, digest)
 
@@ -408,8 +421,8 @@ class OffloadServer:
     async def _start_async(self) -> None:
         self._runner = web.AppRunner(self.make_app(), access_log=None, shutdown_timeout=0.25)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._requested_port,
-                           reuse_address=True)
+        site = web.TCPSite(self._runner, self.host, self._requested_port, reuse_address=True,
+                           ssl_context=self._ssl)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked for
 
@@ -435,8 +448,11 @@ class OffloadServer:
         """Serve in a background thread; returns once the port is bound."""
         if self._thread is not None:
             raise RuntimeError("server already started")
+        parse_log = logging.getLogger("aiohttp.server")
+        if _CLIENT_FAULTS not in parse_log.filters:
+            parse_log.addFilter(_CLIENT_FAULTS)
         self.started_at = time.monotonic()
-        self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="incrinf-infer")
+        self._executor = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="incrinf-infer")
         self._thread = threading.Thread(target=self._thread_main, name="incrinf-server", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):

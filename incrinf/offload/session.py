@@ -8,8 +8,13 @@ predicted vs actual time in :attr:`OffloadingSession.stats`.
 Faults: an offload that fails (refused, reset, timed out, server error) is completed locally within the same
 call: no frame is dropped or duplicated, outputs come back in order. The server is then in back-off
 (exponential, capped); a background worker re-checks ``/health`` (and that the model's weights still match)
-when the back-off expires, and offloading resumes once it answers. While the client computes locally, the same
-worker times small probe transfers so the link estimate stays fresh without delaying frames.
+when the back-off expires, and offloading resumes once it answers. A 429 (the credential's request rate or
+session cap on the server) is handled the same way, except that the back-off lasts at least the server's
+``Retry-After`` and the server's cache is kept. While the client computes locally, the same worker times small
+probe transfers so the link estimate stays fresh without delaying frames.
+
+Credentials: ``token=`` (or ``$INCRINF_TOKEN``), and for ``https://`` servers ``ca_file=`` / ``verify=``, go to
+every request, probes and health checks included.
 
 Local cached inference is delegated to the incremental :class:`~incrinf.stream.session.StreamSession` (reset
 whenever another option ran, so its next frame rebuilds the cache); for models it cannot cache,
@@ -23,10 +28,11 @@ times its measured duration (:class:`SlowDevice`), and the local profile is scal
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from incrinf.graph import cache_point, capture, split_points
+from incrinf.graph import cache_point, captured_graph, split_points
 from incrinf.normalization import IMAGENET_MEAN, IMAGENET_STD, Normalization
 from incrinf.offload import wire
 from incrinf.offload.client import (
@@ -42,10 +48,12 @@ from incrinf.offload.client import (
     LinkEstimator,
     OffloadClient,
     OffloadError,
+    RateLimited,
     ReferenceMismatch,
     ServerUnavailable,
     SessionLost,
 )
+from incrinf.offload.local import FullInferenceStandIn, SlowDevice, StreamSessionBackend, local_backend
 from incrinf.offload.profile import NodeProfile, SplitRunner, model_digest, profile_graph
 from incrinf.offload.scheduler import (
     HYBRID,
@@ -60,208 +68,12 @@ from incrinf.offload.scheduler import (
     is_offload,
     split_of,
 )
-from incrinf.stream.change_mask import change_mask
+from incrinf.offload.stats import FrameLog, OffloadFrameStats
+from incrinf.offload.uplink import CachedUplink, Update
 from incrinf.stream.config import StreamConfig
-from incrinf.stream.matching import HomographyEstimator
 
-
-class SlowDevice:
-    """Emulates a device ``slowdown`` times slower than this one: after each computation, sleep
-    ``(slowdown - 1)`` times its measured duration.
-
-    Args:
-        slowdown: >= 1.
-    """
-
-    def __init__(self, slowdown: float = 1.0) -> None:
-        if slowdown < 1:
-            raise ValueError(f"slowdown must be >= 1, got {slowdown}")
-        self.slowdown = slowdown
-
-    @contextlib.contextmanager
-    def compute(self) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.slowdown > 1:
-                time.sleep((time.perf_counter() - t0) * (self.slowdown - 1))
-
-
-class FullInferenceStandIn:
-    """Stand-in for the local incremental session: plain full inference, recompute fraction 1.
-
-    Args:
-        model: the model.
-        normalization: how frames become model inputs.
-    """
-
-    def __init__(self, model: nn.Module, normalization: Normalization) -> None:
-        self.model, self.normalization = model, normalization
-
-    @torch.no_grad()
-    def __call__(self, frame: np.ndarray) -> torch.Tensor:
-        return self.model(self.normalization.tensor(frame))
-
-    def reset(self) -> None:
-        pass
-
-    @property
-    def last_recompute_fraction(self) -> float:
-        return 1.0
-
-    @property
-    def last_flops_ratio(self) -> float:
-        return 1.0
-
-
-class StreamSessionBackend:
-    """Adapter over :class:`incrinf.stream.session.StreamSession` (the incremental local engine).
-
-    Args:
-        factory: builds a fresh ``StreamSession`` (called again on :meth:`reset`).
-    """
-
-    def __init__(self, factory: Callable[[], Any]) -> None:
-        self.factory = factory
-        self.session = factory()
-
-    def __call__(self, frame: np.ndarray) -> torch.Tensor:
-        return self.session(frame)
-
-    def reset(self) -> None:
-        reset = getattr(self.session, "reset", None)
-        if callable(reset):
-            reset()
-        else:
-            self.session = self.factory()
-
-    def _last(self, field_name: str) -> float:
-        stats = getattr(self.session, "stats", None)
-        value = getattr(stats[-1], field_name, None) if stats else None
-        return 1.0 if value is None else float(value)
-
-    @property
-    def last_recompute_fraction(self) -> float:
-        return self._last("recompute_fraction")
-
-    @property
-    def last_flops_ratio(self) -> float:
-        """Full FLOPs / computed FLOPs of the last frame (StreamSession's convention)."""
-        return self._last("flops_ratio")
-
-
-@dataclass
-class Update:
-    """What the client sends for one offload_cached frame.
-
-    Attributes:
-        full: send the whole frame (first frame, failed matching, too much change, keyframe).
-        reason: why a full frame, or ``"delta"``.
-        matrix: (3, 3) homography reference -> frame (delta only).
-        boxes: (n, 4) int32 changed tiles (delta only).
-        tiles: flat uint8 pixels of the tiles (delta only).
-        reference: the reference both ends hold after this frame.
-        recompute_fraction: share of the frame's pixels sent (1 for full).
-    """
-
-    full: bool
-    reason: str
-    reference: np.ndarray
-    recompute_fraction: float
-    matrix: np.ndarray | None = None
-    boxes: np.ndarray | None = None
-    tiles: np.ndarray | None = None
-
-
-class CachedUplink:
-    """Client half of the cached offload protocol: the server's reference frame mirrored, the homography
-    estimator, the change mask and the tile packing (see :mod:`incrinf.offload.wire`).
-
-    Args:
-        config: the stream settings (change threshold and cell, ``max_ratio`` of changed cells at or above which
-            a full frame is sent, matcher, keyframe interval).
-    """
-
-    def __init__(self, config: StreamConfig | None = None) -> None:
-        self.config = config or StreamConfig()
-        # ECC refinement costs ~10x the keypoint fit at these sizes; the mask catches what the fit misses.
-        self.estimator = HomographyEstimator(matcher=self.config.matcher, refine=False)
-        self.reference: np.ndarray | None = None
-        self.reference_id: int | None = None
-        self._last_seen: int | None = None
-        self._since_full = 0
-
-    def reset(self) -> None:
-        """Forget the reference: the next frame goes out full."""
-        self.reference = self.reference_id = self._last_seen = None
-        self.estimator.reset()
-
-    def prepare(self, frame: np.ndarray, frame_id: int) -> Update:
-        """Build the update for ``frame``; the caller sends it and then calls :meth:`commit` or :meth:`reset`."""
-        contiguous = self._last_seen is not None and frame_id == self._last_seen + 1
-        self._last_seen = frame_id
-        result = self.estimator.update(frame)
-        if self.reference is None or not contiguous:
-            return Update(True, "no reference", frame.copy(), 1.0)
-        if not result.ok:
-            return Update(True, f"matching failed: {result.reason}", frame.copy(), 1.0)
-        config = self.config
-        if config.keyframe_interval and self._since_full >= config.keyframe_interval:
-            return Update(True, "keyframe", frame.copy(), 1.0)
-        warped, valid = wire.warp_frame_nearest(self.reference, result.matrix)
-        mask = change_mask(frame, warped, config.cell, config.threshold, valid)
-        if mask.changed_cell_fraction > config.max_ratio:  # the session's rule (StreamConfig.max_ratio)
-            return Update(True, f"changed cells {mask.changed_cell_fraction:.2f} > {config.max_ratio}", frame.copy(),
-                          1.0)
-        boxes = np.array(mask.boxes(), dtype=np.int32).reshape(-1, 4)
-        tiles = wire.pack_tiles(frame, boxes)
-        for y0, y1, x0, x1 in boxes.tolist():
-            warped[y0:y1, x0:x1] = frame[y0:y1, x0:x1]
-        return Update(False, "delta", warped, mask.recompute_fraction, result.matrix, boxes, tiles)
-
-    def commit(self, update: Update, frame_id: int) -> None:
-        self.reference, self.reference_id = update.reference, frame_id
-        self._since_full = 0 if update.full else self._since_full + 1
-
-
-@dataclass
-class OffloadFrameStats:
-    """What happened to one frame.
-
-    Attributes:
-        index: frame number (0-based).
-        mode: the option that produced the output (``local_full`` after a failed offload).
-        chosen: the option the scheduler chose.
-        reason: why it was chosen (and why it fell back, if it did).
-        predictions: predicted seconds of every option considered.
-        predicted_seconds: the prediction for ``chosen``.
-        seconds: actual wall time of the frame.
-        fallback: an offload failed and the frame was computed locally.
-        error: the offload error, if any.
-        recompute_fraction: changed share of the frame (cached options; 1 for full work).
-        flops_ratio: full FLOPs / computed FLOPs reported by the local cached session (None otherwise).
-        bytes_up: request bytes (0 for local).
-        bytes_down: response bytes.
-        server_seconds: server compute time reported.
-        full_upload: an offload_cached frame that had to send the whole frame (cache rebuild).
-    """
-
-    index: int
-    mode: str
-    chosen: str
-    reason: str
-    predictions: dict[str, float]
-    predicted_seconds: float
-    seconds: float
-    fallback: bool = False
-    error: str | None = None
-    recompute_fraction: float | None = None
-    flops_ratio: float | None = None
-    bytes_up: int = 0
-    bytes_down: int = 0
-    server_seconds: float = 0.0
-    full_upload: bool = False
+__all__ = ["CachedUplink", "FrameLog", "FullInferenceStandIn", "OffloadFrameStats", "OffloadingSession", "SlowDevice",
+           "StreamSessionBackend", "Update"]
 
 
 @dataclass
@@ -321,13 +133,16 @@ class OffloadingSession:
 
     Args:
         model: the model (eval mode), or a zoo name (``incrinf.models``).
-        offload: server URL ``http://host:port``, or None for local only.
+        offload: server URL ``http://host:port`` or ``https://host:port``, or None for local only.
         policy: ``"auto"``, ``"local_full"``, ``"local_cached"``, ``"offload_full"``, ``"offload_cached"``,
             ``"hybrid"`` (best split) or ``"hybrid:<node>"``.
         input_size: (H, W) of the frames; default: from the server, or the model's zoo input size.
         mean: normalisation mean of uint8 frames (default: the zoo model's, else ImageNet).
         std: normalisation std.
-        token: bearer token of the server.
+        token: bearer token of the server; None reads ``$INCRINF_TOKEN`` (unset: no token); ``""`` sends none.
+        ca_file: PEM file of the authority that signed the server's TLS certificate (``https://`` URLs; default:
+            the system's trust store).
+        verify: verify the server's TLS certificate and host name (keep True outside tests).
         config: stream settings of the cached options (:class:`~incrinf.stream.config.StreamConfig`): change
             threshold and cell, ``max_ratio`` of changed cells from which a cached option sends / computes the
             full frame, matcher, keyframe interval (a full frame, local or uploaded, every that many frames), and
@@ -347,17 +162,21 @@ class OffloadingSession:
         probe_interval: seconds between link probes while not offloading (0 disables probes).
         max_splits: hybrid split points considered by ``auto`` (the smallest tensors).
         profile_repeats: timed passes of the local profile.
+        keep_stats: per-frame records kept in :attr:`stats` (the newest; None: all). A stream never ends, and
+            every record costs about 0.7 KB.
     """
 
     def __init__(self, model: nn.Module | str, offload: str | None = None, policy: str = "auto", *,
                  input_size: tuple[int, int] | None = None, mean: tuple[float, ...] | None = None,
                  std: tuple[float, ...] | None = None, token: str | None = None,
+                 ca_file: str | os.PathLike | None = None, verify: bool = True,
                  config: StreamConfig | None = None, local_session: Callable[[], Any] | None = None,
                  local_options: dict[str, Any] | None = None,
                  budget: float | None = None,
                  max_timeout: float = 2.0, local_slowdown: float = 1.0, lookahead: int = 10,
                  margin: float = 0.1, backoff_initial: float = 0.25, backoff_cap: float = 8.0,
                  probe_interval: float = 0.25, max_splits: int = 3, profile_repeats: int = 5,
+                 keep_stats: int | None = 1000,
                  **settings: Any) -> None:
         self.config = StreamConfig.build(config, **settings)
         self.model, self.model_name, mean, std = _resolve_model(model, mean, std)
@@ -367,8 +186,10 @@ class OffloadingSession:
         self.probe_interval = probe_interval
         self.link = LinkEstimator()
         self.backoff = Backoff(backoff_initial, backoff_cap)
-        self.client = OffloadClient(offload, token, max_timeout, self.link) if offload else None
-        self._probe_client = OffloadClient(offload, token, max_timeout, self.link) if offload else None
+        # Both clients raise on 429 at once: a rate-limited frame is computed locally instead of waiting.
+        client = dict(timeout=max_timeout, link=self.link, ca_file=ca_file, verify=verify, wait_rate_limited=False)
+        self.client = OffloadClient(offload, token, **client) if offload else None
+        self._probe_client = OffloadClient(offload, token, **client) if offload else None
         self.digest = model_digest(self.model)
         server_info = self._connect() if self.client is not None else None
         if input_size is None:
@@ -378,7 +199,7 @@ class OffloadingSession:
                                            std or (server_info or {}).get("std") or IMAGENET_STD)
         self.mean, self.std = self.normalization.mean, self.normalization.std
         channels = self.normalization.channels
-        self.graph = capture(self.model, (channels, *self.input_size))
+        self.graph = captured_graph(self.model, (channels, *self.input_size))  # one per model, shared read-only
         if server_info is not None:
             problem = self._incompatibility(server_info)
             if problem:
@@ -399,14 +220,14 @@ class OffloadingSession:
         self.scheduler = Scheduler(cost, policy, lookahead, margin)
         if policy != "auto" and is_offload(policy) and self.client is None:
             raise ValueError(f"policy {policy!r} needs an offload URL")
-        self.local_cached = _local_backend(local_session, self.model, self.input_size, self.normalization,
+        self.local_cached = local_backend(local_session, self.model, self.input_size, self.normalization,
                                            self.config, local_options)
         self.uplink = CachedUplink(self.config)
         self._calibrate()
         self.session_id: str | None = None
         self.incompatible: str | None = None
         self.probes = 0
-        self.stats: list[OffloadFrameStats] = []
+        self.stats: FrameLog = FrameLog(keep_stats)  # OffloadFrameStats, the newest keep_stats
         self._index = 0
         self._server_up = server_info is not None
         self._last_network = -float("inf")
@@ -523,7 +344,12 @@ class OffloadingSession:
 
     def _server_failed(self, exc: Exception) -> None:
         self._server_up = False
-        self.session_id = None if isinstance(exc, ServerUnavailable) else self.session_id
+        if isinstance(exc, RateLimited):  # the server is fine and keeps our cache: wait as long as it asks
+            self.backoff.failure(at_least=exc.retry_after)
+            return
+        # The server's cache is kept even when the server is unreachable or slow: a server that restarted answers
+        # 404 for it (SessionLost), and then a new one is opened. Forgetting it here would leave it open on the
+        # server until it expires, and a few timeouts would fill the credential's session cap.
         self.client.close()
         self.backoff.failure()
 
@@ -690,9 +516,14 @@ class OffloadingSession:
         return _Outcome(torch.from_numpy(reply.output), 1.0, reply.bytes_up, reply.bytes_down, reply.server_seconds)
 
     def close(self) -> None:
-        """Stop the background worker and close connections (the server drops the cache on expiry)."""
+        """Stop the background worker, close the server's cache of this stream (best effort: otherwise it expires)
+        and the connections."""
         if self._worker is not None:
             self._worker.close()
+        if self.client is not None and self.session_id is not None and self._server_up:
+            with contextlib.suppress(OffloadError):
+                self.client.close_session(self.session_id, timeout=min(0.5, self.max_timeout))
+            self.session_id = None
         for client in (self.client, self._probe_client):
             if client is not None:
                 client.close()
@@ -720,21 +551,3 @@ def _zoo_size(name: str | None) -> tuple[int, int]:
 
     size = models.info(name).input_size
     return (size, size)
-
-
-def _local_backend(factory: Callable[[], Any] | None, model: nn.Module, input_size: tuple[int, int],
-                   normalization: Normalization, config: StreamConfig, options: dict[str, Any] | None) -> Any:
-    """The local cached engine: ``factory()`` if given, else the incremental ``StreamSession``, else the
-    full-inference stand-in (models ``StreamSession`` cannot cache, e.g. without convolutions)."""
-    if factory is not None:
-        return StreamSessionBackend(factory)
-    from incrinf.stream.session import StreamSession
-
-    def build() -> Any:
-        return StreamSession(model, config, input_size=input_size, mean=normalization.mean, std=normalization.std,
-                             **(options or {}))
-
-    try:
-        return StreamSessionBackend(build)
-    except (ValueError, TypeError):
-        return FullInferenceStandIn(model, normalization)

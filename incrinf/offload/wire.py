@@ -80,7 +80,7 @@ def _as_numpy(value: np.ndarray | torch.Tensor) -> np.ndarray:
     little = arr.dtype.newbyteorder("<")
     if little not in _CODES:
         raise TypeError(f"unsupported dtype {arr.dtype}")
-    return np.ascontiguousarray(arr.astype(little, copy=False))
+    return np.asarray(arr.astype(little, copy=False), order="C")  # not ascontiguousarray: it makes 0-d arrays 1-d
 
 
 def encode(tensors: Mapping[str, np.ndarray | torch.Tensor], meta: Mapping[str, Any] | None = None) -> bytes:
@@ -143,10 +143,12 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     (meta_len,) = reader.unpack("<I", "metadata length")
     if meta_len > MAX_META_BYTES:
         raise PayloadError(f"metadata too large ({meta_len} > {MAX_META_BYTES} bytes)")
+    raw_meta = bytes(reader.take(meta_len, "metadata"))
     try:
-        meta = json.loads(bytes(reader.take(meta_len, "metadata")) or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PayloadError(f"metadata is not valid JSON: {exc}") from None
+        meta = json.loads(raw_meta or b"{}")
+    # ValueError also covers integers too long to convert; RecursionError, nesting too deep to parse
+    except (ValueError, RecursionError) as exc:
+        raise PayloadError(f"metadata is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(meta, dict):
         raise PayloadError("metadata must be a JSON object")
     (count,) = reader.unpack("<H", "tensor count")

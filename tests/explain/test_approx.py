@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -59,10 +60,10 @@ def test_tau_one_is_the_exact_path_bit_for_bit(name: str) -> None:
         assert "sampled_max_abs_error" not in result.stats  # nothing approximate to measure
 
 
-def _reference_truncated(model: nn.Module, x: torch.Tensor, pos: tuple[int, int], patch: tuple[int, int],
-                         tau: float) -> torch.Tensor:
-    """The seed's truncated inference, one position, on full tensors: every local node sees its base input
-    with only the tau-cropped input box replaced, and keeps new values only inside its output box."""
+def _reference_capped(model: nn.Module, x: torch.Tensor, pos: tuple[int, int], patch: tuple[int, int],
+                      tau: float) -> torch.Tensor:
+    """Projective field thresholding, one position, on full tensors: every node keeps its new values only inside
+    its (capped) output box and holds its base values elsewhere; a capped node reads its whole input."""
     graph = captured_graph(model, x.shape[1:])
     prop = propagate(graph, input_region(np.array([pos]), patch, x.shape[-2:]), tau=tau, uniform=True)
     base = BatchEngine(graph, x).base
@@ -70,21 +71,10 @@ def _reference_truncated(model: nn.Module, x: torch.Tensor, pos: tuple[int, int]
     occluded[..., pos[0]:pos[0] + patch[0], pos[1]:pos[1] + patch[1]] = 0.0
     env: dict[str, torch.Tensor] = {}
 
-    class Truncated(torch.fx.Interpreter):
+    class Capped(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node):
             node = graph.by_name.get(n.name)
-            saved = None
-            if node is not None and node.kind == NodeKind.LOCAL and prop.regions[node.inputs[0]].kind == RegionKind.BOX:
-                src, step, r = node.inputs[0], prop.steps[n.name], prop.regions[node.inputs[0]]
-                y, x_ = (int(v) for v in r.start[0] + step.crop)
-                crop_h, crop_w = (int(v) for v in step.crop_size)
-                mixed = base[src].clone()
-                box = (..., slice(y, y + crop_h), slice(x_, x_ + crop_w))
-                mixed[box] = env[src][box]
-                saved, env[src] = env[src], mixed
             out = occluded if n.op == "placeholder" else super().run_node(n)
-            if saved is not None:
-                env[node.inputs[0]] = saved
             if node is not None and isinstance(out, torch.Tensor) and node.kind not in (
                     NodeKind.CONSTANT, NodeKind.META, NodeKind.INPUT):
                 region = prop.regions[n.name]
@@ -103,11 +93,11 @@ def _reference_truncated(model: nn.Module, x: torch.Tensor, pos: tuple[int, int]
                     torch.fx.node.map_arg(n.kwargs, lambda a: env[a.name]))
 
     with torch.no_grad():
-        return Truncated(graph.module).run(x)
+        return Capped(graph.module).run(x)
 
 
 @pytest.mark.parametrize("name", ["small", "resnet18"])
-def test_tau_below_one_is_the_seeds_truncated_inference(name: str) -> None:
+def test_tau_below_one_caps_every_box_and_reads_whole_inputs(name: str) -> None:
     model = small_net() if name == "small" else zoo_model(name)
     x = image()
     positions = np.array([[0, 0], [24, 40], [48, 48], [40, 8]])
@@ -115,13 +105,13 @@ def test_tau_below_one_is_the_seeds_truncated_inference(name: str) -> None:
     outputs, _ = runner.run(positions, (16, 16), 0.0, batch_size=4)
     naive = []
     for k, (py, px) in enumerate(positions):
-        expected = _reference_truncated(model, x, (int(py), int(px)), (16, 16), 0.5)
+        expected = _reference_capped(model, x, (int(py), int(px)), (16, 16), 0.5)
         torch.testing.assert_close(outputs[k:k + 1], expected, atol=1e-4, rtol=1e-4)
         occluded = x.clone()
         occluded[..., py:py + 16, px:px + 16] = 0.0
         with torch.no_grad():
             naive.append(model(occluded))
-    # and it is an approximation: some input box was cropped and the outputs moved
+    # and it is an approximation: some box was capped and the outputs moved
     prop = propagate(runner.graph, input_region(positions, (16, 16), x.shape[-2:]), tau=0.5)
     assert any(step.crop.any() for step in prop.steps.values())
     assert (outputs - torch.cat(naive)).abs().max() > 1e-5
@@ -278,7 +268,7 @@ def test_explain_options(tmp_path) -> None:
     import argparse
 
     from incrinf.cli.explain import add_explain_options, apply_explain_options, describe_approximation
-    from incrinf.explain.tuning import profile_from_measurements
+    from incrinf.explain.tuning import Setting, TuningProfile
 
     parser = argparse.ArgumentParser()
     add_explain_options(parser)
@@ -288,9 +278,12 @@ def test_explain_options(tmp_path) -> None:
     assert kwargs == {"tau": 0.7, "drill_down": DrillDown(0.1, 5.0), "measure_quality": True}
     assert apply_explain_options(parser.parse_args(["--target-speedup", "2"]))["drill_down"] == DrillDown(0.25, 2.0)
     assert apply_explain_options(parser.parse_args(["--drill-down", "0.3"]))["drill_down"] == DrillDown(0.3, 3.0)
-    path = profile_from_measurements([1.0, 0.5], [[1.0, 0.5]]).save(tmp_path / "p.json")
+    settings = [asdict(Setting()), asdict(Setting(tau=0.5))]
+    path = TuningProfile(model="Net", signature="s", input_shape=[1, 3, 64, 64], patch=[16, 16], stride=[8, 8],
+                         output="logit", target_ssim=0.8, coverage=0.8, settings=settings,
+                         ssim=[[1.0, 0.9]], speed=[[1.0, 2.0]], check=[], chosen=1).save(tmp_path / "p.json")
     kwargs = apply_explain_options(parser.parse_args(["--target-ssim", "0.8", "--profile", str(path)]))
-    assert kwargs["target_ssim"] == 0.8 and kwargs["profile"].taus == [1.0, 0.5]
+    assert kwargs["target_ssim"] == 0.8 and kwargs["profile"].setting == Setting(tau=0.5)
     with pytest.raises(ValueError, match="--profile"):
         apply_explain_options(parser.parse_args(["--target-ssim", "0.9"]))
     with pytest.raises(ValueError, match="not both"):

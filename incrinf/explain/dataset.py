@@ -1,0 +1,409 @@
+"""``incrinf.explain_dataset``: explain every image of a dataset, resumably, on one or many workers.
+
+The driver (this module) discovers the inputs, skips the complete ones, streams the others' bytes to an
+executor (in-process, local processes or Ray actors), writes each result as it arrives, and at the end derives
+the results table, the dataset statistics and the gallery from the per-input records. Nothing is kept only in
+memory: a run killed at any point leaves every finished input committed, and the next run redoes only the
+rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.nn as nn
+
+from incrinf.explain.dataset_inputs import InputItem, Selection, discover_inputs, find_masks
+from incrinf.explain.dataset_job import ExplainSpec, ModelSource, Preprocessing, Task
+from incrinf.explain.dataset_stats import ClassMean, class_means, inside_share, load_mask
+from incrinf.explain.dataset_store import (
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_PENDING,
+    RunFolder,
+    atomic_write_bytes,
+    atomic_write_png,
+    base_record,
+    source_signature,
+    table_row,
+)
+from incrinf.explain.executors import Executor, InProcessExecutor, ProcessExecutor, RayExecutor
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+@dataclass
+class DatasetReport:
+    """What a dataset run did.
+
+    Attributes:
+        out: the run's folder. rows: one results-table row per input, in input order.
+        computed: inputs explained (or failed) by this run. skipped: inputs already complete.
+        seconds: wall time of the explaining phase (without the final table and gallery).
+        startup_seconds: time to start the workers and load their models (Ray: also to start Ray).
+        executor: "in-process", "processes" or "ray"; workers, workers_lost and retried describe it.
+        class_means: mean heat map per class. mask_outside: rows whose positive heat falls mostly outside
+            their mask. mask_threshold: the outside share above which a row is listed.
+        skipped_non_images: files a directory walk passed over (no image suffix).
+        interrupted: the run was stopped (Ctrl-C) before every input was done.
+    """
+
+    out: Path
+    rows: list[dict[str, Any]]
+    computed: int
+    skipped: int
+    seconds: float
+    executor: str
+    workers: int
+    workers_lost: int = 0
+    retried: int = 0
+    class_means: list[ClassMean] = field(default_factory=list)
+    mask_outside: list[dict[str, Any]] = field(default_factory=list)
+    mask_threshold: float = 0.5
+    skipped_non_images: list[str] = field(default_factory=list)
+    interrupted: bool = False
+    startup_seconds: float = 0.0
+
+    def count(self, status: str) -> int:
+        return sum(row["status"] == status for row in self.rows)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every input is done, 1 when any failed or is still pending, 130 after an interruption."""
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        return EXIT_OK if self.count(STATUS_OK) == len(self.rows) else EXIT_FAILED
+
+    def where(self) -> str:
+        if self.executor == "in-process":
+            return "in this process"
+        return f"on {self.workers} " + ("local processes" if self.executor == "processes" else "Ray actors")
+
+    @property
+    def inputs_per_minute(self) -> float:
+        return 60.0 * self.computed / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        """The end-of-run summary printed by ``incrinf explain``."""
+        ok, failed, pending = self.count(STATUS_OK), self.count(STATUS_ERROR), self.count(STATUS_PENDING)
+        lines = [f"{len(self.rows)} inputs: {ok} explained, {failed} failed, {pending} not done"
+                 + (" (interrupted)" if self.interrupted else ""),
+                 f"this run: {self.computed} computed in {self.seconds:.1f} s "
+                 f"({self.inputs_per_minute:.1f} inputs/min) {self.where()} after {self.startup_seconds:.1f} s of "
+                 f"start-up; {self.skipped} already complete"]
+        if self.workers_lost:
+            lines.append(f"{self.workers_lost} worker(s) lost; {self.retried} input(s) retried on other workers")
+        if self.skipped_non_images:
+            lines.append(f"passed over {len(self.skipped_non_images)} file(s) without an image suffix, e.g. "
+                         f"{self.skipped_non_images[0]}")
+        for row in [r for r in self.rows if r["status"] == STATUS_ERROR][:10]:
+            lines.append(f"  failed: {row['path']}: {row['error']}")
+        if self.class_means:
+            top = sorted(self.class_means, key=lambda m: -m.count)[:5]
+            lines.append("mean heat maps for " + ", ".join(f"class {m.target} ({m.count})" for m in top)
+                         + (" ..." if len(self.class_means) > 5 else ""))
+        if self.mask_outside:
+            lines.append(f"{len(self.mask_outside)} input(s) with over {self.mask_threshold:.0%} of their heat outside "
+                         "the mask: " + ", ".join(Path(r["path"]).name for r in self.mask_outside[:5]))
+        lines.append(f"table {self.out / 'results.csv'}, gallery {self.out / 'index.html'}")
+        return "\n".join(lines)
+
+
+class DatasetInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`explain_dataset`, after the table and gallery were brought up to date."""
+
+    def __init__(self, report: DatasetReport) -> None:
+        super().__init__("dataset run interrupted")
+        self.report = report
+
+
+def explain_dataset(
+    model: nn.Module | str,
+    inputs: str | os.PathLike | Sequence[str | os.PathLike],
+    out: str | os.PathLike,
+    *,
+    weights: str | None = None,
+    normalization: str | None = None,
+    size: int | None = None,
+    masks: str | os.PathLike | None = None,
+    mask_threshold: float = 0.5,
+    workers: int = 1,
+    ray: bool | str | None = None,
+    cpus_per_worker: int = 1,
+    overwrite: bool = False,
+    labels: Sequence[str] | None = None,
+    gallery: bool = True,
+    progress: bool = True,
+    callback: Callable[[dict[str, Any]], None] | None = None,
+    **occlusion_options: Any,
+) -> DatasetReport:
+    """Occlusion heat maps for every image of a dataset, written to ``out`` with a table and a gallery.
+
+    Re-running with the same arguments skips complete inputs (see :meth:`RunFolder.is_complete`) and redoes
+    failed and partial ones; an unreadable input becomes an error row and the run goes on.
+
+    Args:
+        model: a zoo name (``"efficientnet_lite0"``, ``"resnet18"``, ...) or a module (pickled to workers).
+        inputs: image files, directories (walked recursively) and glob patterns (``**`` recursive).
+        out: the run's folder (created).
+        weights: state-dict file for a zoo architecture.
+        normalization: zoo name whose mean/std preprocess the images (default: ``model`` when it is a name,
+            else ImageNet's).
+        size: shorter side the images are resized to, then centre-cropped square (default: the model's).
+        masks: a mask image for every input, or a folder of masks matched by relative path or stem; the share
+            of positive heat inside each mask goes into the table.
+        mask_threshold: inputs with more than this share of their positive heat outside their mask are listed.
+        workers: local processes (1 = in-process); with ``ray``, the number of actors (default: one per
+            ``cpus_per_worker`` CPUs of the cluster).
+        ray: True or "local" starts Ray on this machine; an address ("auto", "HOST:PORT", "ray://HOST:PORT")
+            connects to a cluster.
+        cpus_per_worker: CPUs (and torch threads) per Ray actor.
+        overwrite: recompute every input.
+        labels: class names by index (default: ImageNet's for zoo models, none for modules).
+        gallery: write ``index.html``.
+        progress: progress bars (over inputs; in-process also per input).
+        callback: called with each input's table row as soon as its outputs are written.
+        **occlusion_options: passed to :func:`incrinf.occlusion` for every image (patch, stride, target,
+            output, tau, drill_down, ...).
+
+    Returns:
+        A :class:`DatasetReport` (its ``exit_code`` is what ``incrinf explain`` returns).
+
+    Raises:
+        FileNotFoundError / ValueError: missing inputs or masks, no images, bad options.
+        RuntimeError: the out folder is in use by another run, or workers cannot load the model.
+        DatasetInterrupted: Ctrl-C; its ``report`` describes the folder as left (every finished input kept).
+    """
+    selection = discover_inputs([inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs))
+    spec = _spec(model, weights, normalization, size, occlusion_options)
+    if not 0.0 <= mask_threshold <= 1.0:
+        raise ValueError(f"mask_threshold must be in [0, 1], got {mask_threshold}")
+    mask_check = _MaskCheck(find_masks(selection.items, masks), spec.preprocessing, mask_threshold)
+    if labels is None and isinstance(model, str):
+        labels = imagenet_labels()
+    settings = spec.settings_digest()
+    items = selection.items
+    with RunFolder(out) as folder:
+        records: dict[str, dict[str, Any]] = {}
+        todo = []
+        for index, item in enumerate(items):
+            record = folder.read_record(item.id)
+            if not overwrite and folder.is_complete(record, settings, _signature(item)):
+                records[item.id] = record
+            else:
+                todo.append(index)
+        skipped = len(records)
+        executor_info = {"executor": "in-process", "workers": 1}
+        interrupted = False
+        launch = start = time.perf_counter()
+        try:
+            executor = _executor(spec, workers, ray, cpus_per_worker, progress)
+            with executor:
+                executor_info["executor"], executor_info["workers"] = executor.name, executor.workers
+                start = time.perf_counter()
+                try:
+                    _drive(executor, folder, items, todo, settings, spec, mask_check, labels, records, progress,
+                           callback)
+                finally:
+                    executor_info.update(workers_lost=executor.workers_lost, retried=executor.retried)
+        except KeyboardInterrupt:
+            interrupted = True
+        seconds = time.perf_counter() - start
+        report = _finish(folder, selection, records, mask_check, labels, gallery,
+                         DatasetReport(folder.root, [], len(records) - skipped, skipped, seconds,
+                                       mask_threshold=mask_threshold, interrupted=interrupted,
+                                       startup_seconds=start - launch, **executor_info))
+    if interrupted:
+        raise DatasetInterrupted(report)
+    return report
+
+
+def _spec(model: nn.Module | str, weights: str | None, normalization: str | None, size: int | None,
+          options: dict[str, Any]) -> ExplainSpec:
+    from incrinf import models
+
+    if isinstance(model, str):
+        if model not in models.available():
+            raise ValueError(f"unknown model {model!r}; try one of: {', '.join(models.ZOO)}")
+        source = ModelSource(name=model, weights=weights)
+    elif isinstance(model, nn.Module):
+        if weights is not None:
+            raise ValueError("weights= goes with a zoo model name; load them into the module yourself")
+        source = ModelSource(module=model)
+    else:
+        raise TypeError(f"model must be a zoo name or an nn.Module, got {type(model).__name__}")
+    normalization = normalization or (model if isinstance(model, str) else "imagenet")
+    size = size if size is not None else models.info(normalization).input_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int, got {size!r}")
+    if "progress" in options:
+        raise TypeError("pass progress= to explain_dataset itself (it controls both progress bars)")
+    _check_option_names(options)
+    return ExplainSpec(source, Preprocessing(normalization, size), dict(options))
+
+
+def _check_option_names(options: dict[str, Any]) -> None:
+    """Refuse a misspelt option now, rather than as the same error row for every input."""
+    import inspect
+
+    import incrinf
+
+    try:
+        inspect.signature(incrinf.occlusion).bind_partial(None, None, **options)
+    except TypeError as exc:
+        raise TypeError(f"not an option of incrinf.occlusion: {exc}") from None
+
+
+def _executor(spec: ExplainSpec, workers: int | None, ray: bool | str | None, cpus_per_worker: int,
+              progress: bool) -> Executor:
+    if ray:
+        address = None if ray is True else str(ray)
+        return RayExecutor(spec, address, actors=workers if workers and workers > 1 else None,
+                           cpus_per_actor=cpus_per_worker)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    if workers == 1:
+        return InProcessExecutor(spec, progress=progress)
+    return ProcessExecutor(spec, workers)
+
+
+def _signature(item: InputItem) -> dict[str, int] | None:
+    try:
+        return source_signature(item.path)
+    except OSError:
+        return None
+
+
+def _drive(executor: Executor, folder: RunFolder, items: Sequence[InputItem], todo: list[int], settings: str,
+           spec: ExplainSpec, mask_check: _MaskCheck, labels: Sequence[str] | None,
+           records: dict[str, dict[str, Any]], progress: bool, callback: Callable | None) -> None:
+    """Stream the inputs to do through ``executor``, writing each outcome as it arrives."""
+    from tqdm.auto import tqdm
+
+    signatures: dict[int, dict[str, int] | None] = {}
+
+    def tasks():
+        for index in todo:
+            item = items[index]
+            signatures[index] = _signature(item)  # taken before reading: a file changed later is redone
+            try:
+                yield Task(index, item.id, item.rel, item.path.read_bytes())
+            except OSError as exc:
+                yield Task(index, item.id, item.rel, None, f"cannot read {item.path}: {exc.strerror or exc}")
+
+    bar = tqdm(total=len(items), initial=len(items) - len(todo), desc="inputs", unit="input", position=0,
+               disable=not progress, dynamic_ncols=True)
+    done: set[int] = set()
+    failed = 0
+    name = spec.model.name or type(spec.model.module).__name__
+    try:
+        for outcome in executor.run(tasks()):
+            if outcome.index in done:  # never written twice, whatever an executor does
+                continue
+            item = items[outcome.index]
+            title = f"{name}: class {outcome.target}" + (f" ({labels[outcome.target]})" if labels and
+                                                          outcome.target is not None else "")
+            record = folder.write_outputs(item, outcome, settings, signatures.pop(outcome.index, None) or {},
+                                          title, mask_check)
+            done.add(outcome.index)
+            records[item.id] = record
+            failed += record["status"] == STATUS_ERROR
+            bar.set_postfix(failed=failed, refresh=False)
+            bar.update(1)
+            if callback is not None:
+                callback(table_row(record, labels))
+    finally:
+        bar.close()
+
+
+class _MaskCheck:
+    """The shortcut check: share of each input's positive heat inside its mask."""
+
+    def __init__(self, files: dict[str, Path], preprocessing: Preprocessing, threshold: float) -> None:
+        self.files = files
+        self.preprocessing = preprocessing
+        self.threshold = threshold
+        self._masks: dict[Path, np.ndarray] = {}
+
+    def key(self, item_id: str) -> dict[str, Any] | None:
+        """What a record's mask entry must have been computed from to be current."""
+        path = self.files.get(item_id)
+        if path is None:
+            return None
+        return {"file": str(path), "source": source_signature(path), "threshold": self.threshold,
+                "size": self.preprocessing.size}
+
+    def __call__(self, item: InputItem, pixel: np.ndarray) -> dict[str, Any] | None:
+        key = self.key(item.id)
+        if key is None:
+            return None
+        path = self.files[item.id]
+        if path not in self._masks:
+            try:
+                self._masks[path] = load_mask(path, self.preprocessing.normalization, self.preprocessing.size)
+            except (OSError, ValueError) as exc:  # a bad mask spoils its row's check, not the run
+                return dict(key, inside_share=None, outside=None, error=str(exc))
+        mask = self._masks[path]
+        if mask.shape != pixel.shape:
+            return dict(key, inside_share=None, outside=None, error=f"mask {mask.shape} != image {pixel.shape}")
+        share = inside_share(pixel, mask)
+        return dict(key, inside_share=share, outside=None if share is None else (1.0 - share) > self.threshold)
+
+
+def _finish(folder: RunFolder, selection: Selection, records: dict[str, dict[str, Any]], mask_check: _MaskCheck,
+            labels: Sequence[str] | None, gallery: bool, report: DatasetReport) -> DatasetReport:
+    """Bring masks up to date, derive the table, statistics, summary and gallery from the records."""
+    maps = []
+    for item in selection.items:
+        record = records.get(item.id)
+        if record is None or record["status"] != STATUS_OK:
+            continue
+        pixel = folder.load_pixel_map(record)
+        maps.append((record["target"], pixel))
+        current = mask_check.key(item.id)
+        entry = record.get("mask")
+        stale = {k: v for k, v in (entry or {}).items() if k in ("file", "source", "threshold", "size")}
+        if current != (stale or None):  # masks added, changed or dropped since the record was written
+            record["mask"] = mask_check(item, pixel)
+            folder.write_record(record)
+    report.rows = [table_row(records[item.id], labels) if item.id in records else
+                   table_row(base_record(item, "", {}), labels) for item in selection.items]
+    report.class_means = class_means(maps, folder.root, atomic_write_png)
+    report.mask_outside = [row for row in report.rows if row.get("mask_outside")]
+    report.skipped_non_images = [str(p) for p in selection.skipped_non_images]
+    folder.write_table(report.rows)
+    _write_summary(folder, report)
+    if gallery:
+        from incrinf.explain.gallery import write_gallery
+
+        write_gallery(folder.root, report, labels)
+    return report
+
+
+def _write_summary(folder: RunFolder, report: DatasetReport) -> None:
+    summary = {
+        "inputs": len(report.rows), "ok": report.count(STATUS_OK), "failed": report.count(STATUS_ERROR),
+        "pending": report.count(STATUS_PENDING), "computed_this_run": report.computed,
+        "skipped_complete": report.skipped, "seconds": report.seconds, "inputs_per_minute": report.inputs_per_minute,
+        "startup_seconds": report.startup_seconds, "executor": report.executor, "workers": report.workers,
+        "workers_lost": report.workers_lost, "retried": report.retried, "interrupted": report.interrupted,
+        "class_means": [vars(m) for m in report.class_means],
+        "mask_threshold": report.mask_threshold,
+        "mask_outside": [{"path": r["path"], "inside_share": r["mask_inside_share"]} for r in report.mask_outside],
+        "skipped_non_images": report.skipped_non_images,
+    }
+    atomic_write_bytes(folder.root / "summary.json", json.dumps(summary, indent=1).encode())
+
+
+def imagenet_labels() -> list[str]:
+    """The 1000 ImageNet class names in index order (from torchvision's metadata; nothing is downloaded)."""
+    from torchvision.models import ResNet18_Weights
+
+    return list(ResNet18_Weights.IMAGENET1K_V1.meta["categories"])

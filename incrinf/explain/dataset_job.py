@@ -1,0 +1,246 @@
+"""The per-input job of a dataset run, as a worker runs it: decode, preprocess, explain, summarise.
+
+Everything here is picklable and free of file-system writes, so the same job runs in-process, in a local
+worker process or in a Ray actor on another machine: the driver reads each input's bytes and sends them (the
+workers need no shared storage) and writes every output itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+# How a task failed; the driver branches on these, never on messages.
+ERROR_READ = "read"  # the driver could not read the file
+ERROR_DECODE = "decode"  # not an image, corrupt or truncated
+ERROR_EXPLAIN = "explain"  # the model or the occlusion options rejected it
+ERROR_WORKER_LOST = "worker-lost"  # the worker died while it held the input, too many times
+
+# Options that change how fast a heat map is computed but not what it is: left out of the settings digest, so
+# a re-run with another batch size still counts earlier outputs as complete.
+_HOW_NOT_WHAT = ("progress", "batch_size", "max_memory", "device")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How a worker gets its model: a zoo name (with an optional weights file) or a picklable module.
+
+    Attributes:
+        name: zoo name for :func:`incrinf.models.load`, or None with ``module``.
+        weights: optional state-dict file for a zoo architecture.
+        module: the model itself (pickled to each worker).
+    """
+
+    name: str | None = None
+    weights: str | None = None
+    module: nn.Module | None = None
+
+    def load(self) -> nn.Module:
+        if self.module is not None:
+            return self.module.eval()
+        from incrinf import models
+
+        return models.load(self.name, self.weights)
+
+    def digest(self) -> str:
+        """Identity of the model for resume: architecture and weights, not object identity."""
+        h = hashlib.sha256()
+        if self.module is not None:
+            h.update(type(self.module).__qualname__.encode())
+            for key, tensor in self.module.state_dict().items():
+                h.update(key.encode())
+                h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        else:
+            h.update(str(self.name).encode())
+            if self.weights is not None:
+                h.update(Path(self.weights).read_bytes())
+        return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How a decoded image becomes the model's input (:func:`incrinf.models.preprocess`).
+
+    Attributes:
+        normalization: zoo name whose mean and std to use (any torchvision name means ImageNet's).
+        size: shorter side after resizing; the centre crop is ``size`` x ``size``.
+    """
+
+    normalization: str
+    size: int
+
+    def apply(self, rgb: np.ndarray) -> torch.Tensor:
+        from incrinf import models
+
+        return models.preprocess(rgb, self.normalization, size=self.size)
+
+    def display(self, x: torch.Tensor) -> np.ndarray:
+        """(size, size, 3) uint8 picture of the model's input: what the heat map is aligned with."""
+        from incrinf import models
+
+        return np.round(models.unnormalize(x, self.normalization) * 255).astype(np.uint8)
+
+
+@dataclass(frozen=True)
+class ExplainSpec:
+    """Everything a worker needs besides the inputs: the model, preprocessing and occlusion options."""
+
+    model: ModelSource
+    preprocessing: Preprocessing
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def settings_digest(self) -> str:
+        """Digest of what determines the outputs (model, preprocessing, occlusion options); see
+        ``_HOW_NOT_WHAT`` for the options left out."""
+        options = {k: _canonical(v) for k, v in sorted(self.options.items()) if k not in _HOW_NOT_WHAT}
+        text = json.dumps({"model": self.model.digest(), "pre": [self.preprocessing.normalization,
+                           self.preprocessing.size], "options": options}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _canonical(value: Any) -> Any:
+    """A JSON-able stand-in for an option value that is equal exactly when the values are."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        return ["array", list(value.shape), str(value.dtype), hashlib.sha256(value.tobytes()).hexdigest()]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One input sent to a worker.
+
+    Attributes:
+        index: position in the run's selection.
+        id: the input's output id.
+        name: the input's relative name (for messages).
+        data: the file's bytes, or None when the driver could not read it.
+        read_error: why ``data`` is None.
+    """
+
+    index: int
+    id: str
+    name: str
+    data: bytes | None
+    read_error: str | None = None
+
+
+@dataclass
+class Outcome:
+    """What a worker returns for one task.
+
+    Attributes:
+        index, id: the task's.
+        error_kind: None on success, else one of the ``ERROR_*`` constants; ``error`` is its message.
+        heatmap: (rows, cols) float32 drops, ``positions`` (rows*cols, 2) window corners, ``fine`` (rows, cols)
+            bool, ``target``, ``patch``, ``stride``, ``image_shape`` and ``stats`` as in
+            :class:`incrinf.OcclusionResult`.
+        score: the model's ``output`` ("logit" or "prob") for ``target`` on the unoccluded input;
+            ``probability`` its softmax probability; ``predicted`` the top-1 class.
+        display: (H, W, 3) uint8 picture of the model's input (the crop the heat map is aligned with).
+        seconds: wall time of the job in the worker. ``worker``: ``pid@host``.
+    """
+
+    index: int
+    id: str
+    error_kind: str | None = None
+    error: str | None = None
+    heatmap: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    fine: np.ndarray | None = None
+    target: int | None = None
+    patch: tuple[int, int] | None = None
+    stride: tuple[int, int] | None = None
+    image_shape: tuple[int, int] | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    score: float | None = None
+    probability: float | None = None
+    predicted: int | None = None
+    display: np.ndarray | None = None
+    seconds: float = 0.0
+    worker: str = ""
+
+
+def worker_name() -> str:
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+class Explainer:
+    """Runs tasks with one loaded model: built once per worker (in-process, process or Ray actor)."""
+
+    def __init__(self, spec: ExplainSpec, progress: bool = False) -> None:
+        self.spec = spec
+        self.model = spec.model.load()
+        self.progress = progress
+
+    def __call__(self, task: Task) -> Outcome:
+        start = time.perf_counter()
+        outcome = self._run(task)
+        outcome.seconds = time.perf_counter() - start
+        outcome.worker = worker_name()
+        return outcome
+
+    def _run(self, task: Task) -> Outcome:
+        from incrinf.explain.dataset_inputs import decode_rgb
+
+        if task.data is None:
+            return Outcome(task.index, task.id, ERROR_READ, task.read_error)
+        try:
+            rgb = decode_rgb(task.data, task.name)
+        except ValueError as exc:
+            return Outcome(task.index, task.id, ERROR_DECODE, str(exc))
+        try:
+            return self._explain(task, rgb)
+        except Exception as exc:  # one bad input must not end the run: its error goes in the table
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            return Outcome(task.index, task.id, ERROR_EXPLAIN,
+                           f"{type(exc).__name__}: {exc} ({Path(where.filename).name}:{where.lineno})")
+
+    def _explain(self, task: Task, rgb: np.ndarray) -> Outcome:
+        import incrinf  # the public entry point, looked up per call so options that land later flow through
+
+        x = self.spec.preprocessing.apply(rgb)
+        options = dict(self.spec.options)
+        options.setdefault("progress", self.progress)
+        result = incrinf.occlusion(self.model, x, **options)
+        with torch.no_grad():
+            logits = self.model(x[None].to(options.get("device") or x.device)).reshape(1, -1).float().cpu()
+        probs = torch.softmax(logits, dim=1)[0]
+        output = options.get("output", "logit")
+        score = probs[result.target] if output == "prob" else logits[0, result.target]
+        return Outcome(
+            task.index, task.id, heatmap=np.asarray(result.heatmap, np.float32),
+            positions=np.asarray(result.positions, np.int64),
+            fine=None if result.fine is None else np.asarray(result.fine, bool), target=int(result.target),
+            patch=tuple(int(v) for v in result.patch), stride=tuple(int(v) for v in result.stride),
+            image_shape=tuple(int(v) for v in result.image_shape), stats=_plain(result.stats),
+            score=float(score), probability=float(probs[result.target]), predicted=int(probs.argmax()),
+            display=self.spec.preprocessing.display(x))
+
+
+def _plain(stats: dict[str, Any]) -> dict[str, Any]:
+    """Stats as JSON-able plain values (tuples to lists, numpy scalars to Python)."""
+    out = {}
+    for key, value in stats.items():
+        if isinstance(value, np.generic):
+            value = value.item()
+        elif isinstance(value, tuple):
+            value = [v.item() if isinstance(v, np.generic) else v for v in value]
+        out[key] = value
+    return out
