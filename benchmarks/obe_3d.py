@@ -11,6 +11,7 @@ thousands of windows (hours for MONAI on 2 cores), so ``--b-box`` restricts both
 for large images: the per-window costs, hence the speedup, are those of the whole volume.
 
 Run: python benchmarks/obe_3d.py [--models densenet121 resnet10] [--size 48x96x128] [--mask 16] [--overlap 0.6]
+     [--threads 1]
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ def volume(size: tuple[int, int, int]) -> torch.Tensor:
     return resize(read_volume(path, 0), size)[None]
 
 
-def one_run(method: str, name: str, size: tuple[int, int, int], options: dict, b_box: list[int] | None) -> dict:
+def one_run(method: str, name: str, size: tuple[int, int, int], options: dict, b_box: list[int] | None,
+            threads: int = 0) -> dict:
     """One occlusion-sensitivity call in this (fresh) process: seconds, peak RSS growth, the map, stats."""
     torch.set_grad_enabled(False)
+    if threads:
+        torch.set_num_threads(threads)
     warnings.simplefilter("ignore")
     from monai.networks import nets
 
@@ -96,13 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", type=float, default=0.6, help="overlap (MONAI's default 0.6)")
     parser.add_argument("--n-batch", type=int, default=16, help="n_batch (MONAI's default 16)")
     parser.add_argument("--mode", default="gaussian", help="gaussian, mean_patch, mean_img or a number")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads in each run (0: leave as is)")
     parser.add_argument("--b-box", type=int, nargs="*", default=[20, 27, 40, 55, 56, 71],
                         help="bounding box [min, max] per axis, inclusive (-1 -1: whole axis); none: whole volume")
     args = parser.parse_args(argv)
     mode = args.mode if args.mode in ("gaussian", "mean_patch", "mean_img") else float(args.mode)
     options = {"mask_size": args.mask, "overlap": args.overlap, "n_batch": args.n_batch, "mode": mode}
     b_box = args.b_box or None
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}; torch threads: {args.threads or torch.get_num_threads()}; "
+          f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     shape = "x".join(map(str, args.size))
     print(f"volume: nibabel example4d.nii.gz (fMRI, 128x96x24, first volume) resampled to {shape}; "
           f"mask {args.mask}, overlap {args.overlap}, n_batch {args.n_batch}, mode {mode}, b_box {b_box}; "
@@ -110,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':<12} {'windows':>7} {'MONAI s':>9} {'incrinf s':>9} {'speedup':>8} {'theory':>7} "
           f"{'MONAI mem':>10} {'incrinf mem':>11} {'max rel err':>11}")
     for name in args.models:
-        ours = in_child("incrinf", name, args.size, options, b_box)
-        theirs = in_child("monai", name, args.size, options, b_box)
+        ours = in_child("incrinf", name, args.size, options, b_box, args.threads)
+        theirs = in_child("monai", name, args.size, options, b_box, args.threads)
         err = float((ours["map"] - theirs["map"]).abs().max() / theirs["map"].abs().max())
         stats = ours["stats"]
         print(f"{name:<12} {stats['positions']:>7} {theirs['seconds']:>9.1f} {ours['seconds']:>9.1f} "

@@ -77,12 +77,13 @@ def describe_approximation(stats: dict[str, Any]) -> str:
         parts.append(f"drill-down: stage one stride {s1[0]}, {stats['stage_one_positions']} + "
                      f"{stats['stage_two_positions']} positions instead of {stats['fine_positions']} "
                      f"({stats['query_speedup']:.2f}x fewer queries)")
-    if "ssim" in stats:
-        parts.append(f"measured SSIM {stats['ssim']:.3f} vs the exact map (max |error| {stats['max_abs_error']:.3g})")
+    if "max_abs_error" in stats:  # measure_quality; a grid too small for SSIM has only the errors
+        ssim = f"measured SSIM {stats['ssim']:.3f} vs the exact map, " if "ssim" in stats else "vs the exact map: "
+        parts.append(f"{ssim}max |error| {stats['max_abs_error']:.3g}")
     elif "sampled_cells" in stats:
+        estimate = f" (estimated SSIM {stats['estimated_ssim']:.3f})" if "estimated_ssim" in stats else ""
         parts.append(f"error on {stats['sampled_cells']} cells recomputed exactly: "
-                     f"max {stats['sampled_max_abs_error']:.3g}, mean {stats['sampled_mean_abs_error']:.3g} "
-                     f"(estimated SSIM {stats['estimated_ssim']:.3f})")
+                     f"max {stats['sampled_max_abs_error']:.3g}, mean {stats['sampled_mean_abs_error']:.3g}{estimate}")
     return "approximate: " + "; ".join(parts)
 
 

@@ -72,11 +72,13 @@ def volume_size(text: str) -> tuple[int, int, int]:
 def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
     """The ``explain`` subcommand for the volume file ``path``."""
     from incrinf import models
-    from incrinf.explain.occlusion import occlusion
+    from incrinf.cli.explain import describe_approximation
+    from incrinf.explain.approx import occlusion
 
     for option in ("target_ssim", "profile", "drill_down", "target_speedup"):
         if getattr(args, option, None) is not None:
-            raise ValueError(f"--{option.replace('_', '-')} is for images; volumes run exact (or with --tau)")
+            raise ValueError(f"--{option.replace('_', '-')} is for images; volumes run exact (or with --tau, "
+                             "--feature-threshold)")
     name = args.model or DEFAULT_VOLUME_MODEL
     if not models.is_volume_model(name):
         raise ValueError(f"{name} explains RGB images; a volume needs a 3-D model: "
@@ -91,7 +93,8 @@ def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
     start = time.perf_counter()
     result = occlusion(model, volume, target=args.target, patch=args.patch or 16, stride=args.stride or 16,
                        baseline=baseline, batch_size=args.batch_size or "auto", output=args.output,
-                       progress=not args.quiet, tau=args.tau, spatial_dims=3)
+                       progress=not args.quiet, tau=args.tau, feature_threshold=args.feature_threshold,
+                       measure_quality=args.measure_quality, spatial_dims=3)
     elapsed = time.perf_counter() - start
     out = result.save(args.out, image=volume, title=f"{name} on {Path(path).name}: class {result.target}")
     s = result.stats
@@ -103,5 +106,6 @@ def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
     corner = result.positions[np.ravel_multi_index(cell, result.heatmap.shape)]
     window = ", ".join(f"{axis}={c}..{c + p}" for axis, c, p in zip("zyx", corner, result.patch))
     print(f"largest drop {result.heatmap.max():.3f} at window {window}")
+    print(describe_approximation(s))
     print(f"montage written to {out}")
     return 0

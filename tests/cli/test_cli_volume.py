@@ -59,3 +59,15 @@ def test_bad_volumes_and_models(tmp_path, capsys) -> None:
     # the fMRI volume has 24 slices: too few for DenseNet121's five halvings, a clear capture error
     assert cli.main(["explain", EXAMPLE, "--quiet"]) == 2
     assert "fails on an input of shape (1, 1, 24, 96, 128)" in capsys.readouterr().err
+
+
+def test_volume_approximation_options_and_several_inputs(tmp_path, capsys) -> None:
+    out = tmp_path / "montage.png"
+    assert cli.main(["explain", EXAMPLE, "--resize", "32x32x32", "--patch", "16", "--stride", "16",
+                     "--feature-threshold", "0.5", "--measure-quality", "--out", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "approximate: feature threshold 0.5" in text and "vs the exact map" in text and "max |error|" in text
+    assert cli.main(["explain", EXAMPLE, "--drill-down", "0.25", "--quiet"]) == 2
+    assert "--drill-down is for images" in capsys.readouterr().err
+    assert cli.main(["explain", EXAMPLE, EXAMPLE, "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    assert "one at a time" in capsys.readouterr().err
