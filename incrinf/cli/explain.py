@@ -122,7 +122,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     volumes.add_argument("--resize", type=volume_size, metavar="DxHxW",
                          help="resample the volume (trilinear), e.g. to fit the model's downsampling")
     add_explain_options(p)
-    from incrinf.explain.dataset_cli import add_dataset_arguments
+    from incrinf.cli.dataset import add_dataset_arguments
 
     add_dataset_arguments(p)
     p.set_defaults(func=run)
@@ -143,8 +143,8 @@ def _read_image(path: str | None) -> np.ndarray:
 
 def run(args: argparse.Namespace) -> int:
     from incrinf import models
+    from incrinf.cli.dataset import is_dataset_run, run_dataset
     from incrinf.explain import approx
-    from incrinf.explain.dataset_cli import is_dataset_run, run_dataset
 
     volumes = [path for path in args.image or [] if is_volume_path(path)]
     if volumes:
