@@ -62,7 +62,8 @@ def model_name(text: str) -> str:
     from incrinf import models
 
     if text not in models.available():
-        raise argparse.ArgumentTypeError(f"unknown model {text!r}; try one of: {', '.join(models.ZOO)}")
+        names = ", ".join((*models.ZOO, *models.VOLUME_MODELS))
+        raise argparse.ArgumentTypeError(f"unknown model {text!r}; try one of: {names}")
     return text
 
 
