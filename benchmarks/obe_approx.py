@@ -9,8 +9,8 @@
     >= 3x over exact) is met. When the tuner finds no setting that holds the target with a speedup, the profile
     is the exact path (the run says so) and the row is the exact run. Captum runs on the coarse grid of
     stride = patch (a subset of the fine grid) once per model and stride, and is extrapolated per forward
-    (its cost is one forward per position, whatever the photo); its attributions are checked against
-    incrinf's exact pixel map there.
+    (its cost is one forward per position, whatever the photo), at the first and the last photo (the faster of
+    the two counts); its attributions are checked against incrinf's exact pixel map there.
 (b) VGG16, ResNet18, Inception3 (torchvision architectures, random init: speed does not depend on weights)
     at Krypton's tuned tau (0.5, 0.7, 0.9) with adaptive drill-down r = 0.25, target 3, patch 16, stride 4:
     speedup over Captum. Captum and exact incremental inference are timed on a coarse grid whose windows
@@ -108,9 +108,10 @@ def captum_seconds_per_forward(model: torch.nn.Module, x: torch.Tensor, patch: i
 
 
 def approximate_run(model: torch.nn.Module, x: torch.Tensor, patch: int, stride: int, target: int,
-                    profile) -> tuple[object, float, str]:
-    """The run a user gets with the profile: (result, seconds, setting); the exact run when the profile
-    recorded that nothing faster holds its target (``occlusion`` refuses such a profile: a clear error)."""
+                    profile) -> tuple[object, float, str] | None:
+    """The run a user gets with the profile: (result, seconds, setting); None when the profile recorded that
+    nothing faster holds its target (``occlusion`` refuses such a profile with a clear error; the user runs
+    the exact path)."""
     try:
         result, seconds = timed(occlusion, model, x, patch=patch, stride=stride, target=target,
                                 target_ssim=profile.target_ssim, profile=profile, progress=False)
@@ -118,9 +119,7 @@ def approximate_run(model: torch.nn.Module, x: torch.Tensor, patch: int, stride:
     except ValueError as err:
         if "exact path" not in str(err):
             raise
-        result, seconds = timed(exact_occlusion, model, x, patch=patch, stride=stride, target=target,
-                                progress=False)
-        return result, seconds, "exact (unreachable)"
+        return None
 
 
 def part_a(args: argparse.Namespace) -> list[str]:
@@ -156,23 +155,29 @@ def part_a(args: argparse.Namespace) -> list[str]:
                     coarse = exact_occlusion(model, x, patch=patch, stride=patch, target=target, progress=False)
                     captum_per_forward, agreement = captum_seconds_per_forward(model, x, patch, target,
                                                                                coarse.pixel_map())
-                result, t_approx, setting = approximate_run(model, x, patch, stride, target, profile)
+                run = approximate_run(model, x, patch, stride, target, profile)
+                result, t_approx, setting = run if run is not None else (exact, t_exact, "exact (unreachable)")
+                if pname == EVAL_PHOTOS[:args.images][-1]:  # again at the end: the faster of two, load drifts
+                    captum_per_forward = min(captum_per_forward, captum_seconds_per_forward(
+                        model, x, patch, target, exact_occlusion(model, x, patch=patch, stride=patch, target=target,
+                                                                 progress=False).pixel_map())[0])
                 t_captum = captum_per_forward * (n + 1)
                 ssim = heatmap_ssim(exact.heatmap, result.heatmap)
                 flop = result.stats.get("realized_flop_ratio", float("nan")) / exact.stats["realized_flop_ratio"]
                 est = result.stats.get("estimated_ssim", float("nan"))
                 pred = result.stats.get("predicted_ssim", float("nan"))
-                rows.append((t_exact / t_approx, flop, t_captum / t_approx, ssim, est))
+                rows.append((t_exact / t_approx, flop, t_approx, ssim, est))
                 print(f"{pname:<21} {target:>5} {setting[:30]:<30} {t_exact:>8.2f} {t_approx:>8.2f} "
                       f"{t_exact / t_approx:>7.2f}x {flop:>6.2f}x {t_captum / t_approx:>8.1f}x {ssim:>6.3f} "
                       f"{est:>6.3f} {pred:>6.3f}", flush=True)
             arr = np.array(rows)
             med_ssim, worst = float(np.median(arr[:, 3])), float(arr[:, 3].min())
             med_speed = float(np.median(arr[:, 0]))
-            met = med_ssim >= 0.9 and worst >= 0.8 and med_speed >= 3.0
+            met = med_ssim >= 0.9 and worst >= 0.8 and med_speed >= 3.0 and not profile.setting.exact
+            over_captum = float(np.median(captum_per_forward * (n + 1) / arr[:, 2]))
             est_gap = np.nanmedian(np.abs(arr[:, 4] - arr[:, 3])) if np.isfinite(arr[:, 4]).any() else float("nan")
             line = (f"{name} stride {stride}: SSIM median {med_ssim:.3f}, worst {worst:.3f}; over exact "
-                    f"{med_speed:.2f}x (FLOPs {np.median(arr[:, 1]):.2f}x); over Captum {np.median(arr[:, 2]):.1f}x "
+                    f"{med_speed:.2f}x (FLOPs {np.median(arr[:, 1]):.2f}x); over Captum {over_captum:.1f}x "
                     f"(Captum {captum_per_forward * 1e3:.1f} ms/forward, max |Captum - exact| {agreement:.1e}); "
                     f"|estimated - true SSIM| median {est_gap:.3f}; goal (0.9/0.8/3x) {'met' if met else 'NOT met'}")
             print(line, flush=True)

@@ -1,8 +1,9 @@
 """incrinf: incremental CNN inference for occlusion explanations and camera streams.
 
 Entry points: :func:`analyze` (theoretical speedup), :func:`occlusion` (heat maps) and :func:`tune`,
-``incrinf.captum`` (Captum drop-ins), :class:`StreamSession` (camera streams) with :class:`StreamConfig`,
-:class:`OffloadingSession` (streams with an offload server), :func:`runtime_cache` (plan cache),
+``incrinf.captum`` and ``incrinf.monai`` (Captum and MONAI drop-ins), :class:`StreamSession` (camera streams)
+with :class:`StreamConfig`, :class:`OffloadingSession` (streams with an offload server), :func:`runtime_cache`
+(plan cache),
 :func:`capture` (the typed graph), and the submodules ``incrinf.models`` (zoo) and ``incrinf.kernels``.
 Everything beyond the occlusion path loads on first use, so ``import incrinf`` stays light.
 """
@@ -31,6 +32,7 @@ _LAZY = {
     "explain_dataset": "incrinf.explain.dataset",
     "models": "incrinf.models:",
     "captum": "incrinf.captum:",
+    "monai": "incrinf.monai:",
     "kernels": "incrinf.kernels:",
     "stream": "incrinf.stream:",
     "offload": "incrinf.offload:",

@@ -176,6 +176,7 @@ def _reuse_stop(graph: Graph, regions: dict[str, Region]) -> str:
     for node in graph.nodes:
         region = regions[node.name]
         is_map = graph.is_map(node.shape) and int(np.prod(node.shape[-d:])) > 1
-        if region.kind == RegionKind.FULL and is_map:
+        # a global operator stops reuse even when its output is a map of one position (a global pool)
+        if region.kind == RegionKind.FULL and (is_map or node.kind == NodeKind.GLOBAL):
             return f"{node.name}: {region.reason}"
     return "never (the output itself is a map)"

@@ -1,9 +1,10 @@
 """Optional dependencies: a missing one is an error that names the ``pip install`` adding it.
 
 Core incrinf (capture, analysis, occlusion) needs only PyTorch, NumPy, scikit-image, Matplotlib and tqdm.
-Camera streams (and offloading clients) need OpenCV (``[stream]``), the offload server aiohttp (``[serve]``),
-the int8 kernels numba and LiteRT (``[int8]``), the Captum drop-ins Captum (``[captum]``), dataset runs on a
-cluster Ray (``[ray]``), EfficientNet-Lite1's weights their package (``[lite1]``); ``[all]`` installs every one.
+Camera streams (and offloading clients) need OpenCV (``[stream]``), the offload server aiohttp (``[serve]``), the
+int8 kernels numba and LiteRT (``[int8]``), the Captum drop-ins Captum (``[captum]``), the MONAI drop-in MONAI
+(``[monai]``), NIfTI volumes nibabel (``[nifti]``), dataset runs on a cluster Ray (``[ray]``), EfficientNet-Lite1's
+weights their package (``[lite1]``); ``[all]`` installs every one.
 """
 
 from __future__ import annotations

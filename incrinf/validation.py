@@ -6,6 +6,7 @@ import math
 import re
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -80,17 +81,65 @@ def parse_bytes(value: Any, name: str = "max_memory") -> int:
     raise ValueError(f"{name} must be a positive number of bytes or a string like '2GiB', got {value!r}")
 
 
-def check_image(image: Any) -> torch.Tensor:
-    """An image tensor as ``(1, C, H, W)`` float, finite."""
+_AXES = {1: "(C, L)", 2: "(C, H, W)", 3: "(C, D, H, W)"}
+
+
+def check_spatial_dims(value: Any) -> int:
+    """A number of spatial axes: 1 (signals), 2 (images) or 3 (volumes)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in _AXES:
+        raise ValueError(f"incrinf explains inputs with 1, 2 or 3 spatial axes (signals, images, volumes); "
+                         f"got spatial_dims={value!r}")
+    return value
+
+
+def check_input(image: Any, spatial_dims: int) -> torch.Tensor:
+    """An input tensor with ``spatial_dims`` spatial axes as ``(1, C, *spatial)`` float, finite.
+
+    Accepts ``(C, *spatial)`` or ``(1, C, *spatial)``.
+    """
+    d = check_spatial_dims(spatial_dims)
+    axes = _AXES[d]
     if not isinstance(image, torch.Tensor):
-        raise TypeError(f"image must be a torch.Tensor of shape (3, H, W) or (1, 3, H, W), "
+        raise TypeError(f"the input must be a torch.Tensor of shape {axes} or (1, {axes[1:]}, "
                         f"got {type(image).__name__}")
-    if image.dim() == 3:
+    if image.dim() == d + 1:
         image = image.unsqueeze(0)
-    if image.dim() != 4 or image.shape[0] != 1:
-        raise ValueError(f"image must have shape (C, H, W) or (1, C, H, W), got {tuple(image.shape)}")
+    if image.dim() != d + 2 or image.shape[0] != 1:
+        raise ValueError(f"the input must have shape {axes} or (1, {axes[1:]} for a model with {d} spatial "
+                         f"ax{'is' if d == 1 else 'es'}, got shape {tuple(image.shape)}")
     if not image.is_floating_point():
-        raise TypeError(f"image must be a floating-point tensor, got {image.dtype}")
+        raise TypeError(f"the input must be a floating-point tensor, got {image.dtype}")
     if not torch.isfinite(image).all():
-        raise ValueError("image contains NaN or infinite values")
+        raise ValueError("the input contains NaN or infinite values")
     return image
+
+
+def check_image(image: Any) -> torch.Tensor:
+    """An image tensor as ``(1, C, H, W)`` float, finite (:func:`check_input` with 2 spatial axes)."""
+    return check_input(image, 2)
+
+
+def check_feature_mask(mask: Any, image: torch.Tensor) -> torch.Tensor:
+    """A feature mask for ``image`` (1, C, *spatial) as ``(C or 1, *spatial)`` int64 feature ids.
+
+    Accepts integer tensors (or arrays) of shape ``spatial``, ``(C or 1, *spatial)`` or ``(1, C or 1, *spatial)``.
+    """
+    if not isinstance(mask, torch.Tensor):
+        try:
+            mask = torch.from_numpy(np.asarray(mask))
+        except (TypeError, ValueError):
+            raise TypeError(f"feature_mask must be an integer tensor, got {type(mask).__name__}") from None
+    if mask.is_floating_point() or mask.is_complex():
+        raise TypeError(f"feature_mask must hold integer feature ids, got dtype {mask.dtype}")
+    c, dims = image.shape[1], tuple(image.shape[2:])
+    d = len(dims)
+    shape = tuple(mask.shape)
+    if shape == dims:
+        mask = mask.unsqueeze(0)
+    elif len(shape) == d + 2 and shape[0] == 1:
+        mask = mask[0]
+    if tuple(mask.shape[1:]) != dims or mask.dim() != d + 1 or mask.shape[0] not in (1, c):
+        want = "x".join(str(v) for v in dims)
+        raise ValueError(f"feature_mask must have the input's spatial shape {want}, optionally behind a channel axis "
+                         f"of 1 or {c} (and a batch axis of 1); got shape {shape}")
+    return mask.to(device=image.device, dtype=torch.int64)

@@ -15,7 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--patch", type=positive_int, default=16)
     p.add_argument("--stride", type=positive_int, default=4, help="used with --position all")
     p.add_argument("--tau", type=float, default=1.0, help="projective field threshold in (0, 1]")
-    p.add_argument("--input", type=input_shape, help="input shape, e.g. 3x224x224")
+    p.add_argument("--input", type=input_shape, help="input shape, e.g. 3x224x224 (1x64x96x128 for a volume)")
     p.add_argument("--position", default="center", choices=["center", "all"])
     p.set_defaults(func=run)
     return p
@@ -25,6 +25,8 @@ def run(args: argparse.Namespace) -> int:
     from incrinf import models
     from incrinf.analysis import analyze
 
+    if models.is_volume_model(args.model) and args.input is None:
+        raise ValueError(f"{args.model} takes volumes: give their shape, e.g. --input 1x64x96x128")
     size = models.info(args.model).input_size
     model = models.load(args.model, args.weights)
     report = analyze(model, args.input or (3, size, size), args.patch, stride=args.stride, tau=args.tau,

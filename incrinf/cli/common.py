@@ -19,6 +19,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def share(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def number(text: str) -> float:
     """argparse type: any real number."""
     try:
@@ -40,7 +62,8 @@ def model_name(text: str) -> str:
     from incrinf import models
 
     if text not in models.available():
-        raise argparse.ArgumentTypeError(f"unknown model {text!r}; try one of: {', '.join(models.ZOO)}")
+        names = ", ".join((*models.ZOO, *models.VOLUME_MODELS))
+        raise argparse.ArgumentTypeError(f"unknown model {text!r}; try one of: {names}")
     return text
 
 

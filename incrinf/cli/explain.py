@@ -1,5 +1,6 @@
 """``incrinf explain``: an occlusion heat map of one image, exact or approximate (``--tau``, ``--target-ssim``,
-``--profile``, ``--drill-down``, ``--target-speedup``, ``--measure-quality``)."""
+``--profile``, ``--drill-down``, ``--target-speedup``, ``--measure-quality``), or of a NIfTI volume
+(:mod:`incrinf.cli.volume`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from incrinf.cli.common import model_name, number, positive_int
+from incrinf.cli.volume import is_volume_path, run_volume, volume_size
 
 
 def add_explain_options(parser: argparse.ArgumentParser) -> None:
@@ -75,31 +77,52 @@ def describe_approximation(stats: dict[str, Any]) -> str:
         parts.append(f"drill-down: stage one stride {s1[0]}, {stats['stage_one_positions']} + "
                      f"{stats['stage_two_positions']} positions instead of {stats['fine_positions']} "
                      f"({stats['query_speedup']:.2f}x fewer queries)")
-    if "ssim" in stats:
-        parts.append(f"measured SSIM {stats['ssim']:.3f} vs the exact map (max |error| {stats['max_abs_error']:.3g})")
+    if "max_abs_error" in stats:  # measure_quality; a grid too small for SSIM has only the errors
+        ssim = f"measured SSIM {stats['ssim']:.3f} vs the exact map, " if "ssim" in stats else "vs the exact map: "
+        parts.append(f"{ssim}max |error| {stats['max_abs_error']:.3g}")
     elif "sampled_cells" in stats:
+        estimate = f" (estimated SSIM {stats['estimated_ssim']:.3f})" if "estimated_ssim" in stats else ""
         parts.append(f"error on {stats['sampled_cells']} cells recomputed exactly: "
-                     f"max {stats['sampled_max_abs_error']:.3g}, mean {stats['sampled_mean_abs_error']:.3g} "
-                     f"(estimated SSIM {stats['estimated_ssim']:.3f})")
+                     f"max {stats['sampled_max_abs_error']:.3g}, mean {stats['sampled_mean_abs_error']:.3g}{estimate}")
     return "approximate: " + "; ".join(parts)
+
+
+def baseline_value(text: str) -> float | str:
+    """argparse type: a number or an occluder mode (``mean_patch``, ``mean_img``, ``gaussian``)."""
+    from incrinf.explain.occluders import MODES
+
+    if text in MODES:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or one of {', '.join(MODES)}, got {text!r}") from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``explain`` subcommand."""
     p = subparsers.add_parser("explain", help="occlusion heat map by incremental inference")
-    p.add_argument("image", nargs="*", help="image file (default: a shipped photo of a cat); several files, "
-                   "directories or glob patterns explain a dataset (see --out DIR)")
-    p.add_argument("--model", type=model_name, default="efficientnet_lite0")
-    p.add_argument("--weights", help="state-dict file for a torchvision architecture")
-    p.add_argument("--patch", type=positive_int, default=16)
-    p.add_argument("--stride", type=positive_int, default=4)
+    p.add_argument("image", nargs="*", help="image file (default: a shipped photo of a cat), or a NIfTI volume "
+                   "(.nii, .nii.gz; needs the [nifti] extra); several image files, directories or glob patterns "
+                   "explain a dataset (see --out DIR)")
+    p.add_argument("--model", type=model_name,
+                   help="zoo model (default: efficientnet_lite0 for images, monai_densenet121_3d for volumes)")
+    p.add_argument("--weights", help="state-dict file for a zoo architecture")
+    p.add_argument("--patch", type=positive_int, help="occlusion window (default 16)")
+    p.add_argument("--stride", type=positive_int, help="window stride (default 4 for images, 16 for volumes)")
+    p.add_argument("--baseline", type=baseline_value, default=0.0,
+                   help="occluding value: a number, mean_patch, mean_img or gaussian (default 0)")
     p.add_argument("--target", type=int, help="class to explain (default: predicted)")
     p.add_argument("--output", choices=["logit", "prob"], default="prob")
     p.add_argument("--batch-size", type=positive_int)
     p.add_argument("--out", default="heatmap.png", help="picture to write, or the folder of a dataset run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    volumes = p.add_argument_group("volumes (NIfTI)")
+    volumes.add_argument("--volume-index", type=int, default=0, help="which volume of a 4-D (x, y, z, t) file")
+    volumes.add_argument("--resize", type=volume_size, metavar="DxHxW",
+                         help="resample the volume (trilinear), e.g. to fit the model's downsampling")
     add_explain_options(p)
-    from incrinf.explain.dataset_cli import add_dataset_arguments
+    from incrinf.cli.dataset import add_dataset_arguments
 
     add_dataset_arguments(p)
     p.set_defaults(func=run)
@@ -120,22 +143,33 @@ def _read_image(path: str | None) -> np.ndarray:
 
 def run(args: argparse.Namespace) -> int:
     from incrinf import models
+    from incrinf.cli.dataset import is_dataset_run, run_dataset
     from incrinf.explain import approx
-    from incrinf.explain.dataset_cli import is_dataset_run, run_dataset
 
+    volumes = [path for path in args.image or [] if is_volume_path(path)]
+    if volumes:
+        if len(args.image) > 1:
+            raise ValueError("NIfTI volumes are explained one at a time: give a single .nii/.nii.gz file")
+        return run_volume(args, volumes[0], args.baseline)
+    name = args.model or "efficientnet_lite0"
+    if models.is_volume_model(name):
+        raise ValueError(f"{name} explains 3-D volumes: give a NIfTI file (.nii, .nii.gz)")
     options = apply_explain_options(args)
     if is_dataset_run(args):
+        # the dataset path reads the same options as one image: fill in the image defaults it would not know
+        args.model, args.patch, args.stride = name, args.patch or 16, args.stride or 4
+        if args.baseline != 0.0:
+            options["baseline"] = args.baseline
         return run_dataset(args, options)
     image = _read_image(args.image[0] if args.image else None)
-    model = models.load(args.model, args.weights)
-    x = models.preprocess(image, args.model)
+    model = models.load(name, args.weights)
+    x = models.preprocess(image, name)
     start = time.perf_counter()
-    result = approx.occlusion(model, x, target=args.target, patch=args.patch, stride=args.stride,
-                              batch_size=args.batch_size if args.batch_size else "auto",
+    result = approx.occlusion(model, x, target=args.target, patch=args.patch or 16, stride=args.stride or 4,
+                              baseline=args.baseline, batch_size=args.batch_size if args.batch_size else "auto",
                               output=args.output, progress=not args.quiet, **options)
     elapsed = time.perf_counter() - start
-    out = result.save(args.out, image=models.unnormalize(x, args.model),
-                      title=f"{args.model}: class {result.target}")
+    out = result.save(args.out, image=models.unnormalize(x, name), title=f"{name}: class {result.target}")
     s = result.stats
     print(f"explained class {result.target} with {s['positions']} positions in {elapsed:.1f} s "
           f"({s['batches']} batches of {s['batch_size']}); theoretical speedup {s['theoretical_speedup']:.2f}x, "

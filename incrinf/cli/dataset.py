@@ -13,28 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from incrinf.cli.common import positive_int, share
+
 _DATASET_ONLY = ("workers", "ray", "masks", "overwrite", "size", "cpus_per_worker")
 _PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".pdf", ".svg")
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
 
 
 def _ray_address(text: str) -> str:
@@ -52,21 +34,21 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
         "datasets (several inputs, a directory or a glob, or --out DIR)",
         "Writes DIR/results.csv, DIR/index.html (gallery), DIR/summary.json and per input DIR/items/<id>.* "
         "(heat map .npy, overlay, thumbnail, record). Re-running skips complete inputs.")
-    group.add_argument("--workers", type=_count, default=None,
+    group.add_argument("--workers", type=positive_int, default=None,
                        help="local worker processes (default 1: in this process); with --ray, the number of actors "
                             "(default: one per --cpus-per-worker CPUs of the cluster)")
     group.add_argument("--ray", nargs="?", const="local", type=_ray_address, metavar="ADDRESS",
                        help="run on Ray: no ADDRESS starts Ray on this machine; 'auto', HOST:PORT or ray://HOST:PORT "
                             "join a running cluster (needs pip install 'incrinf[ray]')")
-    group.add_argument("--cpus-per-worker", type=_count, default=1,
+    group.add_argument("--cpus-per-worker", type=positive_int, default=1,
                        help="CPUs Ray reserves per actor, and its torch threads (default 1)")
     group.add_argument("--overwrite", action="store_true", help="recompute inputs whose outputs are complete")
-    group.add_argument("--size", type=_count,
+    group.add_argument("--size", type=positive_int,
                        help="resize the shorter side to SIZE and centre-crop (default: the model's input size)")
     group.add_argument("--masks", metavar="PATH",
                        help="shortcut check: one mask image for all inputs, or a folder of masks matched by relative "
                             "path or stem (non-black = where the evidence should be)")
-    group.add_argument("--mask-threshold", type=_share, default=0.5,
+    group.add_argument("--mask-threshold", type=share, default=0.5,
                        help="list inputs with more than this share of their positive heat outside the mask "
                             "(default 0.5)")
 
