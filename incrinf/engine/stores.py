@@ -235,17 +235,25 @@ class FrameCache:
         shape = self.shapes[name]
         return from_rows(self.buffers[name], 1, shape[-self.d:], shape[1:-self.d])
 
-    def fill(self, tensors: dict[str, torch.Tensor], scales: bool) -> None:
-        """Take a full run's tensors as the cache (``scales``: also estimate their mean magnitudes)."""
+    def fill(self, tensors: dict[str, torch.Tensor], scales: bool = True) -> None:
+        """Take a full run's tensors as the cache. Their mean magnitudes (the pruning threshold's unit) are
+        estimated on first use (:meth:`scale`), so full frames that are never reused do not pay for them
+        (``scales`` is kept for callers; it no longer changes anything)."""
         storages = set()
+        self.scales = {}
         for name, t in tensors.items():
             rows = to_rows(t)
             ptr = rows.untyped_storage().data_ptr()
             # cached tensors are updated in place: two of them must not share memory
             self.buffers[name] = rows.clone() if ptr in storages else rows
             storages.add(ptr)
-            if scales:
-                self.scales[name] = float(rows[::_SCALE_STRIDE].abs().mean())
+
+    def scale(self, name: str) -> float:
+        """Mean magnitude of a cached tensor, estimated from every few positions on first use after a fill."""
+        value = self.scales.get(name)
+        if value is None:
+            value = self.scales[name] = float(self.buffers[name][::_SCALE_STRIDE].abs().mean())
+        return value
 
     def windows(self, step: Step, src: Boxes, out: Boxes) -> torch.Tensor:
         """(1, C, *read) the read-in window of ``out``: a padded crop of the merged source."""
@@ -276,7 +284,7 @@ class FrameCache:
         """Write ``region`` into its cache, first cut to the positions that moved by more than ``threshold`` times
         the tensor's mean magnitude; None when none did."""
         target = take(self.map(name), region)
-        eps = threshold * self.scales.get(name, 0.0)
+        eps = threshold * self.scale(name) if threshold > 0 else 0.0
         if eps > 0:
             delta = torch.sub(region.values, target).abs_()
             kept = cut(region, (delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > eps).numpy())

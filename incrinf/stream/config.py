@@ -25,7 +25,8 @@ class StreamConfig:
         matcher: ``"orb"``, ``"akaze"`` or ``"sift"`` keypoints for the homography.
         matcher_options: extra :class:`~incrinf.stream.matching.HomographyEstimator` arguments (by default ECC
             refinement is off, 500 features: refinement is more precise and costs about 10 ms per frame).
-        keyframe_interval: full inference every this many frames (0: only on the other fallbacks).
+        keyframe_interval: full inference at least every this many frames (0: only on the other fallbacks). With
+            the quality guard on, every keyframe is an audit and this is the longest interval between audits.
         feature_threshold: recomputed positions whose features moved by at most this share of the tensor's mean
             magnitude stop spreading (value-based pruning); 0 propagates changes exactly. ``None``: 0.35 on
             still-camera frames and 0 under camera motion, where cached features are approximate already.
@@ -38,10 +39,26 @@ class StreamConfig:
         still_fraction: when phase correlation finds a clear global shift below ``min_motion / 2`` and the
             unmoved previous frame explains all but this fraction of the new one, the camera is taken as still
             and keypoint matching is skipped; 0 always estimates the homography.
-        max_backoff: after 3 frames in a row that could not use the cache (or moved and saved little with it),
-            run the next 2, 4, ... up to this many frames fully without matching (0: try every frame).
+        max_backoff: after 3 frames in a row that could not use the cache (or, with the speed guard, that tried
+            it in vain while the recent attempts saved nothing in total; without it, moved and saved little with
+            it), run the next 2, 4, ... up to this many frames fully without matching (0: try every frame). With the
+            speed guard the first stretch is already long enough for its attempt to cost at most 2% of its time.
         background_update: finish the frame's bookkeeping (the reference image) in a worker thread after
             returning the output; outputs are identical either way.
+        speed_guard: choose cached or full inference per frame from measured costs (online estimates of the full
+            frame's time and of the cached path's time for what the frame needs); False: always try the cache.
+        quality_guard: audit frames (run full inference as well, compare, keep the result as a keyframe) and adapt
+            ``threshold``, the feature threshold and the audit interval to hold ``target_agreement``; False: fixed
+            settings, a keyframe every ``keyframe_interval`` frames.
+        target_agreement: agreement with full inference the quality guard holds: top-1 for classifier outputs
+            ((1, classes)), per-position argmax for maps ((1, classes, H, W); the sign for one channel).
+        target_error: optional bound on the relative error ``||cached - full|| / ||full||`` of an audited frame,
+            held as well (None: agreement only).
+        audit_interval: the shortest interval between audits (the first audit, and after a miss); the guard doubles
+            it up to ``keyframe_interval`` while the target holds with room to spare.
+        near_tie: a cached classifier output whose top-1 margin is within this many times the largest lead the
+            recent audits saw the cached path lose (over the top class's five closest rivals) is audited on the spot
+            (every cached frame before the first audit); 0: never.
     """
 
     threshold: float = 10.0
@@ -54,8 +71,14 @@ class StreamConfig:
     min_motion: float = 2.0
     max_misalignment: float = 0.25
     still_fraction: float = 0.25
-    max_backoff: int = 16
+    max_backoff: int = 64
     background_update: bool = False
+    speed_guard: bool = True
+    quality_guard: bool = True
+    target_agreement: float = 0.99
+    target_error: float | None = None
+    audit_interval: int = 4
+    near_tie: float = 1.0
 
     #: feature threshold of still-camera frames when ``feature_threshold`` is None (on EfficientNet-Lite0 about
     #: 7x fewer FLOPs on a still-camera clip at the output error of reusing the previous frame's output)
@@ -79,9 +102,22 @@ class StreamConfig:
         _check(0.0 <= self.still_fraction <= 1.0, "still_fraction must be in [0, 1]", self.still_fraction)
         _check(_is_int(self.max_backoff) and self.max_backoff >= 0, "max_backoff must be a non-negative integer",
                self.max_backoff)
-        for name in ("threshold", "max_ratio", "min_motion", "max_misalignment", "still_fraction"):
+        for name in ("speed_guard", "quality_guard", "background_update"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be True or False", getattr(self, name))
+        _check(0.0 < self.target_agreement <= 1.0, "target_agreement must be in (0, 1]", self.target_agreement)
+        _check(self.target_error is None or self.target_error > 0, "target_error must be > 0 or None",
+               self.target_error)
+        _check(self.near_tie >= 0, "near_tie must be >= 0", self.near_tie)
+        _check(_is_int(self.audit_interval) and self.audit_interval >= 1, "audit_interval must be a positive integer",
+               self.audit_interval)
+        _check(not self.quality_guard or not self.keyframe_interval or self.audit_interval <= self.keyframe_interval,
+               f"audit_interval must be <= keyframe_interval ({self.keyframe_interval})", self.audit_interval)
+        for name in ("threshold", "max_ratio", "min_motion", "max_misalignment", "still_fraction", "target_agreement",
+                     "near_tie"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        for name in ("cell", "keyframe_interval", "max_backoff"):
+        if self.target_error is not None:
+            object.__setattr__(self, "target_error", float(self.target_error))
+        for name in ("cell", "keyframe_interval", "max_backoff", "audit_interval"):
             object.__setattr__(self, name, int(getattr(self, name)))
 
     @property

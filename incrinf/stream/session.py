@@ -6,14 +6,22 @@ pixels the cache stands for) is warped into the current view, and the cells wher
 ``threshold`` become the change mask. The engine (:class:`~incrinf.stream.executor.StreamExecutor` over
 :class:`~incrinf.engine.FrameEngine`) then recomputes what the mask reaches and reads the rest from the
 cache. A frame falls back to full inference (and refills the cache) on the first frame, a failed match, a frame
-size change, too large a changed fraction, every ``keyframe_interval`` frames and after a frame that raised.
+size change, too large a changed fraction and after a frame that raised.
+
+Two guards (:mod:`incrinf.stream.guards`) keep the session's promise, the same answers sooner, on any clip: the
+speed guard runs a frame fully when its measured costs say the cached path would not be faster, and the quality
+guard audits frames against full inference (each audit is a keyframe) and adapts the thresholds and the audit
+interval to hold ``target_agreement``. Without the quality guard a keyframe comes every ``keyframe_interval``
+frames.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -28,9 +36,11 @@ from incrinf.engine import CacheMemory
 from incrinf.extras import require
 from incrinf.graph import capture, has_windows
 from incrinf.normalization import Normalization
-from incrinf.stream.change_mask import change_mask
+from incrinf.stream.agreement import compare, top1_margin
+from incrinf.stream.change_mask import ChangeMask, change_mask
 from incrinf.stream.config import StreamConfig
 from incrinf.stream.executor import StreamExecutor
+from incrinf.stream.guards import Agreement, QualityGuard, SpeedEstimate, SpeedGuard, Walk
 from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
 from incrinf.stream.warp import warp_image, warp_valid_mask
 
@@ -49,6 +59,9 @@ class Cause(str, Enum):
     MATCH_FAILED = "match failed"
     CACHE_UNUSABLE = "cache unusable"
     CHANGED_FRACTION = "changed fraction"
+    SLOWER = "cached slower"
+    AUDIT = "audit"
+    SUSPENDED = "quality guard"
 
 
 # Phase-correlation peak (1 for identical frames) below which a frame is not taken as a still camera.
@@ -60,6 +73,10 @@ _BACKOFF_AFTER = 3
 # under camera motion the change can reach nearly every position, and the bookkeeping then makes the frame
 # slower than plain inference (measured: 1.7x slower on a panning 128 px synthetic camera).
 _MIN_SAVING = 1.25
+# Attempts whose net seconds saved decide whether misses start a back-off (with the speed guard).
+_SAVINGS_WINDOW = 8
+# Share of a back-off stretch's time that the attempt ending it may cost (with the speed guard).
+_ATTEMPT_BUDGET = 0.02
 _MIN_SIDE = 64  # frames smaller than this are upscaled: a CNN's deep maps would vanish
 
 
@@ -72,7 +89,9 @@ class FrameStats:
         mode: ``"full"`` or ``"cached"``.
         reason: why, in words: ``"ok"`` (cached), ``"first frame"``, ``"match failed: ..."``, ``"changed
             fraction 0.72 > max_ratio 0.6"``, ``"frame size changed"``, ``"keyframe"``, ``"previous frame
-            failed"``, ``"backing off: ..."``, ``"cache unusable: ..."``.
+            failed"``, ``"backing off: ..."``, ``"cache unusable: ..."``, ``"cached slower: ..."`` (the speed
+            guard), ``"audit: ..."`` (the quality guard compared the cached path with full inference and returned
+            the latter), ``"quality guard: ..."`` (the cache is suspended after misses at the tightest settings).
         homography_found: whether a usable homography previous -> current was found (or given).
         homography: that (3, 3) matrix in the model input's pixel coords (identity when the motion was below
             ``min_motion``), or None.
@@ -82,6 +101,11 @@ class FrameStats:
         seconds: wall time of the call, preprocessing and matching included.
         n_matches: keypoint matches that passed the ratio test (0 when matching did not run).
         cause: :attr:`reason` as a :class:`Cause`.
+        audit: the frame was audited (:attr:`agreement` holds the cached path's agreement with full inference).
+        agreement: this audit's agreement (top-1: 1.0 or 0.0; a map: the share of agreeing positions), else None.
+        predicted_full: the speed guard's estimate of a full frame's engine time, seconds (NaN: unknown or off).
+        predicted_cached: its estimate of this frame's cached engine time (NaN: not estimated).
+        guard_level: the quality guard's level (0: the configured thresholds; each level multiplies them by 0.6).
     """
 
     index: int
@@ -94,6 +118,11 @@ class FrameStats:
     seconds: float
     n_matches: int = 0
     cause: Cause = Cause.CACHED
+    audit: bool = False
+    agreement: float | None = None
+    predicted_full: float = math.nan
+    predicted_cached: float = math.nan
+    guard_level: int = 0
 
     @property
     def cache_ratio(self) -> float:
@@ -164,6 +193,8 @@ class StreamSession:
         options = {"refine": False, "max_features": 500, **self.config.matcher_options}
         self._estimator = HomographyEstimator(self.config.matcher, **options)
         self._executors: dict[tuple[int, ...], StreamExecutor] = {}
+        self._speed_guards: dict[tuple[int, ...], SpeedGuard] = {}
+        self._quality = QualityGuard(self.config) if self.config.quality_guard else None
         self.stats: list[FrameStats] = []
         self._index = 0
         self._worker: threading.Thread | None = None
@@ -174,7 +205,8 @@ class StreamSession:
     # --- public ------------------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget the stream (the next frame is a first frame); :attr:`stats` are kept."""
+        """Forget the stream (the next frame is a first frame); :attr:`stats` and the guards' measurements (of
+        this model on this machine and camera) are kept."""
         self._join()
         self._reset_stream()
         for executor in self._executors.values():
@@ -210,23 +242,71 @@ class StreamSession:
         matrix_given = self._check_homography(homography)
         self._join()
         executor = self._executor(tuple(x.shape))
+        quality = self._quality
+        if quality is not None:
+            executor.feature_threshold = quality.still_feature_threshold
+            executor.moving_feature_threshold = quality.moving_feature_threshold
+        decided = time.perf_counter()
         reason, matrix, mask, warped, n_matches, features = self._decide(executor, x, pixels, raw_size,
                                                                          matrix_given)
+        attempt = reason is None or reason.cause in _MISSES
+        overhead = time.perf_counter() - decided
+        walk = Walk.STILL if matrix is not None and np.array_equal(matrix, np.eye(3)) else Walk.MOVING
+        work = _work(mask, walk) if reason is None else 1.0
+        speed = self._speed_guards.setdefault(tuple(x.shape), SpeedGuard()) if self.config.speed_guard else None
+        estimate = SpeedEstimate(math.nan, math.nan)
+        if speed is not None:
+            estimate = speed.estimate(walk, work) if reason is None else SpeedEstimate(speed.full_seconds, math.nan)
+            if reason is None and not speed.choose_cached(estimate):
+                reason = _Fallback(Cause.SLOWER, f"predicted {estimate.cached * 1e3:.1f} ms cached vs "
+                                                 f"{estimate.full * 1e3:.1f} ms full")
+        since_full = self._index - self._last_full
+        audit = reason is None and quality is not None and quality.due(since_full)
+        comparison = None
+        verify = False
+        engine = time.perf_counter()
         try:
             if reason is None:
                 out = executor.cached(x, mask.pixel_mask, matrix)
+                ran_full = bool(executor.full_reason)
+                cached_seconds = time.perf_counter() - engine
+                # a classifier's near tie is checked on the spot (see QualityGuard.risky)
+                verify = not audit and not ran_full and quality is not None and quality.risky(top1_margin(out))
+                if (audit or verify) and not ran_full:
+                    cached_out, out = out, executor.full(x)
+                    comparison = compare(cached_out, out, self.config.target_agreement, self.config.target_error)
             else:
                 out = executor.full(x)
+                ran_full = True
         except BaseException:
-            self._failed = True
+            self._failed = True  # the guards keep their state: the next frame runs full and carries on
             raise
+        engine_seconds = time.perf_counter() - engine
         if reason is None and executor.full_reason:
             reason = _Fallback(Cause.CACHE_UNUSABLE, executor.full_reason)
-        refreshed = executor.last.refreshed if reason is None else None
+        refreshed = executor.last.refreshed if reason is None and comparison is None else None
         # only a moving camera's low saving predicts the next frame's (a still camera's follows the scene)
         moving = matrix is not None and not np.array_equal(matrix, np.eye(3))
         saving = executor.last.flops_ratio if reason is None and moving else math.inf
-        commit = (reason, pixels, raw_size, tuple(x.shape), features, mask, warped, refreshed, saving)
+        flops_ratio = executor.last.flops_ratio if reason is None and comparison is None else 1.0
+        if speed is not None:
+            if ran_full:
+                speed.record_full(engine_seconds)
+            else:
+                # a check forced by the output is part of what the cached path costs; a scheduled audit's full run
+                # is the keyframe the session needs anyway
+                speed.record_cached(walk, work, engine_seconds if verify else cached_seconds)
+                if comparison is not None:
+                    speed.record_full(engine_seconds - cached_seconds)
+        if comparison is not None:
+            verdict = quality.record(comparison, since_full)
+            why = "near tie, " if verify else ""
+            reason = _Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
+                                            f"{verdict.value}")
+        if quality is not None:
+            quality.tick()
+        paid = self._paid(reason, attempt, saving, estimate, overhead + engine_seconds, overhead)
+        commit = (reason, pixels, raw_size, tuple(x.shape), features, mask, warped, refreshed, paid)
         if self.config.background_update:
             self._worker = threading.Thread(target=self._commit, args=commit, daemon=True)
             self._worker.start()
@@ -241,13 +321,30 @@ class StreamSession:
             homography_found=matrix is not None,
             homography=matrix,
             recompute_fraction=mask.recompute_fraction if cached else 1.0,
-            flops_ratio=executor.last.flops_ratio if cached else 1.0,
+            flops_ratio=flops_ratio,
             seconds=seconds,
             n_matches=n_matches,
             cause=Cause.CACHED if cached else reason.cause,
+            audit=comparison is not None,
+            agreement=comparison.agreement if comparison is not None else None,
+            predicted_full=estimate.full,
+            predicted_cached=estimate.cached,
+            guard_level=quality.level if quality is not None else 0,
         ))
         self._index += 1
         return out
+
+    @property
+    def agreement(self) -> Agreement:
+        """Agreement with full inference measured on the quality guard's audits so far (no audits: 1.0)."""
+        if self._quality is None:
+            return Agreement(None, 0, 1.0, 1.0, 0.0, 0)
+        return self._quality.summary
+
+    @property
+    def threshold(self) -> float:
+        """The change threshold in use (the quality guard's current one)."""
+        return self._quality.threshold if self._quality is not None else self.config.threshold
 
     # --- steps -------------------------------------------------------------------------------------------
 
@@ -262,8 +359,12 @@ class StreamSession:
             return _Fallback(Cause.SIZE_CHANGED), None, None, None, 0, None
         if self._failed or not executor.has_cache:
             return _Fallback(Cause.PREVIOUS_FAILED), None, None, None, 0, None
-        if self.config.keyframe_interval and self._index - self._last_full >= self.config.keyframe_interval:
-            return _Fallback(Cause.KEYFRAME), None, None, None, 0, None
+        if self._quality is None and self.config.keyframe_interval \
+                and self._index - self._last_full >= self.config.keyframe_interval:
+            return _Fallback(Cause.KEYFRAME), None, None, None, 0, None  # with the quality guard: audits instead
+        if self._quality is not None and self._quality.suspended:
+            return (_Fallback(Cause.SUSPENDED, "the cached path missed the target at the tightest settings"), None,
+                    None, None, 0, None)
         if self._skip > 0:
             return (_Fallback(Cause.BACKING_OFF, f"{self._misses} frames in a row could not use the cache or saved "
                                                  "little with it"), None, None, None, 0, None)
@@ -271,7 +372,7 @@ class StreamSession:
         features = still = None
         if matrix_given is None and self.config.still_fraction > 0 and self._looks_still(pixels):
             # a still camera: keypoint matching (about half a small frame's inference) would find the identity
-            still = change_mask(pixels, self._reference, self.config.cell, self.config.threshold, None)
+            still = change_mask(pixels, self._reference, self.config.cell, self.threshold, None)
             if still.recompute_fraction <= self.config.still_fraction:
                 return None, np.eye(3), still, self._reference, 0, None
         if matrix_given is not None:
@@ -289,15 +390,15 @@ class StreamSession:
             matrix = np.eye(3)
         if np.array_equal(matrix, np.eye(3)):
             warped = self._reference  # a still camera: nothing to warp, nothing uncovered
-            mask = still if still is not None else change_mask(pixels, warped, self.config.cell,
-                                                                   self.config.threshold, None)
+            mask = still if still is not None else change_mask(pixels, warped, self.config.cell, self.threshold,
+                                                                   None)
         else:
             unusable = executor.unusable_fraction(matrix)
             if unusable > executor.dense_cut:  # checked before the warp and mask it would make useless
                 return (_Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by the motion"),
                         matrix, None, None, n_matches, features)
             warped = warp_image(self._reference, matrix)
-            mask = change_mask(pixels, warped, self.config.cell, self.config.threshold, warp_valid_mask(matrix, size))
+            mask = change_mask(pixels, warped, self.config.cell, self.threshold, warp_valid_mask(matrix, size))
         fraction = mask.recompute_fraction
         if fraction > self.config.max_ratio:
             return (_Fallback(Cause.CHANGED_FRACTION, f"{fraction:.2f} > max_ratio {self.config.max_ratio:g}"),
@@ -321,7 +422,7 @@ class StreamSession:
 
     def _commit(self, reason: _Fallback | None, pixels: np.ndarray, raw_size: tuple[int, int], shape: tuple[int, ...],
                 features: FrameFeatures | None, mask, warped: np.ndarray | None,
-                refreshed: tuple[int, int, int, int] | None = None, saving: float = math.inf) -> None:
+                refreshed: tuple[int, int, int, int] | None = None, paid: bool | None = None) -> None:
         """The frame succeeded: it becomes the previous frame."""
         if reason is None:
             # the reference is what the cache stands for: stale where the frame kept cached values
@@ -337,7 +438,7 @@ class StreamSession:
             for other_shape, executor in self._executors.items():
                 if other_shape != shape:
                     executor.reset()  # another frame size: free its cache
-        self._count_miss(reason, saving)
+        self._count_attempt(reason, paid)
         self._prev_pixels = pixels
         self._prev_gray, self._gray = self._gray, None
         self._prev_features = features
@@ -345,18 +446,58 @@ class StreamSession:
         self._shape = shape
         self._failed = False
 
-    def _count_miss(self, reason: _Fallback | None, saving: float) -> None:
-        """Back-off bookkeeping: frames that tried the cache in vain (or saved little with it) lengthen the
-        next full-only stretch."""
-        if reason is None and saving >= _MIN_SAVING:
+    def _paid(self, reason: _Fallback | None, attempt: bool, saving: float, estimate: SpeedEstimate,
+              seconds: float, overhead: float) -> bool | None:
+        """Whether a frame that tried the cache paid for trying (None: it did not try). With the speed guard, a
+        cached frame pays when its decision and engine time beat the full-frame estimate; a frame that ran full
+        after trying (a failed match, the guard's choice) does not. Without it, a moving camera's cached frame
+        pays when it saved FLOPs (a still camera's always: its next frame may be cheap again). With the speed
+        guard the net seconds saved by the attempt are kept too (a miss costs its decision overhead)."""
+        if not attempt or reason is not None and reason.cause == Cause.AUDIT:
+            return None
+        if self.config.speed_guard:
+            net = -overhead if reason is not None else estimate.full - seconds
+            self._savings.append(0.0 if math.isnan(net) else net)
+        if reason is not None:
+            return False
+        if self.config.speed_guard:
+            return not seconds >= estimate.full  # NaN (no estimate yet): paid
+        return saving >= _MIN_SAVING
+
+    def _count_attempt(self, reason: _Fallback | None, paid: bool | None) -> None:
+        """Back-off bookkeeping: frames that tried the cache in vain start a full-only stretch. Without the speed
+        guard stretches double up to ``max_backoff``; with it, a stretch starts only while the recent attempts
+        saved nothing in total (misses that cost a few milliseconds of decision each are worth it while the hits
+        between them save a good part of a frame), and lasts just long enough for its attempt to stay within 2%
+        of the stretch's time."""
+        if paid:
             self._misses = self._backoff = self._skip = 0
         elif reason is not None and reason.cause == Cause.BACKING_OFF:
             self._skip -= 1
-        elif reason is None or reason.cause in _MISSES:
+        elif paid is not None:
             self._misses += 1
-            if self.config.max_backoff and self._misses >= _BACKOFF_AFTER:
+            if not self.config.max_backoff or self._misses < _BACKOFF_AFTER:
+                return
+            if not self.config.speed_guard:
                 self._backoff = min(max(2 * self._backoff, 2), self.config.max_backoff)
-                self._skip = self._backoff
+            elif sum(self._savings) > 0:
+                return  # the hits between the misses pay for them
+            else:
+                # measured: as long as keeps the attempt ending it within budget, no longer (doubling would only
+                # delay noticing that the cache pays again)
+                self._backoff = min(max(2, self._stretch()), self.config.max_backoff)
+            self._skip = self._backoff
+
+    def _stretch(self) -> int:
+        """With the speed guard, the shortest back-off whose one attempt at its end costs at most 2% of the
+        stretch's time: the misses' measured overhead over 2% of a full frame's time."""
+        if not self.config.speed_guard or not self._savings:
+            return 0
+        misses = [-v for v in self._savings if v < 0]
+        full = next(iter(self._speed_guards.values())).full_seconds if len(self._speed_guards) == 1 else math.nan
+        if not misses or not full > 0:
+            return 0
+        return int(math.ceil(statistics.median(misses) / (_ATTEMPT_BUDGET * full)))
 
     def _reset_stream(self) -> None:
         self._prev_pixels: np.ndarray | None = None
@@ -369,6 +510,7 @@ class StreamSession:
         self._shape: tuple[int, ...] | None = None
         self._last_full = 0
         self._misses = self._backoff = self._skip = 0
+        self._savings: deque[float] = deque(maxlen=_SAVINGS_WINDOW)
         self._failed = False
 
     def _join(self) -> None:
@@ -471,6 +613,18 @@ class StreamSession:
         if not torch.isfinite(x).all():
             raise ValueError(f"{what} contains NaN or infinite values")
         return x.to(self.device, torch.float32).contiguous(memory_format=torch.channels_last)
+
+
+def _work(mask: ChangeMask, walk: Walk) -> float:
+    """The share of the frame a cached frame starts from: the changed cells' bounding box for the box walk, the
+    changed cells for the block walk."""
+    if walk == Walk.MOVING:
+        return mask.recompute_fraction
+    cells = mask.cells
+    rows, cols = np.flatnonzero(cells.any(axis=1)), np.flatnonzero(cells.any(axis=0))
+    if not len(rows):
+        return 0.0
+    return (rows[-1] - rows[0] + 1) * (cols[-1] - cols[0] + 1) / cells.size
 
 
 @dataclass(frozen=True)

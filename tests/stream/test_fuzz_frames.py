@@ -79,8 +79,10 @@ JUNK = st.one_of(st.none(), st.integers(), st.text(max_size=5), st.lists(st.inte
 
 @pytest.fixture(scope="module")
 def session() -> StreamSession:
-    # no keyframes and no back-off: after the bad frame, the good one must come from the cache
-    s = StreamSession(MODEL, input_size=(SIZE, SIZE), keyframe_interval=0, max_backoff=0)
+    # no keyframes, no back-off and no guards (no audits, no timing-dependent choice; the guards' state across a
+    # refused frame is tested in test_stream_guards): after the bad frame, the good one must come from the cache
+    s = StreamSession(MODEL, input_size=(SIZE, SIZE), keyframe_interval=0, max_backoff=0, speed_guard=False,
+                      quality_guard=False)
     s(GOOD)
     return s
 

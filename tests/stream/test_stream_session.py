@@ -12,9 +12,17 @@ from incrinf.engine import boxes as box_walk
 from incrinf.stream import session as session_module
 from incrinf.stream.config import StreamConfig
 from incrinf.stream.executor import StreamExecutor
-from incrinf.stream.session import FrameStats, StreamSession
+from incrinf.stream.session import FrameStats
+from incrinf.stream.session import StreamSession as GuardedSession
 
 H, W = 80, 96
+# the cached path's mechanics, tested without the guards that would choose full inference or audit instead
+# (tests/stream/test_stream_guards.py tests the guards)
+UNGUARDED = {"speed_guard": False, "quality_guard": False}
+
+
+def StreamSession(*args, **kwargs) -> GuardedSession:  # noqa: N802 (stands in for the class in this module)
+    return GuardedSession(*args, **{**UNGUARDED, **kwargs})
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -66,7 +74,7 @@ def test_static_frames_equal_full_inference(zoo, photo, name):
 @pytest.mark.parametrize("name", ["resnet18", "efficientnet_lite0"])
 def test_identity_motion_threshold_zero_reproduces_full_inference(zoo, photo, name):
     model = zoo[name]
-    session = StreamSession(model, threshold=0.0, max_ratio=1.0)
+    session = StreamSession(model, threshold=0.0, max_ratio=1.0, **UNGUARDED)
     a, b = _crop(photo, 40, 60), _crop(photo, 100, 150)  # unrelated content: every position changes
     session(a)
     out = session(b, homography=np.eye(3))
@@ -93,7 +101,7 @@ def test_local_change_recomputes_only_what_it_reaches(zoo, photo, name):
 def test_integer_pan_by_the_largest_stride_is_exact(zoo, photo):
     # a 32 px shift is a whole number of positions at every stride of ResNet-18: the cache is reused exactly
     model = zoo["resnet18"]
-    session = StreamSession(model, keyframe_interval=None)
+    session = StreamSession(model, keyframe_interval=None, **UNGUARDED)
     session(_crop(photo, 40, 40))
     for k in (1, 2):
         frame = _crop(photo, 40, 40 + 32 * k)
@@ -105,7 +113,7 @@ def test_integer_pan_by_the_largest_stride_is_exact(zoo, photo):
 
 def test_estimated_pan_stays_close_to_full_inference(zoo, photo):
     model = zoo["efficientnet_lite0"]
-    session = StreamSession(model, keyframe_interval=None, matcher_options={"refine": True})
+    session = StreamSession(model, keyframe_interval=None, matcher_options={"refine": True}, **UNGUARDED)
     errors, agree = [], 0
     for k in range(6):
         frame = _crop(photo, 50 + 2 * k, 40 + 4 * k)  # pure integer shifts, estimated by matching
@@ -123,7 +131,7 @@ def test_estimated_pan_stays_close_to_full_inference(zoo, photo):
 
 def test_fallbacks_run_full_inference(zoo, photo):
     model = zoo["mobilenet_v2"]
-    session = StreamSession(model, keyframe_interval=4)
+    session = StreamSession(model, keyframe_interval=4, **UNGUARDED)
     frame = _crop(photo, 40, 60)
     noise = np.random.default_rng(0).integers(0, 256, (H, W, 3), dtype=np.uint8)
     bigger = _crop(photo, 40, 60, H + 16, W + 16)
@@ -332,7 +340,7 @@ def test_stream_cli_runs_a_video_and_writes_stats(tmp_path, capsys):
 def test_settings_are_one_validated_config(zoo):
     config = StreamConfig(threshold=4, keyframe_interval=None)
     session = StreamSession(zoo["mobilenet_v2"], config, max_ratio=0.5)
-    assert session.config == StreamConfig(threshold=4.0, keyframe_interval=0, max_ratio=0.5)
+    assert session.config == StreamConfig(threshold=4.0, keyframe_interval=0, max_ratio=0.5, **UNGUARDED)
     with pytest.raises(TypeError, match="unknown stream setting.*policy"):
         StreamSession(zoo["mobilenet_v2"], policy="local_cached")
     with pytest.raises(ValueError, match="max_misalignment"):
@@ -446,7 +454,7 @@ def test_cached_frames_that_save_little_count_towards_the_back_off(zoo, photo):
     # matching for a while; a still camera's expensive frames do not count (the next one may be cheap again)
     model = zoo["mobilenet_v2"]
     session = StreamSession(model, threshold=0.01, max_ratio=1.0, feature_threshold=0.0, keyframe_interval=None,
-                            max_backoff=4)
+                            max_backoff=4, **UNGUARDED)
     a, b = _crop(photo, 40, 60), _crop(photo, 100, 150)
     pan = np.array([[1.0, 0, -32], [0, 1, 0], [0, 0, 1]])
     sequence = [(a, None), (b, pan), (a, pan), (b, pan), (a, pan), (b, pan), (a, pan), *[(a, np.eye(3))] * 5]
@@ -459,7 +467,8 @@ def test_cached_frames_that_save_little_count_towards_the_back_off(zoo, photo):
     # the probe at 6 saved little again: 4 frames off, then a still frame probes, saves everything, resets
     assert reasons[7:] == ["backing off"] * 4 + ["ok"]
     assert session.stats[-1].flops_ratio == float("inf") and session._skip == session._backoff == 0
-    still = StreamSession(model, threshold=0.01, max_ratio=1.0, feature_threshold=0.0, keyframe_interval=None)
+    still = StreamSession(model, threshold=0.01, max_ratio=1.0, feature_threshold=0.0, keyframe_interval=None,
+                          **UNGUARDED)
     for image in [a, b, a, b, a, b]:
         still(image, homography=np.eye(3))
     assert [s.reason for s in still.stats[1:]] == ["ok"] * 5 and max(s.flops_ratio for s in still.stats[1:]) < 1.25
@@ -487,7 +496,7 @@ def test_default_feature_threshold_prunes_still_frames_only(zoo, photo):
 
 def test_background_update_gives_the_same_outputs(zoo, photo):
     model = zoo["mobilenet_v2"]
-    sessions = [StreamSession(model, background_update=flag) for flag in (False, True)]
+    sessions = [StreamSession(model, background_update=flag, **UNGUARDED) for flag in (False, True)]
     frames = [_crop(photo, 40, 60)]
     for k in range(1, 6):
         frame = _crop(photo, 40, 60 + (32 if k >= 3 else 0))

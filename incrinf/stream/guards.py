@@ -1,0 +1,308 @@
+"""The session's online guards: it measures itself while it runs instead of trusting defaults fitted to one clip.
+
+- :class:`SpeedGuard`: per frame, cached or full from measured costs. It keeps the median of recent full frames'
+  times and, per walk (still camera: the box walk; moving camera: the block walk), recent cached frames' times
+  against the work the frame needed (the share of the frame its change covers); a cached frame is predicted by
+  the median time of the samples nearest in work (medians: a load spike on a shared machine moves no estimate),
+  by a robust (Theil-Sen) line where none is close and beyond the work seen. A frame runs cached when that is
+  faster than a full frame. Before a walk has samples it is predicted from the full time and the work
+  (conservatively: a frame changed over 3/4 of its area runs full), and until three cached frames were timed, by
+  the lower of that and their fit (the first ones pay one-time costs). Every full frame is a timing sample too.
+- :class:`QualityGuard`: on audit frames the session runs the cached path and full inference, keeps the full
+  result (a keyframe: an audit is never wasted) and reports the comparison here
+  (:class:`~incrinf.stream.agreement.Comparison`). A miss tightens the knobs one level (change threshold and
+  feature threshold times 0.6) and audits again after ``audit_interval`` frames; an audit that holds with room to
+  spare (its risk, extrapolated to the next interval, at most 1/2) doubles the interval up to the keyframe
+  interval, then loosens one level. A level that missed needs twice as many holds as before to be loosened again.
+  A miss at the tightest level suspends the cache for 2, 4, ... frames (full inference only). For classifiers a
+  cached frame is also checked on its own: when its top-1 margin is within the lead the cached path was seen to
+  lose at recent audits (every frame before the first audit), it is audited on the spot, so a near tie is never
+  answered from the cache unverified.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+from incrinf.stream.agreement import Comparison, OutputKind
+from incrinf.stream.config import StreamConfig
+
+
+class Walk(str, Enum):
+    """Which walk a cached frame takes."""
+
+    STILL = "still"
+    MOVING = "moving"
+
+
+# --- speed ------------------------------------------------------------------------------------------------------
+
+_FULL_SAMPLES = 9  # median over the latest full frames
+_CACHED_SAMPLES = 16  # cached frames per path in the fit
+# Without samples, a cached frame is predicted to cost this share of a full frame plus the share of the frame it
+# needs (conservative: caching pays only below it).
+_PRIOR_BASE = 0.25
+# Cached samples of a walk below which the prior still counts (the lower of the two is taken).
+_TRUSTED = 3
+_NEIGHBOURS = 5  # samples nearest in work that a prediction takes the median of
+_NEAR = 0.15  # ... if they are this close in work
+# A frame the guard sends to full inference although the fit puts the cached path within this factor of it is,
+# every _PROBE_EVERY such frames, run cached anyway: the fit's samples may be stale (a load spike, new content).
+_PROBE_WITHIN = 1.5
+_PROBE_EVERY = 8
+
+
+@dataclass(frozen=True)
+class SpeedEstimate:
+    """The speed guard's view of one frame (seconds of engine time; NaN when unknown)."""
+
+    full: float
+    cached: float
+
+    @property
+    def cached_faster(self) -> bool:
+        return not math.isnan(self.full) and not math.isnan(self.cached) and self.cached < self.full
+
+
+class SpeedGuard:
+    """Online estimates of a full frame's and a cached frame's time (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._full: deque[float] = deque(maxlen=_FULL_SAMPLES)
+        self._cached: dict[Walk, deque[tuple[float, float]]] = {p: deque(maxlen=_CACHED_SAMPLES) for p in Walk}
+        self._rejected = 0
+
+    @property
+    def full_seconds(self) -> float:
+        """Median time of the latest full frames (NaN before the first)."""
+        return statistics.median(self._full) if self._full else math.nan
+
+    def estimate(self, walk: Walk, work: float) -> SpeedEstimate:
+        """Predicted full and cached time of a frame whose change covers ``work`` (0-1) of it."""
+        full = self.full_seconds
+        samples = self._cached[walk]
+        prior = full * (_PRIOR_BASE + work)
+        if len(samples) < _TRUSTED:
+            # the first cached frames pay one-time costs (kernels for new shapes): a slow one must not end the trial
+            return SpeedEstimate(full, min(prior, _predict(samples, work)) if samples else prior)
+        return SpeedEstimate(full, _predict(samples, work))
+
+    def choose_cached(self, estimate: SpeedEstimate) -> bool:
+        """Whether to run the cached path (with a probe now and then when the estimates are close)."""
+        if estimate.cached_faster:
+            self._rejected = 0
+            return True
+        if math.isnan(estimate.full) or not estimate.cached < _PROBE_WITHIN * estimate.full:
+            return False
+        self._rejected += 1
+        if self._rejected >= _PROBE_EVERY:
+            self._rejected = 0
+            return True
+        return False
+
+    def record_full(self, seconds: float) -> None:
+        self._full.append(seconds)
+
+    def record_cached(self, walk: Walk, work: float, seconds: float) -> None:
+        self._cached[walk].append((work, seconds))
+
+
+def _predict(samples: deque[tuple[float, float]], x: float) -> float:
+    """Time at work ``x``: the median time of the samples nearest in work (at most 0.15 away; the newest among
+    equals), since the cost is far from linear (on a still camera a change either dies out early or reaches the
+    deep maps and costs a full frame); with none that close, and beyond the largest work seen, the robust line."""
+    near = sorted((s for s in reversed(samples) if abs(s[0] - x) <= _NEAR), key=lambda s: abs(s[0] - x))
+    line = None
+    if near:
+        local = statistics.median(t for _, t in near[:_NEIGHBOURS])
+    else:
+        local = line = _theil_sen(samples, x)
+    if x > max(w for w, _ in samples) + 0.05:
+        local = max(local, line if line is not None else _theil_sen(samples, x))
+    return local
+
+
+def _theil_sen(samples: deque[tuple[float, float]], x: float) -> float:
+    """Time at work ``x`` from (work, time) samples: the median of pairwise slopes (>= 0) through the median
+    point; a single sample or no spread in work scales the median time by the work (never below it)."""
+    xs = [s[0] for s in samples]
+    ts = [s[1] for s in samples]
+    slopes = [(ts[j] - ts[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+              if abs(xs[j] - xs[i]) > 0.02]
+    x_mid, t_mid = statistics.median(xs), statistics.median(ts)
+    if len(slopes) < 2:
+        return t_mid * max(1.0, x / x_mid) if x_mid > 0 else t_mid
+    slope = max(statistics.median(slopes), 0.0)
+    intercept = statistics.median(t - slope * w for w, t in samples)
+    return max(intercept + slope * x, 0.0)
+
+
+# --- quality ----------------------------------------------------------------------------------------------------
+
+TIGHTEN = 0.6  # a miss multiplies the change and feature thresholds by this
+LEVELS = 4  # tightest level: thresholds at 0.6^4 = 13% of the configured ones
+_HEADROOM = 0.5  # relax only when the risk extrapolated to the next interval stays under this
+_MAX_INTERVAL = 1024  # when keyframe_interval is 0 (no upper bound)
+_MAX_SUSPEND = 64
+_LEAD_SAMPLES = 8  # audits whose lost lead a label output's margin is checked against
+
+
+class Verdict(str, Enum):
+    """What an audit concluded."""
+
+    MISS = "miss"
+    HOLD = "hold"
+    RELAX = "relax"
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Agreement with full inference measured on the audit frames so far.
+
+    Attributes:
+        kind: what agreement means (top-1 or pixels); None before the first audit.
+        audits: audited frames.
+        agreement: mean over the audits (1.0 before any): the share of audits with the same top-1, or the mean
+            share of agreeing positions.
+        worst: the lowest single audit's agreement.
+        relative_error: mean relative error over the audits.
+        misses: audits that missed the target.
+    """
+
+    kind: OutputKind | None
+    audits: int
+    agreement: float
+    worst: float
+    relative_error: float
+    misses: int
+
+
+class QualityGuard:
+    """Audit schedule and knobs held to a target (see the module docstring).
+
+    Args:
+        config: the session's settings (targets, thresholds, audit interval bounds).
+    """
+
+    def __init__(self, config: StreamConfig) -> None:
+        self.config = config
+        self.min_interval = config.audit_interval
+        self.max_interval = config.keyframe_interval or _MAX_INTERVAL
+        self.interval = self.min_interval
+        self.level = 0
+        self._holds = 0
+        self._holds_needed = [1] * (LEVELS + 1)  # per level: holds before loosening to it from the level below
+        self._suspend = 0
+        self._suspended = 0
+        self._comparisons: list[Comparison] = []
+        self._misses = 0
+        self._recent: deque[float] = deque(maxlen=self._window())
+        self._lead_lost: deque[float] = deque(maxlen=_LEAD_SAMPLES)
+
+    # --- knobs -------------------------------------------------------------------------------------------------
+
+    @property
+    def scale(self) -> float:
+        """Factor on the configured thresholds at the current level."""
+        return TIGHTEN ** self.level
+
+    @property
+    def threshold(self) -> float:
+        return self.config.threshold * self.scale
+
+    @property
+    def still_feature_threshold(self) -> float:
+        return self.config.still_feature_threshold * self.scale
+
+    @property
+    def moving_feature_threshold(self) -> float:
+        return self.config.moving_feature_threshold * self.scale
+
+    def due(self, frames_since_full: int) -> bool:
+        """Whether a frame this many frames after the last full one is audited."""
+        return frames_since_full >= self.interval
+
+    @property
+    def suspended(self) -> bool:
+        """The cache is suspended (full inference only) for this frame; call :meth:`tick` once per frame."""
+        return self._suspended > 0
+
+    def tick(self) -> None:
+        """One frame passed (counts down a suspension)."""
+        self._suspended = max(self._suspended - 1, 0)
+
+    def risky(self, margin: float) -> bool:
+        """Whether a cached label output whose top-1 leads by ``margin`` may have flipped: its margin is within
+        the largest lead the recent audits saw the cached path lose (times ``near_tie``); always before the first
+        audit.
+        Maps (NaN margin) are never checked frame by frame: their target is a share of positions."""
+        if math.isnan(margin) or self.config.near_tie == 0:
+            return False
+        if not self._lead_lost:
+            return True
+        return margin <= self.config.near_tie * max(self._lead_lost)
+
+    # --- audits ------------------------------------------------------------------------------------------------
+
+    def record(self, comparison: Comparison, frames_since_full: int) -> Verdict:
+        """Take an audit's result (made ``frames_since_full`` frames after the previous full frame) and adapt."""
+        self._comparisons.append(comparison)
+        self._recent.append(comparison.agreement)
+        if not math.isnan(comparison.lead_lost):
+            self._lead_lost.append(comparison.lead_lost)
+        if self._missed(comparison):
+            self._misses += 1
+            self._holds = 0
+            self.interval = self.min_interval
+            if self.level < LEVELS:
+                self.level += 1
+                self._holds_needed[self.level - 1] = min(self._holds_needed[self.level - 1] * 2, 8)
+            else:
+                self._suspend = min(max(2 * self._suspend, 2), _MAX_SUSPEND)
+                self._suspended = self._suspend
+            return Verdict.MISS
+        self._suspend = 0
+        if self.interval < self.max_interval:
+            # the error grows with the frames since the last full one: extrapolate to twice the interval
+            if comparison.risk * 2 * self.interval / max(frames_since_full, 1) > _HEADROOM:
+                return Verdict.HOLD
+            self.interval = min(2 * self.interval, self.max_interval)
+            return Verdict.RELAX
+        if self.level == 0 or comparison.risk / TIGHTEN > _HEADROOM:
+            self._holds = 0
+            return Verdict.HOLD
+        self._holds += 1
+        if self._holds < self._holds_needed[self.level - 1]:
+            return Verdict.HOLD
+        self.level -= 1
+        self._holds = 0
+        self.interval = max(self.max_interval // 2, self.min_interval)  # the looser level proves itself anew
+        return Verdict.RELAX
+
+    def _missed(self, comparison: Comparison) -> bool:
+        target_error = self.config.target_error
+        if target_error is not None and comparison.relative_error >= target_error:
+            return True
+        if comparison.kind == OutputKind.MAP:
+            return comparison.agreement < self.config.target_agreement
+        # a classifier's flip is a miss when it takes the recent audits' agreement below the target (with target
+        # 0.99: any flip among the latest 100 audits)
+        return comparison.agreement < 1.0 and sum(self._recent) / len(self._recent) < self.config.target_agreement
+
+    def _window(self) -> int:
+        budget = 1.0 - self.config.target_agreement
+        return min(int(math.ceil(1.0 / budget)), 100) if budget > 0 else 1
+
+    @property
+    def summary(self) -> Agreement:
+        """The agreement measured so far."""
+        done = self._comparisons
+        if not done:
+            return Agreement(None, 0, 1.0, 1.0, 0.0, 0)
+        return Agreement(done[-1].kind, len(done), sum(c.agreement for c in done) / len(done),
+                         min(c.agreement for c in done), sum(c.relative_error for c in done) / len(done),
+                         self._misses)

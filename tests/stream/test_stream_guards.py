@@ -1,0 +1,333 @@
+"""The session's online guards (incrinf.stream.guards): speed from measured costs, quality held by audits."""
+
+import math
+import time
+
+import cv2
+import numpy as np
+import pytest
+import skimage.data
+import torch
+import torch.nn as nn
+
+from incrinf.stream.agreement import Comparison, OutputKind, compare
+from incrinf.stream.config import StreamConfig
+from incrinf.stream.guards import LEVELS, QualityGuard, SpeedGuard, Verdict, Walk
+from incrinf.stream.session import Cause, StreamSession
+
+H, W = 64, 80
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def frames() -> list[np.ndarray]:
+    """A still camera: a photo with a small bright square moving across it."""
+    photo = cv2.resize(skimage.data.chelsea(), (W, H), interpolation=cv2.INTER_AREA)
+    out = []
+    for k in range(24):
+        frame = photo.copy()
+        x = 4 + 2 * k
+        frame[20:30, x:x + 10] = 250
+        out.append(frame)
+    return out
+
+
+def _classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2, padding=1),
+                         nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(32, 10)).eval()
+
+
+def _full(model: nn.Module, frame: np.ndarray):
+    x = torch.from_numpy(frame).permute(2, 0, 1)[None].float() / 255.0
+    with torch.no_grad():
+        return model((x - 0.5) / 0.5)
+
+
+# --- speed ------------------------------------------------------------------------------------------------------
+
+def _wide() -> nn.Module:
+    """Enough work per frame that recomputing a small change is clearly cheaper than a full frame."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 48, 3, padding=1), nn.ReLU()]
+    for _ in range(4):
+        layers += [nn.Conv2d(48, 48, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 10)).eval()
+
+
+def test_speed_guard_switches_to_full_inference_when_the_cached_path_is_slow(frames, monkeypatch):
+    model = _wide()
+    session = StreamSession(model, quality_guard=False, max_backoff=0, feature_threshold=0.0)
+    for frame in frames[:8]:
+        session(frame)
+    assert [s.mode for s in session.stats[1:8]].count("cached") >= 5  # a small change: cached is cheaper
+    assert all(s.predicted_cached < s.predicted_full for s in session.stats[1:8] if s.mode == "cached")
+    executor = next(iter(session._executors.values()))
+    fast = executor.cached
+    full_seconds = next(iter(session._speed_guards.values())).full_seconds
+
+    def slow(*args, **kwargs):
+        time.sleep(3 * full_seconds)  # the cached path made artificially slow
+        return fast(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "cached", slow)
+    for frame in frames[8:22]:
+        out = session(frame)
+        if session.stats[-1].mode == "full":
+            torch.testing.assert_close(out, _full(model, frame), rtol=1e-4, atol=1e-4)
+    late = session.stats[-6:]
+    assert all(s.cause == Cause.SLOWER for s in late), [s.reason for s in late]
+    for s in late:  # the decision and both estimates are in the stats
+        assert s.predicted_cached > s.predicted_full > 0 and s.reason.startswith("cached slower: predicted")
+    assert math.isnan(session.stats[0].predicted_full)  # nothing measured before the first frame
+
+
+def test_speed_guard_estimates_from_medians_and_nearest_work():
+    guard = SpeedGuard()
+    assert math.isnan(guard.estimate(Walk.STILL, 0.1).full)
+    for seconds in (0.010, 0.011, 0.5, 0.009):  # one load spike
+        guard.record_full(seconds)
+    assert guard.full_seconds == pytest.approx(0.0105)
+    prior = guard.estimate(Walk.STILL, 0.2)
+    assert prior.cached == pytest.approx(0.0105 * 0.45) and prior.cached_faster
+    assert not guard.estimate(Walk.MOVING, 0.9).cached_faster  # no samples: a large change runs full
+    for work, seconds in [(0.05, 0.002), (0.1, 0.003), (0.1, 0.0025), (0.8, 0.012), (0.85, 0.013), (0.9, 0.012)]:
+        guard.record_cached(Walk.STILL, work, seconds)
+    assert guard.estimate(Walk.STILL, 0.08).cached == pytest.approx(0.003, rel=0.3)
+    assert not guard.estimate(Walk.STILL, 0.85).cached_faster  # like the samples nearest in work
+    assert guard.estimate(Walk.MOVING, 0.1).cached == pytest.approx(0.0105 * 0.35)  # walks are kept apart
+
+
+# --- quality ----------------------------------------------------------------------------------------------------
+
+def _label(agreement: float, risk: float = 0.0) -> Comparison:
+    return Comparison(OutputKind.LABEL, agreement, 0.1, risk, 0.5)
+
+
+def test_quality_guard_tightens_on_misses_and_relaxes_while_the_target_holds():
+    guard = QualityGuard(StreamConfig(audit_interval=2, keyframe_interval=16))
+    assert (guard.interval, guard.level, guard.threshold) == (2, 0, 10.0)
+    verdicts = [guard.record(_label(1.0), guard.interval) for _ in range(4)]
+    # holding with room to spare: audits get rarer, up to the keyframe interval
+    assert verdicts == [Verdict.RELAX] * 3 + [Verdict.HOLD] and guard.interval == 16
+    assert guard.record(_label(0.0, 1.5), guard.interval) == Verdict.MISS  # a top-1 flip
+    assert (guard.interval, guard.level) == (2, 1)
+    assert guard.threshold == pytest.approx(6.0) and guard.still_feature_threshold == pytest.approx(0.21)
+    assert guard.record(_label(1.0, 0.4), 2) == Verdict.HOLD  # 0.4 at 2 frames would be 0.8 at 4: no relaxing
+    assert guard.interval == 2
+    for _ in range(10):
+        guard.record(_label(1.0), guard.interval)
+    assert guard.level == 0 and guard.threshold == 10.0  # relaxed back once the misses stopped
+    summary = guard.summary
+    assert summary.audits == 16 and summary.misses == 1 and summary.agreement == pytest.approx(15 / 16)
+
+
+def test_quality_guard_suspends_the_cache_after_misses_at_the_tightest_level():
+    guard = QualityGuard(StreamConfig())
+    for _ in range(LEVELS):
+        guard.record(_label(0.0, 2.0), guard.interval)
+    assert guard.level == LEVELS and not guard.suspended
+    guard.record(_label(0.0, 2.0), guard.interval)
+    assert guard.suspended
+    guard.tick()
+    guard.tick()
+    assert not guard.suspended
+
+
+def test_maps_miss_below_the_pixel_target_and_near_ties_are_checked_on_the_spot():
+    guard = QualityGuard(StreamConfig(target_agreement=0.99))
+    assert guard.risky(0.3)  # before the first audit every classifier frame is checked
+    assert not guard.risky(float("nan"))  # maps never
+    guard.record(Comparison(OutputKind.MAP, 0.995, 0.01, 0.5), 4)
+    assert guard.level == 0 and guard.interval == 4  # held, but without room to double
+    guard.record(Comparison(OutputKind.MAP, 0.98, 0.02, 2.0), 4)
+    assert guard.level == 1
+    guard = QualityGuard(StreamConfig(near_tie=1.0))
+    guard.record(Comparison(OutputKind.LABEL, 1.0, 0.1, 0.2, 0.5), 4)
+    assert guard.risky(0.4) and not guard.risky(0.6)
+    assert not QualityGuard(StreamConfig(near_tie=0)).risky(0.0)
+
+
+def test_injected_disagreements_raise_the_audit_rate_and_tighten_then_relax(frames):
+    model = _classifier()
+    session = StreamSession(model, speed_guard=False, audit_interval=2, keyframe_interval=4, near_tie=0)
+    session(frames[0])
+    executor = next(iter(session._executors.values()))
+    honest = executor.cached
+    injecting = [False]
+
+    def cached(*args, **kwargs):
+        out = honest(*args, **kwargs)
+        if injecting[0]:
+            out = out.clone()
+            out[0, int(out.argmin())] = out.max() + 1.0  # another class on top
+        return out
+
+    executor.cached = cached
+    sequence = [frames[k % 2] for k in range(1, 81)]  # the square flickers between two places: cheap frames
+    for k, frame in enumerate(sequence):
+        injecting[0] = 12 <= k < 20
+        session(frame)
+    stats = session.stats[1:]
+    levels = [s.guard_level for s in stats]
+    audits = [s.audit for s in stats]
+    assert levels[11] == 0 and max(levels[12:20]) >= 2  # tightened while the answers were wrong
+    assert sum(audits[13:20]) > sum(audits[4:11])  # audited more often after the misses
+    assert levels[-1] == 0  # relaxed again once they stopped
+    assert sum(audits[-8:]) < sum(audits[13:20])
+    assert session.agreement.misses >= 2 and session.agreement.agreement < 1.0
+
+
+def test_reported_agreement_equals_agreement_measured_against_full_inference(frames):
+    model = _classifier()
+    session = StreamSession(model, speed_guard=False, audit_interval=2, keyframe_interval=4, threshold=30,
+                            feature_threshold=0.5)
+    session(frames[0])
+    executor = next(iter(session._executors.values()))
+    honest, seen = executor.cached, {}
+
+    def cached(*args, **kwargs):
+        out = honest(*args, **kwargs)
+        seen[len(session.stats)] = out.clone()
+        return out
+
+    executor.cached = cached
+    for frame in frames[1:16]:
+        session(frame)
+    audited = [s.index for s in session.stats if s.audit]
+    assert len(audited) >= 3
+    measured = [float(int(seen[i].argmax()) == int(_full(model, frames[i]).argmax())) for i in audited]
+    report = session.agreement
+    assert report.audits == len(audited) and report.kind == OutputKind.LABEL
+    assert report.agreement == pytest.approx(sum(measured) / len(measured))
+    assert [session.stats[i].agreement for i in audited] == measured
+
+
+# --- dense outputs ----------------------------------------------------------------------------------------------
+
+class _DilatedFCN(nn.Module):
+    """A fully convolutional segmenter in torchvision's shape: dilated backbone, head, upsampling, dict output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                  nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
+                                  nn.Conv2d(32, 32, 3, padding=2, dilation=2), nn.ReLU())
+        self.head = nn.Conv2d(32, 5, 1)
+
+    def forward(self, x):
+        size = x.shape[-2:]
+        out = self.head(self.body(x))
+        return {"out": nn.functional.interpolate(out, size=size, mode="bilinear", align_corners=False)}
+
+
+def _dense_models() -> dict:
+    import torchvision
+
+    from incrinf.testing.pnet import PNet
+
+    torch.manual_seed(0)
+    return {
+        "dilated_fcn": _DilatedFCN().eval(),
+        "pnet": PNet().eval(),
+        "lraspp_mobilenet_v3_large": torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+            weights=None, weights_backbone=None).eval(),
+    }
+
+
+@pytest.fixture(scope="module")
+def dense_models() -> dict:
+    return _dense_models()
+
+
+@pytest.mark.parametrize("name", ["dilated_fcn", "pnet", "lraspp_mobilenet_v3_large"])
+def test_dense_sessions_equal_full_inference_with_thresholds_at_zero(dense_models, frames, name):
+    model = dense_models[name]
+    session = StreamSession(model, threshold=0.0, feature_threshold=0.0, max_ratio=1.0, speed_guard=False,
+                            quality_guard=False)
+    local = StreamSession(model, threshold=0.01, feature_threshold=0.0, speed_guard=False, quality_guard=False)
+    for frame in frames[:3]:
+        for s in (session, local):
+            out = s(frame, homography=np.eye(3))
+            ref = _full(model, frame)
+            out_t, ref_t = (o["out"] if isinstance(o, dict) else o for o in (out, ref))
+            torch.testing.assert_close(out_t, ref_t, rtol=1e-4, atol=1e-4 * float(ref_t.abs().max()))
+            assert compare(out, ref, 0.99).agreement == 1.0
+    assert [s.mode for s in session.stats] == ["full", "cached", "cached"]
+    assert local.stats[-1].mode == "cached" and local.stats[-1].recompute_fraction < 0.5
+
+
+def test_dense_quality_guard_measures_pixel_agreement(dense_models, frames):
+    model = dense_models["dilated_fcn"]
+    session = StreamSession(model, speed_guard=False, audit_interval=2, keyframe_interval=4)
+    for frame in frames[:10]:
+        session(frame)
+    report = session.agreement
+    assert report.kind == OutputKind.MAP and report.audits >= 2
+    assert 0.5 < report.worst <= report.agreement <= 1.0
+
+
+# --- failures and settings --------------------------------------------------------------------------------------
+
+def test_a_failed_frame_keeps_the_guards_state(frames):
+    model = _classifier()
+    session = StreamSession(model, audit_interval=2, keyframe_interval=8)
+    for frame in frames[:8]:
+        session(frame)
+    quality, speed = session._quality, next(iter(session._speed_guards.values()))
+    before = (quality.level, quality.interval, quality.summary, speed.full_seconds, dict(speed._cached))
+    with pytest.raises(TypeError, match="uint8"):
+        session(frames[8].astype(np.float32))
+    executor = next(iter(session._executors.values()))
+    honest = executor.cached
+    executor.cached = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated failure"))
+    executor_full = executor.full
+    executor.full = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated failure"))
+    with pytest.raises(RuntimeError, match="simulated"):
+        session(frames[8])
+    executor.cached, executor.full = honest, executor_full
+    after = (quality.level, quality.interval, quality.summary, speed.full_seconds, dict(speed._cached))
+    assert after == before
+    out = session(frames[8])
+    assert session.stats[-1].cause == Cause.PREVIOUS_FAILED
+    torch.testing.assert_close(out, _full(model, frames[8]), rtol=1e-4, atol=1e-4)
+    session(frames[9])
+    assert session.stats[-1].cause != Cause.PREVIOUS_FAILED
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"target_agreement": 0}, "target_agreement"),
+    ({"target_agreement": 1.5}, "target_agreement"),
+    ({"target_error": -1}, "target_error"),
+    ({"audit_interval": 0}, "audit_interval"),
+    ({"audit_interval": 40, "keyframe_interval": 30}, "audit_interval"),
+    ({"near_tie": -1}, "near_tie"),
+    ({"speed_guard": "yes"}, "speed_guard"),
+])
+def test_bad_guard_settings_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StreamConfig(**kwargs)
+
+
+def test_stream_cli_reports_the_guards(tmp_path, capsys):
+    import argparse
+    import csv
+
+    from incrinf.cli import stream as cli
+
+    parser = argparse.ArgumentParser(prog="incrinf")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    out_csv = tmp_path / "stats.csv"
+    args = parser.parse_args(["stream", "--model", "resnet18", "--max-frames", "6", "--size", "64x80", "--quiet",
+                              "--target-agreement", "0.95", "--audit-interval", "2", "--csv", str(out_csv)])
+    assert args.func(args) == 0
+    summary = capsys.readouterr().out
+    assert "audited" in summary and "measured by the session's audits" in summary
+    with open(out_csv) as fh:
+        rows = list(csv.DictReader(fh))
+    assert {"audit", "agreement", "predicted_full", "predicted_cached", "guard_level"} <= set(rows[0])
+    for bad in (["--target-agreement", "1.5"], ["--audit-interval", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["stream", *bad])
