@@ -173,10 +173,11 @@ def _row(graph: Graph, node, region: Region) -> NodeRow:
 
 def _reuse_stop(graph: Graph, regions: dict[str, Region]) -> str:
     d = graph.spatial_dims
-    for node in graph.nodes:
-        region = regions[node.name]
-        is_map = graph.is_map(node.shape) and int(np.prod(node.shape[-d:])) > 1
-        # a global operator stops reuse even when its output is a map of one position (a global pool)
-        if region.kind == RegionKind.FULL and (is_map or node.kind == NodeKind.GLOBAL):
-            return f"{node.name}: {region.reason}"
+    full = [n for n in graph.nodes if regions[n.name].kind == RegionKind.FULL]
+    # the first map of several positions that is whole (a squeeze-excitation multiply, not its side branch's
+    # pool); failing that, the first global operator (a classifier's global pool: its output is one position)
+    maps = [n for n in full if graph.is_map(n.shape) and int(np.prod(n.shape[-d:])) > 1]
+    stop = maps[0] if maps else next((n for n in full if n.kind == NodeKind.GLOBAL), None)
+    if stop is not None:
+        return f"{stop.name}: {regions[stop.name].reason}"
     return "never (the output itself is a map)"
