@@ -72,7 +72,7 @@ def volume_size(text: str) -> tuple[int, int, int]:
 def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
     """The ``explain`` subcommand for the volume file ``path``."""
     from incrinf import models
-    from incrinf.cli.explain import describe_approximation
+    from incrinf.cli.approx_options import describe_approximation
     from incrinf.explain.approx import occlusion
 
     for option in ("target_ssim", "profile", "drill_down", "target_speedup"):

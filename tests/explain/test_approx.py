@@ -267,7 +267,7 @@ def test_target_ssim_needs_a_profile_and_excludes_tau(tmp_path) -> None:
 def test_explain_options(tmp_path) -> None:
     import argparse
 
-    from incrinf.cli.explain import add_explain_options, apply_explain_options, describe_approximation
+    from incrinf.cli.approx_options import add_explain_options, apply_explain_options, describe_approximation
     from incrinf.explain.tuning import Setting, TuningProfile
 
     parser = argparse.ArgumentParser()
