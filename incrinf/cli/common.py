@@ -3,42 +3,37 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 
+def _checked(text: str, parse: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Any:
+    """``parse(text)`` when ``ok`` holds for it; else the argparse error saying what was ``expected``."""
+    try:
+        value = parse(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return _checked(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _checked(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
 def share(text: str) -> float:
     """argparse type: a number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
+    return _checked(text, float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 
 
 def number(text: str) -> float:
@@ -51,10 +46,7 @@ def number(text: str) -> float:
 
 def non_negative(text: str) -> float:
     """argparse type: a number >= 0."""
-    value = number(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+    return _checked(text, float, lambda v: v >= 0, "a number >= 0")
 
 
 def model_name(text: str) -> str:
