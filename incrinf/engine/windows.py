@@ -121,17 +121,20 @@ def padded_crop(spec: WindowSpec, source: torch.Tensor, bounds: Bounds) -> torch
     dims = source.shape[-d:]
     lo = [bounds[2 * a] * spec.stride[a] - spec.offset[a] for a in range(d)]
     hi = [(bounds[2 * a + 1] - 1) * spec.stride[a] - spec.offset[a] + spec.extent[a] for a in range(d)]
-    crop = source[(..., *(slice(max(lo[a], 0), min(hi[a], dims[a])) for a in range(d)))]
-    need_before = [max(0, -lo[a]) for a in range(d)]
-    need_after = [max(0, hi[a] - dims[a]) for a in range(d)]
-    if not any(need_before) and not any(need_after):
-        return crop
-    view_b = tuple(min(n, v) for n, v in zip(need_before, spec.view_before))
-    view_a = tuple(min(n, v) for n, v in zip(need_after, spec.view_after))
+    # clamped so that a window lying wholly in the padding is an empty crop (a negative end would wrap around)
+    starts = [min(max(lo[a], 0), dims[a]) for a in range(d)]
+    crop = source[(..., *(slice(starts[a], max(min(hi[a], dims[a]), starts[a])) for a in range(d)))]
+
+    def count(a0: int, a1: int, b0: int, b1: int) -> int:  # size of [a0, a1) & [b0, b1)
+        return max(0, min(a1, b1) - max(a0, b0))
+
+    # padded coordinates: [own before][view before][map][view after][own after]; views' padding is inner
+    view_b = tuple(count(lo[a], hi[a], -spec.view_before[a], 0) for a in range(d))
+    view_a = tuple(count(lo[a], hi[a], dims[a], dims[a] + spec.view_after[a]) for a in range(d))
+    own_b = tuple(count(lo[a], hi[a], lo[a], -spec.view_before[a]) for a in range(d))
+    own_a = tuple(count(lo[a], hi[a], dims[a] + spec.view_after[a], hi[a]) for a in range(d))
     if any(view_b) or any(view_a):
         crop = F.pad(crop, _pad_args(view_b, view_a), value=spec.view_value)
-    own_b = tuple(n - v for n, v in zip(need_before, view_b))
-    own_a = tuple(n - v for n, v in zip(need_after, view_a))
     if any(own_b) or any(own_a):
         crop = F.pad(crop, _pad_args(own_b, own_a), value=spec.pad_value)
     return crop
