@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
+from conftest import tiny_classifier
 
 from incrinf.models import sample_image
 from incrinf.normalization import Normalization
@@ -24,17 +24,9 @@ N_FRAMES, KILL_AT, RESTART_AT = 200, 50, 120
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def tiny_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
-    ).eval()
-
-
 def camera(size: int, n: int) -> tuple[list[np.ndarray], list[torch.Tensor]]:
     frames = [f for f, _ in synthetic_camera(sample_image(), n, size=(size, size), motion="pan", insert_object=True)]
-    model = tiny_model()
+    model = tiny_classifier()
     with torch.no_grad():
         refs = [model(Normalization(MEAN, STD).tensor(f)) for f in frames]
     return frames, refs
@@ -44,7 +36,7 @@ def session_for(url: str, size: int, policy: str, **kwargs) -> OffloadingSession
     options = dict(input_size=(size, size), mean=MEAN, std=STD, backoff_initial=0.02, backoff_cap=0.1,
                    profile_repeats=1, max_timeout=1.0)
     options.update(kwargs)
-    return OffloadingSession(tiny_model(), offload=url, policy=policy, **options)
+    return OffloadingSession(tiny_classifier(), offload=url, policy=policy, **options)
 
 
 def assert_in_order(outputs: list[torch.Tensor], refs: list[torch.Tensor]) -> None:
@@ -62,7 +54,7 @@ def assert_in_order(outputs: list[torch.Tensor], refs: list[torch.Tensor]) -> No
 ])
 def test_server_killed_and_restarted(policy, size, extra):
     frames, refs = camera(size, N_FRAMES)
-    service = ModelService(tiny_model(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
     server = OffloadServer(service).start()
     port = server.port
     session = session_for(server.url, size, policy, **extra)
@@ -100,7 +92,7 @@ def test_server_killed_and_restarted(policy, size, extra):
 def test_slow_server_frames_finish_locally_within_budget():
     size, budget = 64, 0.12
     frames, refs = camera(size, 12)
-    service = ModelService(tiny_model(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
     with OffloadServer(service) as server, ShapingProxy(server.port) as proxy:
         session = session_for(f"http://127.0.0.1:{proxy.port}", size, "offload_full", budget=budget)
         outputs = [session(frames[i]) for i in range(4)]
@@ -119,7 +111,7 @@ def test_slow_server_frames_finish_locally_within_budget():
 def test_cut_connections_are_reopened_transparently():
     size = 64
     frames, refs = camera(size, 10)
-    service = ModelService(tiny_model(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
     with OffloadServer(service) as server, ShapingProxy(server.port) as proxy:
         session = session_for(f"http://127.0.0.1:{proxy.port}", size, "offload_full")
         outputs = []
@@ -138,7 +130,7 @@ def test_auto_uses_the_server_when_it_is_much_faster():
     offloads; every option it may pick is exact here."""
     size = 64
     frames, refs = camera(size, 30)
-    service = ModelService(tiny_model(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
     with OffloadServer(service) as server:
         session = session_for(server.url, size, "auto", local_slowdown=200.0, lookahead=5, threshold=0.0,
                               max_ratio=1.0, local_session=lambda: FakeLocalSession([]))
@@ -157,7 +149,7 @@ class FakeLocalSession:
 
     def __init__(self, log: list[str]) -> None:
         self.log = log
-        self.model = tiny_model()
+        self.model = tiny_classifier()
         self.stats: list = []
 
     def __call__(self, frame: np.ndarray) -> torch.Tensor:
@@ -173,7 +165,7 @@ def test_local_session_is_reset_when_other_options_ran():
     size = 64
     frames, refs = camera(size, 6)
     log: list[str] = []
-    service = ModelService(tiny_model(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
     with OffloadServer(service) as server:
         cached = session_for(server.url, size, "local_cached", local_session=lambda: FakeLocalSession(log))
         full = session_for(server.url, size, "offload_full", local_session=lambda: FakeLocalSession(log))
@@ -193,7 +185,7 @@ def test_local_session_is_reset_when_other_options_ran():
 def test_local_only_session_and_stream_settings():
     size = 64
     frames, refs = camera(size, 5)
-    session = OffloadingSession(tiny_model(), None, input_size=(size, size), mean=MEAN, std=STD,
+    session = OffloadingSession(tiny_classifier(), None, input_size=(size, size), mean=MEAN, std=STD,
                                 profile_repeats=1, feature_threshold=0.0)
     assert session.client is None
     outputs = [session(f) for f in frames]
@@ -201,9 +193,9 @@ def test_local_only_session_and_stream_settings():
     assert all(set(s.predictions) <= {"local_full", "local_cached"} for s in session.stats)
     torch.testing.assert_close(outputs[0].float(), refs[0], rtol=1e-4, atol=1e-5)  # first frame: full inference
     with pytest.raises(TypeError, match="unknown stream setting.*preprocess"):
-        OffloadingSession(tiny_model(), None, preprocess=lambda f: f)
+        OffloadingSession(tiny_classifier(), None, preprocess=lambda f: f)
     with pytest.raises(ValueError, match="needs an offload URL"):
-        OffloadingSession(tiny_model(), None, "offload_full", input_size=(size, size), profile_repeats=1)
+        OffloadingSession(tiny_classifier(), None, "offload_full", input_size=(size, size), profile_repeats=1)
     with pytest.raises(ValueError, match="frame must be"):
         session(np.zeros((size, size, 3), np.float32))
     session.close()
@@ -214,7 +206,7 @@ def test_auto_follows_the_link_measured_online():
     when it gets slow again the next offloaded frame shows it and auto goes back to local."""
     size = 64
     frames, refs = camera(size, 60)
-    service = ModelService(tiny_model(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
     with OffloadServer(service) as server, ShapingProxy(server.port) as proxy:
         proxy.set_link(0.1, 5.0)  # a 12 kB frame takes ~1 s
         session = session_for(f"http://127.0.0.1:{proxy.port}", size, "auto", local_slowdown=100.0, lookahead=5,

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
+from conftest import tiny_classifier
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -42,17 +42,9 @@ MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def tiny_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
-    ).eval()
-
-
 @pytest.fixture(scope="module")
 def service() -> ModelService:
-    return ModelService(tiny_model(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, profile_repeats=1,
+    return ModelService(tiny_classifier(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, profile_repeats=1,
                         session_ttl=30.0)
 
 
@@ -63,7 +55,7 @@ def frames() -> list[np.ndarray]:
 
 def reference(frame: np.ndarray) -> np.ndarray:
     with torch.no_grad():
-        return tiny_model()(Normalization(MEAN, STD).tensor(frame)).numpy()
+        return tiny_classifier()(Normalization(MEAN, STD).tensor(frame)).numpy()
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +188,7 @@ def test_clients_read_the_token_from_the_environment(service, frames, monkeypatc
         client = OffloadClient(server.url)
         np.testing.assert_allclose(client.infer_full(frames[0]).output, reference(frames[0]), rtol=1e-5, atol=1e-6)
         assert TOKEN not in repr(client)
-        session = OffloadingSession(tiny_model(), offload=server.url, policy="offload_full", mean=MEAN, std=STD,
+        session = OffloadingSession(tiny_classifier(), offload=server.url, policy="offload_full", mean=MEAN, std=STD,
                                     profile_repeats=1)
         with session:
             outputs = [session(f) for f in frames[:3]]
@@ -289,7 +281,7 @@ def test_tls_401_without_or_with_a_wrong_token(tls_server, certificate, frames):
 
 
 def test_offloading_session_over_tls(tls_server, certificate, frames):
-    session = OffloadingSession(tiny_model(), offload=tls_server.url, policy="offload_cached", token=OTHER,
+    session = OffloadingSession(tiny_classifier(), offload=tls_server.url, policy="offload_cached", token=OTHER,
                                 ca_file=certificate[0], mean=MEAN, std=STD, profile_repeats=1, threshold=0.0,
                                 max_ratio=1.0)
     with session:
@@ -361,7 +353,7 @@ def test_rate_limit_429_with_retry_after_and_client_waits(service, frames):
 def test_offloading_session_backs_off_under_rate_limit_and_loses_no_frame(service, frames):
     rate, burst = 5.0, 2
     with OffloadServer(service, token=TOKEN, requests_per_second=rate, burst=burst) as server:
-        session = OffloadingSession(tiny_model(), offload=server.url, policy="offload_full", token=TOKEN,
+        session = OffloadingSession(tiny_classifier(), offload=server.url, policy="offload_full", token=TOKEN,
                                     mean=MEAN, std=STD, profile_repeats=1, backoff_initial=0.01, backoff_cap=0.05,
                                     keep_stats=None)
         outputs = []
@@ -410,11 +402,12 @@ def test_timeouts_do_not_leak_server_sessions_into_the_cap(frames):
     credential's session cap and lock the camera out for a TTL (seen in the soak benchmark)."""
     from incrinf.testing.shaping import ShapingProxy
 
-    service = ModelService(tiny_model(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, profile_repeats=1)
     with OffloadServer(service, token=TOKEN, sessions_per_token=2) as server, ShapingProxy(server.port) as proxy:
-        session = OffloadingSession(tiny_model(), offload=f"http://127.0.0.1:{proxy.port}", policy="offload_cached",
-                                    token=TOKEN, mean=MEAN, std=STD, profile_repeats=1, max_timeout=0.3,
-                                    backoff_initial=0.01, backoff_cap=0.02, threshold=0.0, max_ratio=1.0)
+        session = OffloadingSession(tiny_classifier(), offload=f"http://127.0.0.1:{proxy.port}",
+                                    policy="offload_cached", token=TOKEN, mean=MEAN, std=STD, profile_repeats=1,
+                                    max_timeout=0.3, backoff_initial=0.01, backoff_cap=0.02, threshold=0.0,
+                                    max_ratio=1.0)
         for i in range(4):
             session(frames[i])
         for _ in range(3):  # three timeouts, each followed by a recovery
