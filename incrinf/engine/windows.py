@@ -124,6 +124,8 @@ def padded_crop(spec: WindowSpec, source: torch.Tensor, bounds: Bounds) -> torch
     # clamped so that a window lying wholly in the padding is an empty crop (a negative end would wrap around)
     starts = [min(max(lo[a], 0), dims[a]) for a in range(d)]
     crop = source[(..., *(slice(starts[a], max(min(hi[a], dims[a]), starts[a])) for a in range(d)))]
+    if all(lo[a] >= 0 and hi[a] <= dims[a] for a in range(d)):  # inside the map: the common case, no padding
+        return crop
 
     def count(a0: int, a1: int, b0: int, b1: int) -> int:  # size of [a0, a1) & [b0, b1)
         return max(0, min(a1, b1) - max(a0, b0))
