@@ -295,8 +295,11 @@ def drill_down_map(approx: np.ndarray, factor: int, fraction: float) -> tuple[np
     would return, read off a map computed at the fine stride with the same settings; and its share of queries.
 
     Stage one takes every ``factor``-th cell (and the last row and column), interpolates the others
-    bilinearly, and stage two takes the fine values of the ``fraction`` of the grid with the largest drops
-    (Krypton's choice), as :func:`incrinf.explain.approx.occlusion` runs it.
+    bilinearly by cell index, and stage two takes the fine values of the ``fraction`` of the grid with the
+    largest drops (Krypton's choice, :func:`incrinf.explain.drilldown.select_cells`). A real run
+    (:func:`incrinf.explain.approx.occlusion`) is close to this but not equal: its stage-one grid is Captum's
+    grid at the stage-one stride (its last row and column only where they fall there) and it interpolates by
+    window centre, whose far-edge windows are cropped.
     """
     from incrinf.explain.drilldown import select_cells
 
