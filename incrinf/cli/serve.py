@@ -125,10 +125,8 @@ def run(args: argparse.Namespace) -> int:
                            session_ttl=args.session_ttl)
     server = OffloadServer(service, config)
 
-    def _terminate(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
+    # a stop request, not an exception: SIGTERM may arrive before serve_forever is inside its try block
+    signal.signal(signal.SIGTERM, lambda signum, frame: server.request_stop())
     server.start()
     auth = f"bearer token required ({len(config.tokens)} accepted)" if config.tokens else "open: no token"
     full_ms = service.profile.full_seconds * 1e3

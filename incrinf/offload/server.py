@@ -279,6 +279,7 @@ class OffloadServer:
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._stop_requested = threading.Event()
         self._startup_error: BaseException | None = None
         self.port: int | None = None
         self.started_at = time.monotonic()
@@ -475,14 +476,19 @@ class OffloadServer:
         self._ready.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    def request_stop(self) -> None:
+        """Ask :meth:`serve_forever` to stop and return. Safe in a signal handler and at any time, before
+        :meth:`serve_forever` is entered too (it only sets an event)."""
+        self._stop_requested.set()
+
     def serve_forever(self) -> None:
-        """Serve until interrupted (Ctrl-C / SIGTERM turned into KeyboardInterrupt by the caller); starts the
-        server unless :meth:`start` already did."""
+        """Serve until :meth:`request_stop` (the CLI's SIGTERM handler) or Ctrl-C; starts the server unless
+        :meth:`start` already did."""
         if self._thread is None:
             self.start()
         try:
-            while self._thread is not None and self._thread.is_alive():
-                self._thread.join(0.5)
+            while self._thread is not None and self._thread.is_alive() and not self._stop_requested.is_set():
+                self._stop_requested.wait(0.5)
         except KeyboardInterrupt:
             pass
         finally:

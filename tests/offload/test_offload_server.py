@@ -18,7 +18,7 @@ from incrinf.graph import split_points
 from incrinf.models import sample_image
 from incrinf.normalization import Normalization
 from incrinf.offload import wire
-from incrinf.offload.client import OffloadClient, ReferenceMismatch, RemoteError, SessionLost
+from incrinf.offload.client import OffloadClient, ReferenceMismatch, RemoteError, ServerUnavailable, SessionLost
 from incrinf.offload.server import ModelService, OffloadServer, SessionNotFound, SessionStore
 from incrinf.offload.session import CachedUplink
 from incrinf.stream.config import StreamConfig
@@ -393,3 +393,18 @@ def test_shaping_proxy_replays_trace():
     assert proxy.link(t0 + 5.0).mbit_per_s == 100.0  # the last segment holds
     proxy.loop = True
     assert proxy.link(t0 + 1.2).mbit_per_s == 1.0
+
+
+def test_a_stop_requested_before_serving_ends_serve_forever(service):
+    """SIGTERM can arrive between start-up and serve_forever (the CLI's handler calls request_stop): the
+    request is kept, serve_forever returns at once and the port is closed."""
+    server = OffloadServer(service).start()
+    url = server.url
+    assert OffloadClient(url).health()["model"] == "tiny"
+    server.request_stop()
+    done = threading.Thread(target=server.serve_forever)
+    done.start()
+    done.join(10)
+    assert not done.is_alive()
+    with pytest.raises(ServerUnavailable):
+        OffloadClient(url, timeout=1.0).health()
