@@ -1,17 +1,24 @@
-"""Occlusion sensitivity of a 3-D network on a real volume: MONAI's ``OcclusionSensitivity`` vs incrinf's drop-in,
-side by side.
+"""Occlusion sensitivity of 3-D networks on a real volume: MONAI's ``OcclusionSensitivity`` vs incrinf's drop-in,
+side by side, over a whole volume and inside a bounding box (MONAI's ``b_box``).
 
 The volume is the fMRI volume nibabel ships (``nibabel/tests/data/example4d.nii.gz``, MIT; its first time point,
 128 x 96 x 24 voxels), read and standardised as ``incrinf explain`` reads volumes, then resampled (trilinear) to
-``--size``: MONAI's DenseNet121 halves the volume five times, and the file's 24 slices are too few. Networks are
-MONAI's, random init (speed and exactness do not depend on the weights). Both methods get the same arguments
-(mask size, overlap, ``n_batch``, mode, ``b_box``); each runs once in a fresh spawned process, which measures its
-time (capture and materialization included for incrinf) and its peak resident-memory growth. A full volume has
-thousands of windows (hours for MONAI on 2 cores), so ``--b-box`` restricts both to a region, as MONAI's docs advise
-for large images: the per-window costs, hence the speedup, are those of the whole volume.
+``--size``. Networks are MONAI's, random init (speed and exactness do not depend on the weights): ResNet10,
+DenseNet121, and a UNet segmenter (batch norm; MONAI's default instance norm normalises over the whole volume, so
+no change stays local) explained through a region-of-interest reducer (class 1's logits summed over the central
+eighth of the output, one score per volume; MONAI needs one score vector per example, so both methods get the UNet
+wrapped in the reducer). Both methods get the same arguments (mask size, overlap, ``n_batch``, mode,
+``b_box``) and the same torch threads.
 
-Run: python benchmarks/obe_3d.py [--models densenet121 resnet10] [--size 48x96x128] [--mask 16] [--overlap 0.6]
-     [--threads 1]
+Every run is one call in a fresh spawned process, which measures its time (incrinf: capture, executor, base and
+plan included, and reported apart) and its peak resident-memory growth; the MONAI and incrinf runs of a network
+alternate and repeat (``--repeats``), and the load average is printed with each. Next to the wall-time ratio the
+table prints incrinf's plan: the theoretical FLOP ratio of the windows run (each window alone on its exact boxes),
+the planned FLOP ratio (what its packed batches compute), and the ceiling of a whole call, which counts the base's
+one full forward pass: ``windows * F / (F + windows * F / theory)``.
+
+Run: python benchmarks/obe_3d.py [--models resnet10 densenet121 unet] [--size 64x64x64] [--mask 16]
+     [--overlap 0.6] [--whole-overlap 0.25] [--b-box 24 31 24 39 24 39] [--threads 1] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -23,14 +30,43 @@ import time
 import warnings
 
 import torch
-from _common import PeakRSS, machine, mib
+import torch.nn as nn
+from _common import PeakRSS, machine, median, mib
 
-# Networks from monai.networks.nets, one input channel, two classes.
-MODELS = {
-    "densenet121": lambda nets: nets.DenseNet121(spatial_dims=3, in_channels=1, out_channels=2),
-    "resnet10": lambda nets: nets.resnet10(spatial_dims=3, n_input_channels=1, num_classes=2),
-    "resnet18": lambda nets: nets.resnet18(spatial_dims=3, n_input_channels=1, num_classes=2),
-}
+
+class RoiSegmenter(nn.Module):
+    """A segmentation network reduced to one score per volume: class ``k``'s logits summed over a region of
+    interest of its output map (the reducer Captum's and MONAI's users wrap dense models in)."""
+
+    def __init__(self, net: nn.Module, size: tuple[int, int, int], k: int = 1) -> None:
+        super().__init__()
+        self.net = net
+        self.k = k
+        roi = torch.zeros(1, *size)
+        roi[(slice(None), *(slice(n // 4, n - n // 4) for n in size))] = 1.0
+        self.register_buffer("roi", roi)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.net(x)[:, self.k] * self.roi).sum((1, 2, 3)).unsqueeze(1)
+
+
+def make_model(name: str, size: tuple[int, int, int]) -> nn.Module:
+    """A MONAI network (random init, one input channel), seeded."""
+    from monai.networks import nets
+
+    torch.manual_seed(0)
+    if name == "resnet10":
+        return nets.resnet10(spatial_dims=3, n_input_channels=1, num_classes=2).eval()
+    if name == "densenet121":
+        return nets.DenseNet121(spatial_dims=3, in_channels=1, out_channels=2).eval()
+    if name == "unet":
+        unet = nets.UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(16, 32, 64, 128),
+                         strides=(2, 2, 2), num_res_units=2, norm="batch")
+        return RoiSegmenter(unet, size).eval()
+    raise ValueError(name)
+
+
+MODELS = ("resnet10", "densenet121", "unet")
 
 
 def volume(size: tuple[int, int, int]) -> torch.Tensor:
@@ -44,16 +80,12 @@ def volume(size: tuple[int, int, int]) -> torch.Tensor:
 
 
 def one_run(method: str, name: str, size: tuple[int, int, int], options: dict, b_box: list[int] | None,
-            threads: int = 0) -> dict:
+            threads: int) -> dict:
     """One occlusion-sensitivity call in this (fresh) process: seconds, peak RSS growth, the map, stats."""
     torch.set_grad_enabled(False)
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)
     warnings.simplefilter("ignore")
-    from monai.networks import nets
-
-    torch.manual_seed(0)
-    model = MODELS[name](nets).eval()
+    model = make_model(name, size)
     x = volume(size)
     if method == "monai":
         from monai.visualize import OcclusionSensitivity
@@ -75,14 +107,8 @@ def in_child(*args) -> dict:
         return pool.apply(one_run, args)
 
 
-def theory(name: str, size: tuple[int, int, int], mask: int) -> float:
-    """Exact FLOP ratio for a centred mask (the analysis, before anything runs)."""
-    from monai.networks import nets
-
-    from incrinf.analysis import analyze
-
-    torch.manual_seed(0)
-    return analyze(MODELS[name](nets).eval(), (1, *size), mask).theoretical_speedup
+def load() -> str:
+    return " ".join(f"{v:.1f}" for v in os.getloadavg())
 
 
 def size_arg(text: str) -> tuple[int, int, int]:
@@ -92,39 +118,68 @@ def size_arg(text: str) -> tuple[int, int, int]:
     return size  # type: ignore[return-value]
 
 
+def compare(name: str, case: str, size: tuple[int, int, int], options: dict, b_box: list[int] | None,
+            threads: int, repeats: int) -> None:
+    runs: dict[str, list[dict]] = {"monai": [], "incrinf": []}
+    loads = []
+    for _ in range(repeats):
+        for method in ("incrinf", "monai"):
+            loads.append(load())
+            runs[method].append(in_child(method, name, size, options, b_box, threads))
+    ours, theirs = runs["incrinf"], runs["monai"]
+    t_ours, t_theirs = median([r["seconds"] for r in ours]), median([r["seconds"] for r in theirs])
+    s = ours[-1]["stats"]
+    q, theory = s["positions"], s["theoretical_speedup"]
+    ceiling = q / (1 + q / theory)
+    err = max(float((o["map"] - t["map"]).abs().max() / t["map"].abs().max().clamp_min(1e-30))
+              for o, t in zip(ours, theirs))
+    speedup = t_theirs / t_ours
+    fixed = (f"capture {s['capture_seconds']:.1f} + executor {s['executor_seconds']:.1f} + base "
+             f"{s['base_seconds']:.1f} + plan {s['plan_seconds']:.2f} s")
+    print(f"{name:<12} {case:<7} {q:>7} {t_theirs:>8.1f} {t_ours:>8.1f} {speedup:>7.2f}x {theory:>6.2f}x "
+          f"{s['realized_flop_ratio']:>6.2f}x {ceiling:>7.2f}x {speedup / ceiling:>6.2f} "
+          f"{mib(median([r['memory'] for r in theirs])):>9} {mib(median([r['memory'] for r in ours])):>9} "
+          f"{err:>8.1e}", flush=True)
+    print(f"{'':<21}incrinf: {fixed}, batches {s['seconds']:.1f} s ({s['batches']} of {s['batch_size']}), "
+          f"planned batch memory {mib(s['peak_memory_bytes'])}; load {' | '.join(loads)}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="*", default=["densenet121", "resnet10"], choices=sorted(MODELS))
-    parser.add_argument("--size", type=size_arg, default=(48, 96, 128), help="DxHxW the volume is resampled to")
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--size", type=size_arg, default=(64, 64, 64), help="DxHxW the volume is resampled to")
     parser.add_argument("--mask", type=int, default=16, help="mask_size (MONAI's default 16)")
-    parser.add_argument("--overlap", type=float, default=0.6, help="overlap (MONAI's default 0.6)")
+    parser.add_argument("--overlap", type=float, default=0.6, help="overlap of the boxed runs (MONAI's default)")
+    parser.add_argument("--whole-overlap", type=float, default=0.25,
+                        help="overlap of the whole-volume runs (0.6 is MONAI's default: 729 windows at 64^3, minutes "
+                             "per network for MONAI on 2 cores)")
     parser.add_argument("--n-batch", type=int, default=16, help="n_batch (MONAI's default 16)")
     parser.add_argument("--mode", default="gaussian", help="gaussian, mean_patch, mean_img or a number")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads in each run (0: leave as is)")
-    parser.add_argument("--b-box", type=int, nargs="*", default=[20, 27, 40, 55, 56, 71],
-                        help="bounding box [min, max] per axis, inclusive (-1 -1: whole axis); none: whole volume")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in every run")
+    parser.add_argument("--repeats", type=int, default=1, help="alternating runs per method and case")
+    parser.add_argument("--b-box", type=int, nargs="*", default=[24, 31, 24, 39, 24, 39],
+                        help="bounding box of the boxed runs, [min, max] per axis, inclusive")
+    parser.add_argument("--cases", nargs="*", default=["whole", "boxed"], choices=["whole", "boxed"])
     args = parser.parse_args(argv)
     mode = args.mode if args.mode in ("gaussian", "mean_patch", "mean_img") else float(args.mode)
-    options = {"mask_size": args.mask, "overlap": args.overlap, "n_batch": args.n_batch, "mode": mode}
-    b_box = args.b_box or None
-    print(f"machine: {machine()}; torch threads: {args.threads or torch.get_num_threads()}; "
-          f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    common = {"mask_size": args.mask, "n_batch": args.n_batch, "mode": mode}
+    cases = {"whole": ({**common, "overlap": args.whole_overlap}, None),
+             "boxed": ({**common, "overlap": args.overlap}, args.b_box)}
+    print(f"machine: {machine()}; torch threads per run: {args.threads}; load average {load()}")
     shape = "x".join(map(str, args.size))
-    print(f"volume: nibabel example4d.nii.gz (fMRI, 128x96x24, first volume) resampled to {shape}; "
-          f"mask {args.mask}, overlap {args.overlap}, n_batch {args.n_batch}, mode {mode}, b_box {b_box}; "
-          "MONAI networks, random init; one run each in a fresh process\n")
-    print(f"{'model':<12} {'windows':>7} {'MONAI s':>9} {'incrinf s':>9} {'speedup':>8} {'theory':>7} "
-          f"{'MONAI mem':>10} {'incrinf mem':>11} {'max rel err':>11}")
+    print(f"volume: nibabel example4d.nii.gz (fMRI, 128x96x24, first volume) resampled to {shape}; mask {args.mask}, "
+          f"n_batch {args.n_batch}, mode {mode}; whole: overlap {args.whole_overlap}; boxed: overlap "
+          f"{args.overlap}, b_box {args.b_box}; MONAI networks, random init; {args.repeats} alternating run(s) per "
+          "method in fresh processes (medians)\n")
+    print("theory: FLOP ratio of the windows (each alone on its exact boxes); plan: FLOP ratio of incrinf's packed\n"
+          "batches; ceiling: theory with the base's one full forward pass counted; vs ceil: speedup / ceiling;\n"
+          "memory: peak resident growth of the call\n")
+    print(f"{'model':<12} {'case':<7} {'windows':>7} {'MONAI s':>8} {'ours s':>8} {'speedup':>8} {'theory':>7} "
+          f"{'plan':>7} {'ceiling':>8} {'vs ceil':>6} {'MONAI mem':>9} {'ours mem':>9} {'rel err':>8}")
     for name in args.models:
-        ours = in_child("incrinf", name, args.size, options, b_box, args.threads)
-        theirs = in_child("monai", name, args.size, options, b_box, args.threads)
-        err = float((ours["map"] - theirs["map"]).abs().max() / theirs["map"].abs().max())
-        stats = ours["stats"]
-        print(f"{name:<12} {stats['positions']:>7} {theirs['seconds']:>9.1f} {ours['seconds']:>9.1f} "
-              f"{theirs['seconds'] / ours['seconds']:>7.2f}x {stats['theoretical_speedup']:>6.2f}x "
-              f"{mib(theirs['memory']):>10} {mib(ours['memory']):>11} {err:>11.1e}", flush=True)
-    print("\ntheory: FLOP ratio of the windows run (incrinf's own count); centred mask over the whole volume: " +
-          ", ".join(f"{n} {theory(n, args.size, args.mask):.2f}x" for n in args.models))
+        for case in args.cases:
+            options, b_box = cases[case]
+            compare(name, case, args.size, options, b_box, args.threads, args.repeats)
     return 0
 
 

@@ -12,6 +12,7 @@ that are not one score vector per example) are computed by MONAI itself, with a 
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +23,7 @@ import torch.nn as nn
 
 from incrinf.errors import CaptureError
 from incrinf.explain.occluders import Constant, Gaussian, Occluder, PatchFunction
-from incrinf.explain.runner import OcclusionRunner, RunStats
+from incrinf.explain.runner import OcclusionRunner
 from incrinf.extras import require
 from incrinf.graph import captured_graph
 
@@ -45,8 +46,9 @@ class OcclusionSensitivity(_visualize.OcclusionSensitivity):
             ``False``: none; a callable: applied to the outputs.
 
     Attributes:
-        last_stats: the last incremental call's statistics (positions, seconds, theoretical speedup), empty after a
-            call MONAI computed.
+        last_stats: the last incremental call's statistics (positions, batches, seconds, theoretical and planned
+            FLOP ratios, planned peak bytes, the fixed costs: capture, executor, base, plan), empty after a call
+            MONAI computed.
     """
 
     def __init__(self, nn_module: nn.Module, mask_size: int | Sequence = 16, n_batch: int = 16, verbose: bool = True,
@@ -69,7 +71,9 @@ class OcclusionSensitivity(_visualize.OcclusionSensitivity):
             ``b_box`` when given.
         """
         self.last_stats = {}
+        start = time.perf_counter()
         reason = _why_plain(self.nn_module, x, kwargs)
+        capture_seconds = time.perf_counter() - start
         if reason is not None:
             warnings.warn(f"incrinf cannot capture this call ({reason}); computing the same result with "
                           "monai.visualize.OcclusionSensitivity, without incremental inference", stacklevel=2)
@@ -91,20 +95,38 @@ class OcclusionSensitivity(_visualize.OcclusionSensitivity):
         if any(m > g for g, m in zip(grid.shape[2:], mask_size)):
             raise ValueError(f"Image (spatial shape) {grid.shape[2:]} should be bigger than mask {mask_size}.")
         window = tuple(int(m) for m in mask_size)
+
+        def slide(predictor: Any, progress: bool) -> torch.Tensor:
+            return sliding_window_inference(grid, roi_size=window, sw_batch_size=self.n_batch, predictor=predictor,
+                                            overlap=self.overlap, progress=progress,
+                                            mode="gaussian" if self.mode == "gaussian" else "constant")
+
         with eval_mode(self.nn_module):
             runner = OcclusionRunner(self.nn_module, image.detach())
-            predictor = _Predictor(runner, window, self._occluder(image, window), self.activate, image.shape[1])
-            sensitivity_im = sliding_window_inference(grid, roi_size=window, sw_batch_size=self.n_batch,
-                                                      predictor=predictor, overlap=self.overlap,
-                                                      mode="gaussian" if self.mode == "gaussian" else "constant",
-                                                      progress=self.verbose)
-        self.last_stats = predictor.summary()
+            # MONAI's windows first (its own sliding window, answered with zeros), then every window from one plan
+            # (batches of windows of similar reach, n_batch at a time), then MONAI's blend of the outputs
+            windows = _Windows(window, runner.graph.output.shape[1])
+            slide(windows, False)
+            corners = windows.corners()
+            out, stats = runner.run(corners, window, self._occluder(image, window), batch_size=self.n_batch,
+                                    progress=self.verbose, desc="incrinf occlusion")
+            sensitivity_im = slide(_Predictor(corners, self._activated(out, image.shape[1]), window), False)
+        stats.capture_seconds = capture_seconds
+        self.last_stats = stats.as_dict()
         if b_box is not None:  # as MONAI: undo the grid's crop, then crop to the bounding box itself
             sensitivity_im = cropper.inverse(sensitivity_im[0])[None]
             bbox_min = [max(b, 0) for b in b_box[::2]]
             bbox_max = [b if b > 0 else s for b, s in zip(b_box[1::2], image.shape[2:])]
             sensitivity_im = SpatialCrop(roi_start=bbox_min, roi_end=bbox_max)(sensitivity_im[0])[None]
         return sensitivity_im, sensitivity_im.argmax(dim=1, keepdim=True)
+
+    def _activated(self, out: torch.Tensor, in_channels: int) -> torch.Tensor:
+        """MONAI's activation of the outputs: a callable, or (True) sigmoid for one input channel, else softmax."""
+        if callable(self.activate):
+            return self.activate(out)
+        if self.activate:
+            return out.sigmoid() if in_channels == 1 else out.softmax(1)
+        return out
 
     def _occluder(self, image: torch.Tensor, window: tuple[int, ...]) -> Occluder:
         """MONAI's ``mode`` as an occluder."""
@@ -133,41 +155,47 @@ class _ScaledByMean(Occluder):
         return torch.where(mask, patch * mean.view(n, *([1] * (patch.dim() - 1))), patch)
 
 
-class _Predictor:
-    """MONAI's window predictor, answered by incremental inference: the grid crop's first voxel is the window's
-    corner; the model's (activated) outputs for that window occluded are repeated over the window."""
+class _Windows:
+    """A stand-in predictor for MONAI's sliding window that records the windows' corners (the first voxel of each
+    grid crop) and answers zeros."""
 
-    def __init__(self, runner: OcclusionRunner, window: tuple[int, ...], occluder: Occluder, activate: Any,
-                 in_channels: int) -> None:
-        self.runner = runner
+    def __init__(self, window: tuple[int, ...], classes: int) -> None:
         self.window = window
-        self.occluder = occluder
-        self.activate = activate
-        self.in_channels = in_channels
-        self.runs: list[RunStats] = []
+        self.classes = classes
+        self.seen: list[np.ndarray] = []
 
     def __call__(self, cropped_grid: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        sd = cropped_grid.ndim - 2
-        corners = cropped_grid[(slice(None), slice(None), *([0] * sd))]
-        corners = corners.round().long().cpu().numpy()
-        out, stats = self.runner.run(corners, self.window, self.occluder, batch_size=len(corners))
-        self.runs.append(stats)
-        if callable(self.activate):
-            out = self.activate(out)
-        elif self.activate:  # MONAI decides by the input's channels
-            out = out.sigmoid() if self.in_channels == 1 else out.softmax(1)
+        self.seen.append(_corners(cropped_grid))
+        return torch.zeros(cropped_grid.shape[0], self.classes, *self.window, dtype=cropped_grid.dtype,
+                           device=cropped_grid.device)
+
+    def corners(self) -> np.ndarray:
+        """(N, d) the distinct corners, in MONAI's order."""
+        every = np.concatenate(self.seen)
+        _, first = np.unique(every, axis=0, return_index=True)
+        return every[np.sort(first)]
+
+
+class _Predictor:
+    """MONAI's window predictor, answered from outputs computed beforehand: the model's (activated) outputs for a
+    window occluded, repeated over the window."""
+
+    def __init__(self, corners: np.ndarray, outputs: torch.Tensor, window: tuple[int, ...]) -> None:
+        self.rows = {tuple(c): i for i, c in enumerate(corners.tolist())}
+        self.outputs = outputs
+        self.window = window
+
+    def __call__(self, cropped_grid: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rows = [self.rows[tuple(c)] for c in _corners(cropped_grid).tolist()]
+        out = self.outputs[torch.tensor(rows, device=self.outputs.device)]
         for m in self.window:
             out = torch.repeat_interleave(out.unsqueeze(-1), m, dim=-1)
         return out
 
-    def summary(self) -> dict[str, Any]:
-        """Positions, batches, seconds and the theoretical speedup over all windows."""
-        positions = sum(s.positions for s in self.runs)
-        full = self.runs[0].flops_full if self.runs else 0.0
-        incremental = sum(s.positions * s.flops_full / s.theoretical_speedup for s in self.runs)
-        return {"positions": positions, "batches": len(self.runs), "seconds": sum(s.seconds for s in self.runs),
-                "flops_full": full, "theoretical_speedup": positions * full / max(incremental, 1.0),
-                "peak_memory_bytes": max((s.peak_memory_bytes for s in self.runs), default=0)}
+
+def _corners(cropped_grid: torch.Tensor) -> np.ndarray:
+    sd = cropped_grid.ndim - 2
+    return cropped_grid[(slice(None), slice(None), *([0] * sd))].round().long().cpu().numpy()
 
 
 def _why_plain(model: Any, x: Any, kwargs: dict) -> str | None:

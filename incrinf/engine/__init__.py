@@ -9,28 +9,42 @@ A :class:`~incrinf.engine.program.Program` groups the graph into steps (operator
 - how a region is represented: N boxes of one size (:mod:`~incrinf.engine.boxes`: occlusion queries, a still
   camera's change with N = 1) or a set of positions in blocks (:mod:`~incrinf.engine.blocks`: a moving camera).
 
-:class:`BatchEngine` serves occlusion, :class:`FrameEngine` serves streams. The engine knows nothing about
-occlusion or cameras.
+:class:`BatchEngine` serves occlusion: it asks for a typed :class:`Plan` (:mod:`~incrinf.engine.plans`: batch
+order and sizes, per step the boxes, index tensors, multiply-adds and bytes), built once per key by the runtime
+cache, and runs its batches. :class:`FrameEngine` serves streams. The engine knows nothing about occlusion or
+cameras.
 """
 
-from incrinf.engine.batches import BatchEngine, batch_plan, positions_digest
+from incrinf.engine.batches import BatchEngine, Executor, executor_for, positions_digest
 from incrinf.engine.blocks import Motion
 from incrinf.engine.boxes import WalkResult, walk
 from incrinf.engine.frames import CacheMemory, ExecStats, FrameEngine
+from incrinf.engine.memory import free_device_memory, peak_memory, reset_peak_memory
+from incrinf.engine.plans import BatchPlan, Plan, PlanKey, StepPlan
 from incrinf.engine.program import Program, Step
 from incrinf.engine.regions import Boxes
+from incrinf.engine.stores import crop_boxes
 
 __all__ = [
     "BatchEngine",
+    "BatchPlan",
     "Boxes",
     "CacheMemory",
     "ExecStats",
+    "Executor",
     "FrameEngine",
     "Motion",
+    "Plan",
+    "PlanKey",
     "Program",
     "Step",
+    "StepPlan",
     "WalkResult",
-    "batch_plan",
+    "crop_boxes",
+    "executor_for",
+    "free_device_memory",
+    "peak_memory",
     "positions_digest",
+    "reset_peak_memory",
     "walk",
 ]

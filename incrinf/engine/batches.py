@@ -1,23 +1,50 @@
-"""The engine for many changed copies of one input (occlusion queries): the input's tensors materialized once,
-then batches of N update boxes carried through them (:func:`~incrinf.engine.boxes.walk` over a
-:class:`~incrinf.engine.stores.BaseStore`).
+"""The engine for many changed copies of one input (occlusion queries): the input's kept tensors materialized once,
+then batches of N update boxes carried through them.
+
+Three costs, each paid once where it can be:
+
+- the *executor* (:class:`~incrinf.engine.program.Program`: steps, folded batch norms, generated modules, the
+  store's table layout) once per captured graph, device and dtype, shared by every input and thread (rebuilt
+  when the model's weights change in place);
+- the *plan* (:mod:`~incrinf.engine.plans`) once per key, kept in the :class:`~incrinf.cache.RuntimeCache` and
+  shared by every input of that shape and every model of that architecture;
+- the *base* (one forward pass of the unchanged input, keeping only the tensors some step reads) once per input.
+
+:meth:`BatchEngine.run_batch` runs one planned batch; :meth:`BatchEngine.run` walks boxes without a plan (value-
+based pruning, whose boxes follow the data).
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from incrinf.cache import runtime_cache
-from incrinf.engine.boxes import WalkResult, walk
+from incrinf.cache import LookupStatus, runtime_cache
+from incrinf.engine.boxes import WalkResult, chain, compute, shares_memory, walk
+from incrinf.engine.layout import Layout, table_layout
+from incrinf.engine.plans import (
+    BatchIndex,
+    BatchPlan,
+    Plan,
+    PlanKey,
+    batch_index,
+    boxes_digest,
+    build_plan,
+    projections,
+    step_indices,
+)
 from incrinf.engine.program import Program
 from incrinf.engine.regions import Boxes
 from incrinf.engine.stores import BaseStore
-from incrinf.graph import Graph
-from incrinf.graph.execute import materialize
+from incrinf.graph import Graph, NodeKind, Operator, possibly_mutated
+from incrinf.graph.execute import concat_parts, constant_values, materialize
+from incrinf.kernels import dispatch
 
 
 def positions_digest(positions: np.ndarray) -> str:
@@ -25,60 +52,250 @@ def positions_digest(positions: np.ndarray) -> str:
     return hashlib.sha1(np.ascontiguousarray(positions, dtype=np.int64).tobytes()).hexdigest()
 
 
-def batch_plan(graph: Graph, positions: np.ndarray, window: tuple[int, ...], tau: float,
-               device: torch.device | str) -> dict:
-    """The index tensors of one batch of queries, kept in the runtime cache under everything that determines
-    them (graph signature, window, positions, tau, device; never tensor data): empty when new, filled by the
-    first run and reused by every later run of the same batch (another image of the same size, another class).
+@dataclass(frozen=True)
+class Executor:
+    """What one captured graph needs to run batches on a device, built once and shared.
+
+    Attributes:
+        program: the graph as steps (weights bound, batch norms folded).
+        layout: the store's tables.
+        mutated: tensors a later in-place operation overwrites (recorded as copies).
+        fingerprint: the weights it was built from (data pointers and version counters).
+        seconds: how long building it took.
     """
-    key = ("plan", graph.signature, tuple(window), positions_digest(positions), len(positions), float(tau),
-           str(device))
-    plan, _ = runtime_cache().get_or_create(key, lambda _key: {})
-    return plan
+
+    program: Program
+    layout: Layout
+    mutated: frozenset[str]
+    fingerprint: tuple
+    seconds: float
+
+    @property
+    def layout_digest(self) -> str:
+        """Hash of the layout (every table and place), for plan keys."""
+        text = repr(sorted(self.layout.tables.items())) + repr(sorted(self.layout.windows.items())) \
+            + repr(sorted(self.layout.reads.items()))
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+_EXECUTORS_LOCK = threading.Lock()
+
+
+def _fingerprint(module: torch.nn.Module) -> tuple:
+    tensors = [*module.parameters(), *module.buffers()]
+    return tuple((t.data_ptr(), t._version) for t in tensors)
+
+
+def _candidates(program: Program) -> set[str]:
+    """Tensors a store may keep (every cached tensor and concatenations whose parts are all cached)."""
+    graph = program.graph
+    kept = set(program.cached) | {graph.input.name, graph.output.name}
+    for node in graph.nodes:
+        if node.kind == NodeKind.MERGE and node.operator == Operator.CAT:
+            parts = concat_parts(node)
+            if parts is not None and set(parts) <= kept:
+                kept.add(node.name)
+    return kept
+
+
+def executor_for(graph: Graph, x: torch.Tensor, fold_batch_norm: bool = True) -> tuple[Executor, dict[str, Any]]:
+    """The graph's shared executor for ``x``'s device and dtype, and the base values of ``x`` that its store keeps.
+
+    The first input of a graph also finds out which kept tensors the model overwrites in place (their values are
+    then recorded as copies, for this and every later input).
+    """
+    key = ("executor", str(x.device), str(x.dtype), bool(fold_batch_norm))
+    fingerprint = _fingerprint(graph.module)
+    with _EXECUTORS_LOCK:
+        found = graph.attachments.get(key)
+        if found is None or found.fingerprint != fingerprint:
+            start = time.perf_counter()
+            program = Program(graph, {**constant_values(graph), graph.input.name: x}, fold_batch_norm=fold_batch_norm)
+            candidates = _candidates(program)
+            env, mutated = materialize(graph, x, track_mutation=True, keep=candidates,
+                                       watch=possibly_mutated(graph, candidates))
+            program.mutated = set(mutated)
+            alias = not dispatch.wants_fused_index(x.device)  # the Triton kernels read contiguous tables
+            found = Executor(program, table_layout(program, mutated, alias), frozenset(mutated), fingerprint,
+                             time.perf_counter() - start)
+            graph.attachments[key] = found
+            return found, env
+    return found, _base(found, x)
+
+
+def _base(executor: Executor, x: torch.Tensor) -> dict[str, Any]:
+    graph = executor.program.graph
+    env, _ = materialize(graph, x, keep=executor.layout.kept | {graph.input.name, graph.output.name},
+                         clone=executor.mutated)
+    return env
 
 
 class BatchEngine:
-    """One input's tensors, materialized once, and batched incremental runs of changed copies of it.
+    """One input's kept tensors, materialized once, and batched incremental runs of changed copies of it.
 
     Args:
         graph: captured graph.
         base_input: (1, C, *spatial) the unchanged input.
         fold_batch_norm: fold batch norms into the convolutions before them (a few ulps off the model's own
             arithmetic, a pass over every box saved).
+
+    Attributes:
+        seconds: time spent building the executor (0 when it was shared) and materializing the base.
     """
 
     def __init__(self, graph: Graph, base_input: torch.Tensor, fold_batch_norm: bool = True) -> None:
         self.graph = graph
-        base, _ = materialize(graph, base_input)
-        self.program = Program(graph, base, fold_batch_norm=fold_batch_norm)
-        self.store = BaseStore(self.program, base)
+        start = time.perf_counter()
+        self.executor, base = executor_for(graph, base_input, fold_batch_norm)
+        self.program = self.executor.program
+        self.store = BaseStore(self.program, self.executor.layout, base)
+        del base
+        took = time.perf_counter() - start
+        built = self.executor.seconds if took >= self.executor.seconds else 0.0
+        self.seconds = {"executor": built, "base": took - built}
+        self._base_input = base_input
 
     @property
     def base(self) -> dict[str, Any]:
-        """Every node's value for the unchanged input."""
-        return self.store.base
+        """Every node's value for the unchanged input (a forward pass on demand: the store keeps only what the
+        steps read)."""
+        env, _ = materialize(self.graph, self._base_input)
+        return env
 
     @property
     def base_output(self) -> Any:
         """The model's output for the unchanged input."""
         return self.store.output
 
+    def plan(self, starts: np.ndarray, sizes: np.ndarray, tau: float = 1.0, batch_size: int | None = None,
+             memory: int | None = None) -> tuple[Plan, LookupStatus]:
+        """The plan of a run over queries whose changed input boxes are ``starts`` / ``sizes`` ((Q, d), inside the
+        input), from the runtime cache (built on a miss).
+
+        Args:
+            starts, sizes: the queries' changed input boxes.
+            tau: projective field threshold (1: exact).
+            batch_size: queries per batch; None: as many as ``memory`` bytes allow.
+            memory: bytes a batch may use (with ``batch_size`` None).
+
+        Returns:
+            ``(plan, hit or miss)``.
+        """
+        if batch_size is None and memory is None:
+            raise ValueError("give a batch size or a memory budget")
+        x = self.store.input
+        starts = np.asarray(starts, np.int64)
+        sizes = np.asarray(sizes, np.int64)
+        key = PlanKey(self.graph.signature, tuple(self.graph.input_shape), self.executor.layout_digest,
+                      boxes_digest(starts, sizes), len(starts), float(tau), int(batch_size or 0), int(memory or 0),
+                      str(x.device), str(x.dtype))
+        return runtime_cache().get_or_create(
+            key, lambda k: build_plan(self.program, self.executor.layout, k, starts, sizes))
+
+    def index(self, batch: BatchPlan) -> BatchIndex:
+        """A planned batch's index tensors: the plan's, or made now from its geometry (not kept)."""
+        return batch.index or batch_index(self.program, self.executor.layout, batch, self.store.device)
+
     @torch.no_grad()
-    def run(self, start: Boxes, tau: float = 1.0, threshold: float = 0.0, plan: dict | None = None) -> WalkResult:
-        """Outputs of N changed copies of the input.
+    def run_batch(self, batch: BatchPlan, values: torch.Tensor) -> WalkResult:
+        """The outputs of one planned batch.
+
+        Args:
+            batch: a batch of a plan of this engine's graph.
+            values: (n, C, *batch.start.size) the changed input boxes' new values.
+
+        Returns:
+            The walk's result (output with the batch axis n; flops per query; ``peak_bytes`` from the plan).
+        """
+        program, store, layout = self.program, self.store, self.executor.layout
+        device = store.device
+        indices = batch.index.steps if batch.index is not None else step_indices(program, layout, batch, device)
+        n = batch.n
+        regions: dict[str, Boxes] = {self.graph.input.name: Boxes(batch.start.lo, batch.start.size, values)}
+        positions = 0
+        done = 0
+        for sp, si in zip(batch.steps, indices):
+            step = program.steps[sp.index]
+            for skipped in range(done, sp.index):  # steps without a change still end their inputs' lives
+                for name in program.release[skipped]:
+                    regions.pop(name, None)
+            out = Boxes(sp.box.lo, sp.box.size)
+            if step.window is not None:
+                source = step.window.source
+                windows = store.padded(step.window, regions[source].values) if sp.dense else store.gather(
+                    layout.windows[step.out], si.window, regions.get(source), n, step.window.read_size(out.size),
+                    _channels(program, source))
+                out.values = compute(program, step, out, windows=windows)
+                del windows
+            elif sp.assemble:
+                head = step.head.name
+                gathered = store.gather(layout.reads[head], si.inputs[0], None, n, out.size, _channels(program, head))
+                columns = _columns(program, step)
+                parts = [(regions.get(name), columns[name], overlay)
+                         for name, overlay in zip(concat_parts(step.head), si.parts)]
+                out.values = chain(step, store.assemble(gathered, parts))
+            else:
+                inputs = {}
+                for name, same, gather in zip(step.inputs, sp.same, si.inputs):
+                    region = regions.get(name)
+                    inputs[name] = region.values if same else store.gather(
+                        layout.reads[name], gather, region, n, out.size, _channels(program, name))
+                out.values = compute(program, step, out, inputs=inputs,
+                                     fresh=self._fresh(step, sp, regions))
+                del inputs
+            positions += out.area
+            regions[step.out] = out
+            for name in program.release[sp.index]:
+                regions.pop(name, None)
+            done = sp.index + 1
+        flops = batch.macs / n
+        projected = batch.index.projections if batch.index is not None else projections(program, batch, device)
+        if batch.unchanged:
+            return WalkResult(store.unchanged(n), flops, positions, unchanged=True, peak_bytes=batch.peak_bytes)
+        tensors = []
+        for name, region, projection in zip(program.boundary, batch.boundary, projected):
+            tensors.append(store.full(name, None, n) if region is None else
+                           store.project(name, regions[name], n, projection))
+        regions.clear()
+        return WalkResult(program.tail()(*tensors), flops, positions, peak_bytes=batch.peak_bytes)
+
+    def _fresh(self, step, sp, regions: dict[str, Boxes]) -> bool:
+        """Whether a step may overwrite its first input's values: gathered for it, or an input's values whose last
+        reader it is, sharing memory with no other live values (and not the caller's input boxes)."""
+        first = step.inputs[0]
+        if not sp.same[0]:
+            return True
+        if first == self.graph.input.name or first not in self.program.release[sp.index] \
+                or step.inputs.count(first) != 1:
+            return False
+        values = regions[first].values
+        return not any(shares_memory(r.values, values) for name, r in regions.items() if name != first)
+
+    @torch.no_grad()
+    def run(self, start: Boxes, tau: float = 1.0, threshold: float = 0.0) -> WalkResult:
+        """Outputs of N changed copies of the input, walking boxes without a plan (the boxes of value-based pruning
+        follow the data).
 
         Args:
             start: the N changed boxes of the input (one size) and their new values (N, C, *size).
             tau: projective field threshold (1: exact).
             threshold: value-based pruning at cached tensors (0: exact).
-            plan: the batch's index tensors (:func:`batch_plan`), reused across runs of the same batch; ignored
-                with pruning, whose boxes follow the data.
 
         Returns:
             The walk's result; its ``output`` has the batch axis N.
         """
-        self.store.plan = plan if threshold <= 0 else None
-        try:
-            return walk(self.program, self.store, start, tau=tau, threshold=threshold)
-        finally:
-            self.store.plan = None
+        return walk(self.program, self.store, start, tau=tau, threshold=threshold)
+
+
+def _channels(program: Program, name: str) -> tuple[int, ...]:
+    return tuple(program.graph.by_name[name].shape[1:-program.graph.spatial_dims])
+
+
+def _columns(program: Program, step) -> dict[str, tuple[int, int]]:
+    """Columns of each part of a concatenation step's output."""
+    out, first = {}, 0
+    for name in concat_parts(step.head):
+        count = int(np.prod(_channels(program, name)))
+        out[name] = (first, count)
+        first += count
+    return out

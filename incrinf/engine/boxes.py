@@ -119,27 +119,44 @@ def _nbytes(region: Boxes | None) -> int:
     return values.numel() * values.element_size() if isinstance(values, torch.Tensor) else 0
 
 
-def _run_step(program: Program, store: Store, step: Step, regions: dict[str, Boxes], tau: float,
-              quantum: int) -> Boxes | None:
+def step_box(program: Program, step: Step, regions: dict[str, Boxes | None], tau: float = 1.0,
+             quantum: int = 1) -> Boxes | None:
+    """The boxes a step recomputes (without values): a window grows its source's boxes, a merge or pointwise step
+    takes the bounding box of its inputs' boxes; None when none of its inputs changed."""
     if step.window is not None:
         src = regions.get(step.window.source)
         if src is None:
             return None
         if tau < 1.0 and src.covers(program.dims(step.window.source)):
             tau = 1.0  # a change covering the whole map is computed whole (the seed truncates boxes only)
-        out = grow(src, step.window, step.dims, tau, quantum)
-        values = step.op(store.windows(step, src, out))
+        return grow(src, step.window, step.dims, tau, quantum)
+    present = [r for r in (regions.get(name) for name in step.inputs) if r is not None]
+    return union(present, step.dims) if present else None
+
+
+def compute(program: Program, step: Step, out: Boxes, windows: torch.Tensor | None = None,
+            inputs: dict[str, Any] | None = None, fresh: bool = False) -> torch.Tensor:
+    """A step's values in ``out`` from its read-in windows (window steps) or its inputs' values in ``out``.
+
+    Args:
+        program: the graph as steps.
+        step: the step.
+        out: its output boxes.
+        windows: (N, C, *read) the read-in windows (window steps).
+        inputs: the inputs' values in ``out`` by name (other steps).
+        fresh: the first input is a tensor no one else reads (an in-place head may overwrite it; otherwise it
+            is copied first, as it may be a view of a store or another step's values).
+
+    Returns:
+        (N, C..., *out.size) the step's values.
+    """
+    if step.window is not None:
+        values = step.op(windows)
         if step.factors is not None:
             values = values * take(step.factors, out)
     else:
-        ins = [regions.get(name) for name in step.inputs]
-        present = [r for r in ins if r is not None]
-        if not present:
-            return None
-        out = union(present, step.dims)
-        inputs = {name: store.aligned(name, r, out, step.out) for name, r in zip(step.inputs, ins)}
         first = step.inputs[0]
-        if step.inplace:  # the input may be a view of a cache or another step's values
+        if step.head.inplace and not fresh:
             inputs[first] = inputs[first].clone()
         if step.linear is not None:
             rows = F.linear(to_rows(inputs[first]), *step.linear)
@@ -148,7 +165,39 @@ def _run_step(program: Program, store: Store, step: Step, regions: dict[str, Box
             values = step.op(inputs[first])
         else:
             values = program.ops.invoke(step.head, inputs, like=inputs[first])
+        if step.inplace and not step.head.inplace and _shares_memory(values, inputs[first]) and not fresh:
+            values = values.clone()  # an in-place chain after a head that returned a view of its input
+    return chain(step, values)
+
+
+def chain(step: Step, values: Any) -> Any:
+    """The step's pointwise chain applied to its head's values."""
     for fn in step.functions:
         values = fn(values)
-    out.values = values
+    return values
+
+
+def shares_memory(value: Any, tensor: Any) -> bool:
+    """Whether ``value`` (a tensor or a tuple of them, e.g. a split's) is or holds a view of ``tensor``."""
+    return _shares_memory(value, tensor)
+
+
+def _shares_memory(value: Any, tensor: Any) -> bool:
+    """Whether ``value`` (a tensor or a tuple of them, e.g. a split's) is or holds a view of ``tensor``."""
+    if isinstance(value, (tuple, list)):
+        return any(_shares_memory(v, tensor) for v in value)
+    return isinstance(value, torch.Tensor) and isinstance(tensor, torch.Tensor) \
+        and value.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+
+
+def _run_step(program: Program, store: Store, step: Step, regions: dict[str, Boxes], tau: float,
+              quantum: int) -> Boxes | None:
+    out = step_box(program, step, regions, tau, quantum)
+    if out is None:
+        return None
+    if step.window is not None:
+        out.values = compute(program, step, out, windows=store.windows(step, regions[step.window.source], out))
+    else:
+        inputs = {name: store.aligned(name, regions.get(name), out, step.out) for name in step.inputs}
+        out.values = compute(program, step, out, inputs=inputs)
     return out

@@ -67,8 +67,8 @@ class Program:
 
     Args:
         graph: the captured graph (its module runs the steps).
-        env: every node's value for one input (constants, shapes), e.g. from
-            :func:`incrinf.graph.execute.materialize`.
+        env: node values: the constants at least (:func:`incrinf.graph.execute.constant_values`), or every
+            node's value for one input (:func:`incrinf.graph.execute.materialize`).
         mutated: tensors a later in-place operation overwrites (cached copies of them must be clones).
         fold_batch_norm: fold batch norms into the convolutions before them.
 
@@ -225,8 +225,9 @@ class Program:
             if node.name in windows:
                 step.window = windows[node.name]
                 step.op = ops.window(node, folded)
-                ref = env[node.name]
-                step.factors = ops.border_factors(node, ref.dtype, ref.device)
+                value = env.get(node.name)
+                dtype, device = _reference(graph, value if value is not None else env.get(graph.input.name))
+                step.factors = ops.border_factors(node, dtype, device)
             else:
                 step.linear = ops.linear(node, folded) if node.kind == NodeKind.LOCAL else None
                 if node.kind == NodeKind.LOCAL and step.linear is None:
@@ -256,6 +257,14 @@ class Program:
             later = {name for r in reads[i:] for name in r}
             live.append([name for name in made[: i + 1] if name in later])
         return live
+
+
+def _reference(graph: Graph, value: Any) -> tuple[torch.dtype, torch.device]:
+    """dtype and device of a node's value, or (a program built from constants alone) of the model's weights."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.device
+    weight = next(iter(graph.module.parameters()), None)
+    return (weight.dtype, weight.device) if weight is not None else (torch.float32, torch.device("cpu"))
 
 
 def _spatial_constants(graph: Graph, node: Node) -> bool:

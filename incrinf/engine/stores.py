@@ -1,8 +1,9 @@
 """Where a run's unchanged values come from.
 
-- :class:`BaseStore`: one input's materialized tensors, immutable, standing for N virtual copies (occlusion:
-  N occluded copies of one image). Windows are gathered from the base and the incoming boxes overlaid, one
-  index operation each (a Triton kernel on CUDA); plans of index tensors are kept per batch.
+- :class:`BaseStore`: one input's kept tensors, immutable, standing for N virtual copies (occlusion: N occluded
+  copies of one image), as the row tables :mod:`~incrinf.engine.layout` lays out. Windows are gathered from the
+  tables and the incoming boxes overlaid, one index operation each (a Triton kernel on CUDA), with the index
+  tensors of a plan (:mod:`~incrinf.engine.plans`) or made on the spot (unplanned runs).
 - :class:`FrameCache`: a camera's cached tensors (one frame), updated in place as a frame runs: a window reads a
   crop of its merged source (a view), a cached tensor's new values are committed into it, and cached tensors
   can be moved through per-resolution index maps (the stream computes them from the homography).
@@ -14,15 +15,15 @@ delta threshold); threshold 0 keeps every recomputed position and is exact.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import torch
 
+from incrinf.engine.layout import Gather, Layout, Place, Projection, aligned_index, projection_index, window_index
 from incrinf.engine.program import Program, Step
 from incrinf.engine.regions import Boxes, cut
-from incrinf.engine.windows import box_rows, padded_crop, padded_rows
+from incrinf.engine.windows import WindowSpec, box_rows, pad_map, padded_crop
 from incrinf.kernels import dispatch
 from incrinf.kernels.gather import from_rows, to_rows
 
@@ -31,33 +32,6 @@ _SCALE_STRIDE = 7
 # Pruned boxes of a batch are rounded up to even sides: their sizes follow the data, and each new shape costs
 # oneDNN a kernel build.
 PRUNED_QUANTUM = 2
-
-
-def _index(a: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
-    return None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
-
-
-def _overlay(region: Boxes, offset: np.ndarray, window: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
-    """Rows of N stacked windows of extent ``window`` receiving the region's values (placed at ``offset`` (N, d)
-    inside each window), and the region's source rows (None: all of them, in order); elements falling outside
-    their window are dropped."""
-    n, d = offset.shape
-    dest = np.zeros((n, *region.size), np.int64)
-    source = np.zeros_like(dest)
-    valid = np.ones(dest.shape, bool)
-    for a in range(d):
-        shape = [1] * (d + 1)
-        shape[a + 1] = region.size[a]
-        k = np.arange(region.size[a]).reshape(shape)
-        w = offset[:, a].reshape(-1, *([1] * d)) + k
-        valid &= (w >= 0) & (w < window[a])
-        dest = dest * window[a] + w
-        source = source * region.size[a] + k
-    dest = dest + (np.arange(n) * math.prod(window)).reshape(-1, *([1] * d))
-    source = source + (np.arange(n) * region.area).reshape(-1, *([1] * d))
-    if valid.all():
-        return dest.reshape(-1), None
-    return dest[valid], source[valid]
 
 
 def take(tensor: torch.Tensor, boxes: Boxes) -> torch.Tensor:
@@ -70,102 +44,131 @@ def take(tensor: torch.Tensor, boxes: Boxes) -> torch.Tensor:
     return from_rows(to_rows(tensor).index_select(0, index), boxes.n, boxes.size, tuple(tensor.shape[1:-d]))
 
 
+def crop_boxes(tensor: torch.Tensor, corners: np.ndarray, extent: tuple[int, ...]) -> torch.Tensor:
+    """(N, C..., *extent): the values of a (1, C..., *dims) tensor in N boxes of one extent at ``corners`` (N, d)."""
+    corners = np.asarray(corners, np.int64)
+    return take(tensor, Boxes(tuple(corners.T), tuple(int(e) for e in extent)))
+
+
 class BaseStore:
-    """One input's materialized tensors standing for N virtual copies.
+    """One input's kept tensors standing for N virtual copies, as row tables (:mod:`~incrinf.engine.layout`).
 
     Args:
         program: the graph as steps.
-        base: every node's value for the unchanged input (:func:`incrinf.graph.execute.materialize`).
+        layout: which tables to keep and where each tensor lives in them.
+        base: the unchanged input's values of at least ``layout.kept``, the input and the output (taken and
+            released table by table, so the caller's dict should not keep them alive).
 
     Attributes:
-        plan: index tensors of the current batch by key, reused whenever the same batch runs again (set by the
-            caller from :func:`incrinf.engine.plan.batch_plan`; None: build them every time).
+        tables: table key -> (rows, columns) channels-last rows.
+        output: the model's output for the unchanged input.
     """
 
-    def __init__(self, program: Program, base: dict[str, Any]) -> None:
+    def __init__(self, program: Program, layout: Layout, base: dict[str, Any]) -> None:
         self.program = program
-        self.base = base
-        self.d = program.graph.spatial_dims
-        self.device = base[program.graph.input.name].device
-        self.plan: dict | None = None
-        self._rows: dict[str, torch.Tensor] = {}
+        self.layout = layout
+        graph = program.graph
+        self.d = graph.spatial_dims
+        self.input = base[graph.input.name]
+        self.device = self.input.device
+        self.output = base[graph.output.name]
+        self.tables: dict[str, torch.Tensor] = {}
+        for key, table in layout.tables.items():
+            p = table.padding
+            value = base[table.source]
+            if not p.empty:
+                value = pad_map(value, p.view_before, p.view_after, p.view_value, p.own_before, p.own_after,
+                                p.pad_value)
+            self.tables[key] = to_rows(value).contiguous()
         self._scales: dict[str, float] = {}
 
     @property
-    def output(self) -> Any:
-        """The model's output for the unchanged input."""
-        return self.base[self.program.graph.output.name]
+    def nbytes(self) -> int:
+        """Bytes of the tables."""
+        return sum(t.numel() * t.element_size() for t in self.tables.values())
 
-    def rows(self, key: str, make: Any = None) -> torch.Tensor:
-        """Row table of a base tensor (or of ``make()``), kept."""
-        rows = self._rows.get(key)
-        if rows is None:
-            rows = self._rows[key] = (make() if make is not None else to_rows(self.base[key])).contiguous()
-        return rows
+    def table(self, place: Place) -> torch.Tensor:
+        """The rows of one tensor's place (a column slice of a shared table: a view)."""
+        rows = self.tables[place.table]
+        first, count = place.columns
+        return rows if first == 0 and count == rows.shape[1] else rows[:, first:first + count]
 
-    def _indices(self, key: tuple | None, build) -> tuple:
-        if self.plan is None or key is None:
-            return build()
-        found = self.plan.get(key)
-        if found is None:
-            found = self.plan[key] = build()
-        return found
+    def _channels(self, name: str) -> tuple[int, ...]:
+        return tuple(self.program.graph.by_name[name].shape[1:-self.d])
+
+    def gather(self, place: Place, index: Gather, region: Boxes | None, n: int, size: tuple[int, ...],
+               channels: tuple[int, ...]) -> torch.Tensor:
+        """(N, C..., *size) rows of a place gathered by ``index``, with ``region``'s values overlaid."""
+        values = to_rows(region.values, self.d) if region is not None and index.dest is not None else None
+        rows = dispatch.prepare_windows(self.table(place), index.read, index.dest, values, index.origin,
+                                        index.combined)
+        return from_rows(rows, n, size, channels)
+
+    def plain(self, name: str) -> torch.Tensor:
+        """(1, C..., *dims) ``name``'s base values (a view of its table: the padding cut off, its columns)."""
+        place = self.layout.reads[name]
+        table = self.layout.tables[place.table]
+        rows = self.table(place)
+        grid = rows.view(*table.dims, rows.shape[1]) if rows.is_contiguous() else \
+            rows.as_strided((*table.dims, rows.shape[1]), (*_row_strides(table.dims, rows.stride(0)), 1))
+        dims = self.program.dims(name)
+        inside = grid[tuple(slice(o, o + n) for o, n in zip(place.origin, dims))]
+        return inside.permute(self.d, *range(self.d)).reshape(*self._channels(name), *dims)[None]
+
+    def padded(self, spec: WindowSpec, values: torch.Tensor) -> torch.Tensor:
+        """The read-in windows of a window over its whole map: the source's whole new values (N, C, *dims)
+        padded as the window reads them."""
+        view_before, view_after, own_before, own_after = spec.pads
+        return pad_map(values, view_before, view_after, spec.view_value, own_before, own_after, spec.pad_value)
+
+    def project(self, name: str, region: Boxes, n: int, index: Projection) -> torch.Tensor:
+        """(N, C..., *dims): N copies of ``name``'s base tensor with each query's box written in."""
+        base_rows = to_rows(self.plain(name), self.d).contiguous()
+        rows = dispatch.project(base_rows, n, index.dest, to_rows(region.values, self.d), None, index.combined)
+        return from_rows(rows, n, self.program.dims(name), self._channels(name))
+
+    def assemble(self, values: torch.Tensor, parts: list[tuple[Boxes | None, tuple[int, int], Any]]
+                 ) -> torch.Tensor:
+        """Write the changed parts of a concatenation into ``values`` (N, C, *size), its gathered base values:
+        ``parts`` holds each part's region, columns and overlay (None: unchanged; an overlay without rows: the
+        region is the whole box)."""
+        rows = to_rows(values, self.d)
+        for region, (first, count), overlay in parts:
+            if region is None:
+                continue
+            target = rows[:, first:first + count]
+            incoming = to_rows(region.values, self.d)
+            if overlay.dest is None:
+                target.copy_(incoming)
+            else:
+                source = incoming if overlay.origin is None else incoming.index_select(0, overlay.origin)
+                target.index_copy_(0, overlay.dest, source)
+        return values
+
+    # --- the walk's store protocol (unplanned runs: value-based pruning, tests) ---------------------------
 
     def windows(self, step: Step, src: Boxes, out: Boxes) -> torch.Tensor:
         """(N, C, *read) the read-in windows of ``out``: the padded base source with ``src`` overlaid."""
-        spec = step.window
-        source = self.base[spec.source]
-        table = self.rows(f"{step.out}/padded", lambda: padded_rows(spec, source))
-        dims = source.shape[-self.d:]
-        padded = tuple(n + o + a for n, o, a in zip(dims, spec.offset, (v + w for v, w in
-                                                                          zip(spec.view_after, spec.own_after))))
-        read = spec.read_size(out.size)
-
-        def build() -> tuple:
-            start = out.start() * np.asarray(spec.stride)
-            dest, origin = _overlay(src, src.start() + np.asarray(spec.offset) - start, read)
-            return self._windowing(box_rows(start, read, padded), dest, origin, table.shape[0])
-
-        return self._gather(table, self._indices(("window", step.out), build), src, out.n, read)
+        place = self.layout.windows[step.out]
+        index = window_index(self.layout, step.window, place, src, out, self.device)
+        return self.gather(place, index, src, out.n, step.window.read_size(out.size),
+                           self._channels(step.window.source))
 
     def aligned(self, name: str, region: Boxes | None, out: Boxes, key: str | None = None) -> torch.Tensor:
-        """(N, C..., *out.size): ``name``'s base values in ``out`` with ``region`` (its change) overlaid (``key``:
-        the reading step, under which the plan keeps the indices)."""
+        """(N, C..., *out.size): ``name``'s base values in ``out`` with ``region`` (its change) overlaid."""
         if region is not None and region.same_place(out):
             return region.values
-        base = self.base[name]
-        table = self.rows(name)
-        dims = tuple(base.shape[-self.d:])
+        place = self.layout.reads[name]
+        index = aligned_index(self.layout, place, region, out, self.device)
+        return self.gather(place, index, region, out.n, out.size, self._channels(name))
 
-        def build() -> tuple:
-            start = out.start()
-            dest = origin = None
-            if region is not None:
-                dest, origin = _overlay(region, region.start() - start, out.size)
-            return self._windowing(box_rows(start, out.size, dims), dest, origin, table.shape[0])
-
-        index = self._indices(None if key is None else ("aligned", name, key), build)
-        return self._gather(table, index, region, out.n, out.size, tuple(base.shape[1:-self.d]))
-
-    def full(self, name: str, region: Boxes | None, n: int) -> torch.Tensor:
+    def full(self, name: str, region: Boxes | None, n: int) -> Any:
         """(N, C..., *dims): N copies of ``name``'s base tensor with each query's box written in."""
-        base = self.base[name]
         if region is None:
-            return base.expand(n, *base.shape[1:]) if isinstance(base, torch.Tensor) and base.dim() else base
-        d = self.d
-        dims = tuple(base.shape[-d:])
-        table = self.rows(name)
-        positions = math.prod(dims)
-
-        def build() -> tuple:
-            dest = _index(box_rows(region.start(), region.size, dims, batch_stride=positions), table.device)
-            combined = dispatch.fuse_scatter_index(dest, None, n, positions) \
-                if dispatch.wants_fused_index(table.device) else None
-            return dest, combined
-
-        dest, combined = self._indices(("full", name), build)
-        rows = dispatch.project(table, n, dest, to_rows(region.values), None, combined)
-        return from_rows(rows, n, dims, tuple(base.shape[1:-d]))
+            base = self.input if name == self.program.graph.input.name else self.plain(name)
+            return base.expand(n, *base.shape[1:])
+        index = projection_index(self.program.dims(name), region, self.device)
+        return self.project(name, region, n, index)
 
     def unchanged(self, n: int) -> Any:
         """The output when no change reaches the rest of the model: the base output for every query (each tensor
@@ -174,7 +177,7 @@ class BaseStore:
 
     def finish(self, cut_point: str, region: Boxes, n: int) -> Any:
         """Run the rest of the model from the cut point's full tensors (its change reached most of it)."""
-        like_input = self.full(self.program.graph.input.name, None, n)  # read for its size at most
+        like_input = self.input.expand(n, *self.input.shape[1:])  # read for its size at most
         return self.program.suffix(cut_point, self.full(cut_point, region, n), like_input, False)[0]
 
     def commit(self, name: str, region: Boxes, threshold: float) -> Boxes | None:
@@ -184,25 +187,22 @@ class BaseStore:
             return region
         scale = self._scales.get(name)
         if scale is None:
-            scale = self._scales[name] = float(to_rows(self.base[name])[::_SCALE_STRIDE].abs().mean())
-        old = self.aligned(name, None, region)  # no key: pruned boxes follow the data, no plan holds them
+            whole = Boxes(tuple(np.zeros(1, np.int64) for _ in range(self.d)), self.program.dims(name))
+            rows = to_rows(self.aligned(name, None, whole), self.d)
+            scale = self._scales[name] = float(rows[::_SCALE_STRIDE].abs().mean())
+        old = self.aligned(name, None, region)
         delta = (region.values - old).abs_()
         keep = delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > threshold * scale
         return cut(region, keep.cpu().numpy(), PRUNED_QUANTUM)
 
-    def _windowing(self, read: np.ndarray, dest: np.ndarray | None, origin: np.ndarray | None, n_rows: int) -> tuple:
-        device = self.device
-        read_t, dest_t, origin_t = _index(read, device), _index(dest, device), _index(origin, device)
-        combined = dispatch.fuse_window_index(read_t, dest_t, origin_t, n_rows) \
-            if dest_t is not None and dispatch.wants_fused_index(device) else None
-        return read_t, dest_t, origin_t, combined
 
-    def _gather(self, table: torch.Tensor, index: tuple, region: Boxes | None, n: int, size: tuple[int, ...],
-                channels: tuple[int, ...] | None = None) -> torch.Tensor:
-        read, dest, origin, combined = index
-        values = to_rows(region.values) if region is not None and dest is not None else None
-        rows = dispatch.prepare_windows(table, read, dest, values, origin, combined)
-        return from_rows(rows, n, size, channels)
+def _row_strides(dims: tuple[int, ...], row: int) -> list[int]:
+    """Element strides of a row table's spatial axes (row-major positions, ``row`` elements per position)."""
+    strides, step = [], row
+    for n in reversed(dims):
+        strides.append(step)
+        step *= n
+    return strides[::-1]
 
 
 class FrameCache:

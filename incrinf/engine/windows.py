@@ -98,10 +98,16 @@ def _pad_args(before: tuple[int, ...], after: tuple[int, ...]) -> list[int]:
 def padded_map(spec: WindowSpec, source: torch.Tensor) -> torch.Tensor:
     """The whole source (N, C, *dims) padded for the window: views' value first, then the operator's own."""
     view_before, view_after, own_before, own_after = spec.pads
+    return pad_map(source, view_before, view_after, spec.view_value, own_before, own_after, spec.pad_value)
+
+
+def pad_map(source: torch.Tensor, view_before: tuple[int, ...], view_after: tuple[int, ...], view_value: float,
+            own_before: tuple[int, ...], own_after: tuple[int, ...], pad_value: float) -> torch.Tensor:
+    """``source`` (N, C, *dims) padded by ``view_*`` with ``view_value``, then by ``own_*`` with ``pad_value``."""
     if any(view_before) or any(view_after):
-        source = F.pad(source, _pad_args(view_before, view_after), value=spec.view_value)
+        source = F.pad(source, _pad_args(view_before, view_after), value=view_value)
     if any(own_before) or any(own_after):
-        source = F.pad(source, _pad_args(own_before, own_after), value=spec.pad_value)
+        source = F.pad(source, _pad_args(own_before, own_after), value=pad_value)
     return source
 
 

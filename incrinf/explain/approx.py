@@ -245,12 +245,12 @@ def _drill_down(model: nn.Module, image: torch.Tensor, tau: float, drill: DrillD
     _warn_if_no_reuse(runner)
     spec = targets.resolve(target, runner.base_output, output)
     base = spec.scores(runner.base_output)[0]
-    bs = _batch_size(batch_size, runner, patch_hw, budget, tau)
+    bs = _batch_size(batch_size)
     start = time.perf_counter()
 
     coarse_pos = occlusion_grid(hw, patch_hw, s1)
     out1, stats1 = runner.run(coarse_pos, patch_hw, baseline, batch_size=bs, progress=progress,
-                              desc=f"drill-down stage 1 ({s1[0]}x{s1[1]})", reduce=spec.scores)
+                              desc=f"drill-down stage 1 ({s1[0]}x{s1[1]})", reduce=spec.scores, memory=budget)
     coarse = _drops(base, out1)
     coarse = coarse.reshape(grid_shape(hw, patch_hw, s1))
 
@@ -265,10 +265,12 @@ def _drill_down(model: nn.Module, image: torch.Tensor, tau: float, drill: DrillD
     stats2 = RunStats(tau=tau)
     if len(to_run):
         out2, stats2 = runner.run(fine_pos[to_run], patch_hw, baseline, batch_size=bs, progress=progress,
-                                  desc=f"drill-down stage 2 ({stride_hw[0]}x{stride_hw[1]})", reduce=spec.scores)
+                                  desc=f"drill-down stage 2 ({stride_hw[0]}x{stride_hw[1]})", reduce=spec.scores,
+                                  memory=budget)
         heat[to_run] = _drops(base, out2)
     fine = (chosen | already).reshape(rows, cols)
-    stats = _drill_stats(stats1, stats2, len(fine_pos), s1, stride_hw, drill, time.perf_counter() - start, bs)
+    stats = _drill_stats(stats1, stats2, len(fine_pos), s1, stride_hw, drill, time.perf_counter() - start,
+                         stats1.batch_size)
     stats["fine_fraction"] = float(fine.mean())
     return OcclusionResult(heat.reshape(rows, cols), fine_pos, spec.label, patch_hw, stride_hw, hw, stats, fine,
                            predicted=_predicted(runner.base_output))

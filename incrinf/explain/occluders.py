@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from incrinf.engine.windows import box_rows
-from incrinf.kernels.gather import from_rows, to_rows
+from incrinf.engine import crop_boxes
 
 MODES = ("mean_patch", "mean_img", "gaussian")
 
@@ -70,13 +69,10 @@ class Baseline(Occluder):
         except RuntimeError:
             raise ValueError(f"baseline of shape {tuple(baseline.shape)} does not broadcast to the input's shape "
                              f"{tuple(image.shape)}") from None
-        self.rows = to_rows(full).contiguous()
-        self.dims = tuple(image.shape[2:])
+        self.full = full.contiguous()
 
     def fill(self, patch, mask, start, offsets, window):
-        n, size = patch.shape[0], tuple(patch.shape[2:])
-        index = torch.from_numpy(box_rows(start, size, self.dims)).to(patch.device)
-        return torch.where(mask, from_rows(self.rows.index_select(0, index), n, size), patch)
+        return torch.where(mask, crop_boxes(self.full, start, tuple(patch.shape[2:])), patch)
 
 
 class MeanPatch(Occluder):

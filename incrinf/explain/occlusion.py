@@ -16,7 +16,7 @@ import torch.nn as nn
 from incrinf.analysis import grid_shape, occlusion_grid
 from incrinf.explain import targets
 from incrinf.explain.pictures import save_heatmap
-from incrinf.explain.runner import OcclusionRunner, RunStats, estimate_batch_size, feature_boxes
+from incrinf.explain.runner import OcclusionRunner, RunStats, feature_boxes
 from incrinf.graph import NodeKind
 from incrinf.validation import (
     check_feature_mask,
@@ -199,17 +199,16 @@ def occlusion(
     predicted = _predicted(runner.base_output)
     if mask is not None:
         ids, corners, sizes = feature_boxes(mask)
-        bs = _batch_size(batch_size, runner, tuple(int(s) for s in sizes.max(axis=0)), budget, tau)
-        features, scores, stats = runner.run_features(mask, baseline, batch_size=bs, progress=progress,
-                                                      desc=f"occlusion of {len(ids)} features", reduce=spec.scores)
+        features, scores, stats = runner.run_features(mask, baseline, batch_size=_batch_size(batch_size),
+                                                      progress=progress, desc=f"occlusion of {len(ids)} features",
+                                                      reduce=spec.scores, memory=budget)
         heat = _drops(base, scores)  # (F,) or (K, F)
         return OcclusionResult(heat, corners, spec.label, (), (), dims, _stats_dict(stats), None, features,
                                mask.cpu().numpy(), predicted)
-    bs = _batch_size(batch_size, runner, patch_size, budget, tau)
     positions = occlusion_grid(dims, patch_size, stride_size)
-    scores, stats = runner.run(positions, patch_size, baseline, batch_size=bs, progress=progress,
+    scores, stats = runner.run(positions, patch_size, baseline, batch_size=_batch_size(batch_size), progress=progress,
                                desc=f"occlusion {'x'.join(map(str, patch_size))}/{'x'.join(map(str, stride_size))}",
-                               reduce=spec.scores)
+                               reduce=spec.scores, memory=budget)
     grid = grid_shape(dims, patch_size, stride_size)
     heat = _drops(base, scores)
     heat = heat.reshape(-1, *grid) if spec.every else heat.reshape(grid)
@@ -266,10 +265,10 @@ def _check_target(target: int | None, base: torch.Tensor) -> int:
     return int(target)
 
 
-def _batch_size(batch_size: int | str, runner: OcclusionRunner, patch: tuple[int, ...], budget: int,
-                tau: float) -> int:
+def _batch_size(batch_size: int | str) -> int | None:
+    """A checked batch size, or None for "auto" (the plan fills the memory budget)."""
     if batch_size == "auto":
-        return estimate_batch_size(runner.graph, patch, budget, tau, device=runner.image.device)
+        return None
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int or 'auto', got {batch_size!r}")
     return batch_size

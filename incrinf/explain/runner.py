@@ -9,7 +9,7 @@ rest. Queries are packed into batches of one box size, ordered so that batch-mat
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,25 +18,23 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from incrinf.engine import BatchEngine, Boxes, batch_plan
-from incrinf.engine.windows import box_rows
+from incrinf.engine import BatchEngine, Boxes, Plan, crop_boxes, free_device_memory, peak_memory, reset_peak_memory
 from incrinf.explain.occluders import Occluder, make_occluder
-from incrinf.geometry import Propagation, Region, RegionKind, full_flops, incremental_flops, input_region, propagate
+from incrinf.geometry import input_region
 from incrinf.graph import Graph, captured_graph
-from incrinf.kernels.dispatch import free_device_memory, peak_device_memory, reset_peak_device_memory
-from incrinf.kernels.gather import from_rows, to_rows
 
-# Packed batches beyond this many positions stop paying on a CPU and only cost memory.
-CPU_BATCH_CAP = 64
-# On a GPU larger packed batches keep paying (Krypton used 128); memory is the limit.
-GPU_BATCH_CAP = 256
 # Share of the free device memory a batch may use (cuDNN workspaces and the allocator need the rest).
 GPU_MEMORY_SHARE = 0.5
 
 
 @dataclass
 class RunStats:
-    """What a run did: positions, batches, time, FLOP ratios, working memory."""
+    """What a run did: positions, batches, time, FLOP ratios, working memory, and its fixed costs.
+
+    ``seconds`` is the batches' time; ``capture_seconds``, ``executor_seconds``, ``base_seconds`` and
+    ``plan_seconds`` are the fixed costs of the run's capture (0 when shared), executor build (0 when shared),
+    base materialization and plan (0 on a cache hit), each measured separately.
+    """
 
     positions: int = 0
     batches: int = 0
@@ -47,6 +45,11 @@ class RunStats:
     realized_flop_ratio: float = 1.0
     peak_memory_bytes: int = 0
     tau: float = 1.0
+    capture_seconds: float = 0.0
+    executor_seconds: float = 0.0
+    base_seconds: float = 0.0
+    plan_seconds: float = 0.0
+    plan_hit: bool = False
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -55,66 +58,7 @@ class RunStats:
         return out
 
 
-def estimate_batch_size(graph: Graph, window: tuple[int, ...], max_memory: int, tau: float,
-                        cap: int = CPU_BATCH_CAP, device: torch.device | str | None = None) -> int:
-    """Positions per batch so that the working tensors stay under ``max_memory`` bytes (and, on a CUDA
-    ``device``, under a share of its free memory, with the GPU cap)."""
-    free = free_device_memory(device)
-    if free is not None:
-        max_memory = min(max_memory, int(GPU_MEMORY_SHARE * free))
-        cap = GPU_BATCH_CAP
-    dims = graph.input_shape[2:]
-    centre = np.array([[(n - w) // 2 for n, w in zip(dims, window)]])
-    prop = propagate(graph, input_region(centre, window, dims), tau=tau, uniform=True)
-    largest = 0
-    for node in graph.nodes:
-        region = prop.regions[node.name]
-        if node.shape is None or region.kind == RegionKind.NONE:
-            continue
-        step = prop.steps.get(node.name)
-        if region.kind == RegionKind.FULL:
-            elems = int(np.prod(node.shape[1:]))
-        else:
-            elems = int(np.prod(node.shape[1:-len(dims)])) * int(region.area()[0]) if graph.is_map(node.shape) else 0
-        if step is not None:
-            elems += graph.by_name[node.inputs[0]].shape[1] * int(np.prod(step.read_size))
-        largest = max(largest, elems)
-    per_position = 4 * 4 * max(largest, 1)  # float32; window, output, projection and slack
-    return int(max(1, min(cap, max_memory // per_position)))
-
-
-def batch_order(graph: Graph, exact: Propagation) -> np.ndarray:
-    """Order in which to batch positions so that a batch's positions reach boxes of similar size.
-
-    A packed batch computes every position on boxes of the batch's largest size; positions near the image
-    edges reach fewer outputs, and they only keep that saving when their batch-mates are edge positions of
-    the same orientation. Sorting by the exact reach (outermost axis first) at the deepest node that still
-    has a box groups them (stable: ties keep the caller's order).
-
-    Args:
-        graph: captured graph.
-        exact: per-position propagation (``propagate(..., uniform=False)``).
-
-    Returns:
-        (N,) permutation of the positions.
-    """
-    boxes = [n.name for n in graph.nodes if exact.regions[n.name].kind == RegionKind.BOX and graph.is_map(n.shape)]
-    if not boxes:
-        return np.arange(exact.n)
-    deepest = exact.regions[boxes[-1]]
-    return np.lexsort(deepest.size.T[::-1])
-
-
 Reduce = Callable[[Any], torch.Tensor]
-
-
-@dataclass
-class _Batch:
-    """One packed batch: which queries, their boxes (one size) and the occluded values inside them."""
-
-    queries: np.ndarray  # (n,) indices into the caller's queries
-    boxes: Boxes
-    plan_key: tuple[np.ndarray, tuple[int, ...]]  # (corners, extent) that determine the batch's index plan
 
 
 class OcclusionRunner:
@@ -129,22 +73,35 @@ class OcclusionRunner:
     """
 
     def __init__(self, model: nn.Module | Graph, image: torch.Tensor, tau: float = 1.0, prune: float = 0.0) -> None:
+        start = time.perf_counter()
         self.graph = model if isinstance(model, Graph) else captured_graph(model, image.shape[1:])
+        self.capture_seconds = time.perf_counter() - start
         self.image = image
         self.dims = tuple(self.graph.input_shape[2:])
         self.tau = tau
         self.prune = prune
         self.engine = BatchEngine(self.graph, image)
-        self.image_rows = to_rows(image).contiguous()
 
     @property
     def base_output(self) -> Any:
         """The model's output for the unoccluded input (batch axis 1)."""
         return self.engine.base_output
 
+    def plan(self, starts: np.ndarray, sizes: np.ndarray, batch_size: int | None, memory: int | None
+             ) -> tuple[Plan, bool, float]:
+        """The engine's plan for queries with these changed boxes: ``(plan, hit, seconds)``. Without a batch size,
+        batches fill ``memory`` bytes (on CUDA, at most a share of the free device memory)."""
+        if batch_size is None:
+            free = free_device_memory(self.image.device)
+            memory = memory if free is None else min(memory, int(GPU_MEMORY_SHARE * free))
+        start = time.perf_counter()
+        plan, status = self.engine.plan(starts, sizes, self.tau, batch_size, memory)
+        return plan, status.value == "hit", time.perf_counter() - start
+
     def run(self, positions: np.ndarray, window: tuple[int, ...], baseline: Any = 0.0,
-            channels: torch.Tensor | None = None, batch_size: int = 16, progress: bool = False,
-            desc: str = "occlusion", reduce: Reduce | None = None) -> tuple[Any, RunStats]:
+            channels: torch.Tensor | None = None, batch_size: int | None = 16, progress: bool = False,
+            desc: str = "occlusion", reduce: Reduce | None = None, memory: int | None = None
+            ) -> tuple[Any, RunStats]:
         """Model outputs with each window occluded.
 
         Args:
@@ -154,12 +111,13 @@ class OcclusionRunner:
                 ``"mean_img"``, ``"gaussian"``, a function of the window's values or an
                 :class:`~incrinf.explain.occluders.Occluder`.
             channels: optional (N, C) bool mask of occluded channels per position (all when ``None``).
-            batch_size: positions per packed batch.
+            batch_size: positions per packed batch (None: as many as ``memory`` bytes allow).
             progress: show a progress bar.
             desc: progress bar label.
             reduce: applied to each batch's outputs as they come (e.g. the target's scores), so that large
                 outputs (segmentation maps) are not kept for every position; must return a tensor with the
                 batch axis first.
+            memory: bytes a batch may use, with ``batch_size`` None.
 
         Returns:
             ``(outputs, stats)``: outputs (reduced, if asked) with a leading dimension N, in the order of
@@ -169,24 +127,21 @@ class OcclusionRunner:
         window = tuple(int(w) for w in window)
         positions = np.asarray(positions, dtype=np.int64).reshape(-1, len(dims))
         occluder = make_occluder(baseline, self.image, window)
-        exact_prop = propagate(self.graph, input_region(positions, window, dims), self.tau, uniform=False)
-        order = batch_order(self.graph, exact_prop)
+        region = input_region(positions, window, dims)
+        plan, hit, planning = self.plan(region.start, region.size, batch_size, memory)
 
-        def batches() -> Iterator[_Batch]:
-            for lo in range(0, len(positions), batch_size):
-                queries = order[lo:lo + batch_size]
-                chunk = positions[queries]
-                region = input_region(chunk, window, dims)
-                size = tuple(int(s) for s in region.size[0])
-                picked = None if channels is None else channels[torch.from_numpy(queries).to(channels.device)]
-                mask = self._window_mask(chunk - region.start, window, size, picked)
-                values = self._occlude(region.start, size, mask, occluder, chunk - region.start, window)
-                yield _Batch(queries, Boxes(tuple(region.start.T), size, values), (chunk, window))
+        def values(batch) -> torch.Tensor:
+            chunk = positions[batch.queries]
+            corner, size = batch.start.start(), batch.start.size
+            picked = None if channels is None else channels[torch.tensor(batch.queries, device=channels.device)]
+            mask = self._window_mask(chunk - corner, window, size, picked)
+            return self._occlude(corner, size, mask, occluder, chunk - corner, window)
 
-        return self._run(batches(), len(positions), exact_prop, batch_size, progress, desc, reduce)
+        return self._run(plan, values, progress, desc, reduce, hit, planning)
 
-    def run_features(self, mask: torch.Tensor, baseline: Any = 0.0, batch_size: int = 16, progress: bool = False,
-                     desc: str = "features", reduce: Reduce | None = None) -> tuple[np.ndarray, Any, RunStats]:
+    def run_features(self, mask: torch.Tensor, baseline: Any = 0.0, batch_size: int | None = 16,
+                     progress: bool = False, desc: str = "features", reduce: Reduce | None = None,
+                     memory: int | None = None) -> tuple[np.ndarray, Any, RunStats]:
         """Model outputs with each feature of a mask occluded at once.
 
         A feature's update box is the bounding box of its elements; inside it the occluded values follow the
@@ -197,10 +152,11 @@ class OcclusionRunner:
                 channel).
             baseline: a scalar, a tensor broadcastable to the image, ``"mean_patch"`` (the mean over the feature's
                 elements), ``"mean_img"`` or an :class:`~incrinf.explain.occluders.Occluder` that needs no window.
-            batch_size: features per packed batch.
+            batch_size: features per packed batch (None: as many as ``memory`` bytes allow).
             progress: show a progress bar.
             desc: progress bar label.
             reduce: as for :meth:`run`.
+            memory: bytes a batch may use, with ``batch_size`` None.
 
         Returns:
             ``(features, outputs, stats)``: the sorted feature ids (F,), the outputs with a leading dimension F in
@@ -209,65 +165,58 @@ class OcclusionRunner:
         mask = mask.to(self.image.device)
         occluder = make_occluder(baseline, self.image, None)
         features, start, size = feature_boxes(mask)
-        exact_prop = propagate(self.graph, Region(RegionKind.BOX, start, size), self.tau, uniform=False)
-        order = np.lexsort((*size.T[::-1], size.prod(axis=1)))  # similar boxes together: smallest first
-        dims = np.asarray(self.dims)
-        mask_rows = to_rows(mask[None]).contiguous()
+        plan, hit, planning = self.plan(start, size, batch_size, memory)
         ids = torch.from_numpy(features).to(mask.device)
 
-        def batches() -> Iterator[_Batch]:
-            for lo in range(0, len(features), batch_size):
-                queries = order[lo:lo + batch_size]
-                extent = tuple(int(s) for s in size[queries].max(axis=0))
-                corner = np.minimum(start[queries], dims - np.asarray(extent))
-                index = torch.from_numpy(box_rows(corner, extent, self.dims)).to(mask.device)
-                boxed = from_rows(mask_rows.index_select(0, index), len(queries), extent)
-                occluded = boxed == ids[torch.from_numpy(queries).to(mask.device)].view(-1, *([1] * (boxed.dim() - 1)))
-                values = self._occlude(corner, extent, occluded, occluder, None, None)
-                yield _Batch(queries, Boxes(tuple(corner.T), extent, values), (corner, extent))
+        def values(batch) -> torch.Tensor:
+            corner, extent = batch.start.start(), batch.start.size
+            boxed = crop_boxes(mask[None], corner, extent)
+            wanted = ids[torch.tensor(batch.queries, device=mask.device)].view(-1, *([1] * (boxed.dim() - 1)))
+            return self._occlude(corner, extent, boxed == wanted, occluder, None, None)
 
-        outputs, stats = self._run(batches(), len(features), exact_prop, batch_size, progress, desc, reduce)
+        outputs, stats = self._run(plan, values, progress, desc, reduce, hit, planning)
         return features, outputs, stats
 
     # --- the batch loop ----------------------------------------------------------------------------------
 
-    def _run(self, batches: Iterator[_Batch], n: int, exact_prop: Propagation, batch_size: int, progress: bool,
-             desc: str, reduce: Reduce | None) -> tuple[Any, RunStats]:
-        stats = RunStats(positions=n, batch_size=batch_size, tau=self.tau)
-        stats.flops_full = float(full_flops(self.graph))
-        exact = incremental_flops(self.graph, exact_prop)
-        stats.theoretical_speedup = stats.flops_full / max(float(exact.mean()), 1.0)
+    def _run(self, plan: Plan, values: Callable[[Any], torch.Tensor], progress: bool, desc: str,
+             reduce: Reduce | None, hit: bool, planning: float) -> tuple[Any, RunStats]:
+        n = plan.queries
+        stats = RunStats(positions=n, batch_size=plan.batch_size, tau=self.tau, flops_full=plan.full_macs,
+                         theoretical_speedup=plan.theoretical_speedup, capture_seconds=self.capture_seconds,
+                         executor_seconds=self.engine.seconds["executor"], base_seconds=self.engine.seconds["base"],
+                         plan_seconds=planning, plan_hit=hit)
         outputs: list[Any] = []
         done: list[np.ndarray] = []
         realized = 0.0
         start = time.perf_counter()
         dev = self.image.device
-        resident = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-        reset_peak_device_memory(dev)
+        resident = reset_peak_memory(dev)
         bar = tqdm(total=n, desc=desc, unit="pos", disable=not progress, leave=False)
-        for batch in batches:
-            corners, extent = batch.plan_key
-            plan = batch_plan(self.graph, corners, extent, self.tau, dev)
-            result = self.engine.run(batch.boxes, self.tau, self.prune, plan)
-            outputs.append(result.output if reduce is None else _reduced(reduce, result.output, batch.boxes.n))
+        for batch in plan.batches:
+            boxes_values = values(batch)
+            if self.prune > 0:  # pruned boxes follow the data: walked without the plan's boxes
+                result = self.engine.run(Boxes(batch.start.lo, batch.start.size, boxes_values), self.tau, self.prune)
+            else:
+                result = self.engine.run_batch(batch, boxes_values)
+            del boxes_values
+            outputs.append(result.output if reduce is None else _reduced(reduce, result.output, batch.n))
             done.append(batch.queries)
-            realized += result.flops * batch.boxes.n
+            realized += result.flops * batch.n
             stats.batches += 1
             stats.peak_memory_bytes = max(stats.peak_memory_bytes, result.peak_bytes)
-            bar.update(batch.boxes.n)
+            bar.update(batch.n)
         bar.close()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)  # kernels run asynchronously: time them, not their launches
         stats.seconds = time.perf_counter() - start
-        peak = peak_device_memory(dev)
+        peak = peak_memory(dev)
         if peak is not None:  # what the batches allocated on the device beyond the resident base tensors
             stats.peak_memory_bytes = peak - resident
             stats.extra["peak_device_memory_bytes"] = peak
         stats.realized_flop_ratio = stats.flops_full * n / max(realized, 1.0)
         inverse = torch.from_numpy(np.argsort(np.concatenate(done))).to(dev)
         return _concat(outputs, inverse), stats
-
-    # --- occluded values -----------------------------------------------------------------------------------
 
     def _window_mask(self, offsets: np.ndarray, window: tuple[int, ...], size: tuple[int, ...],
                      channels: torch.Tensor | None) -> torch.Tensor:
@@ -285,12 +234,12 @@ class OcclusionRunner:
             mask = mask & channels.to(dev).view(n, -1, *([1] * d))
         return mask
 
+    # --- occluded values -----------------------------------------------------------------------------------
+
     def _occlude(self, start: np.ndarray, size: tuple[int, ...], mask: torch.Tensor, occluder: Occluder,
                  offsets: np.ndarray | None, window: tuple[int, ...] | None) -> torch.Tensor:
         """(N, C, *size) values of each query's input box: the image with the masked elements occluded."""
-        index = torch.from_numpy(box_rows(start, size, self.dims)).to(self.image.device)
-        patch = from_rows(self.image_rows.index_select(0, index), len(start), size)
-        return occluder.fill(patch, mask, start, offsets, window)
+        return occluder.fill(crop_boxes(self.image, start, size), mask, start, offsets, window)
 
 
 def feature_boxes(mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -8,7 +8,15 @@ graph into modules, so nothing downstream needs ``torch.fx``.
 
 from incrinf.graph.capture import capture, captured_graph, forget_graphs, has_windows, parse_input_shape, trace
 from incrinf.graph.nodes import Graph, LocalGeometry, Node, NodeKind, Operator
-from incrinf.graph.passes import SplitPoint, cache_point, input_dependent, last_uses, single_live_points, split_points
+from incrinf.graph.passes import (
+    SplitPoint,
+    cache_point,
+    input_dependent,
+    last_uses,
+    possibly_mutated,
+    single_live_points,
+    split_points,
+)
 
 __all__ = [
     "Graph",
@@ -25,6 +33,7 @@ __all__ = [
     "input_dependent",
     "last_uses",
     "parse_input_shape",
+    "possibly_mutated",
     "single_live_points",
     "split_points",
     "trace",

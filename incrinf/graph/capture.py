@@ -12,7 +12,9 @@ everything that runs that model.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import threading
 import weakref
 from typing import Any
@@ -157,19 +159,48 @@ def capture(model: nn.Module, input_shape: Any) -> Graph:
     param = next(iter(gm.parameters()), None)
     example = torch.zeros(shape, dtype=param.dtype if param is not None else torch.float32,
                           device=param.device if param is not None else "cpu")
-    try:
-        with torch.no_grad():
-            ShapeProp(gm).propagate(example)
-    except Exception as exc:
-        raise CaptureError(f"the model fails on an input of shape {shape} ({len(shape) - 2} spatial axes; "
-                           f"input_shape is (C, *spatial) without the batch axis): {type(exc).__name__}: {exc}"
-                           ) from exc
+    if not _propagate_fake(gm, example):
+        try:
+            with torch.no_grad():
+                ShapeProp(gm).propagate(example)
+        except Exception as exc:
+            raise CaptureError(f"the model fails on an input of shape {shape} ({len(shape) - 2} spatial axes; "
+                               f"input_shape is (C, *spatial) without the batch axis): {type(exc).__name__}: "
+                               f"{exc}") from exc
     classifier = Classifier(gm, len(shape) - 2)
     nodes = [classifier.classify(fx_node) for fx_node in gm.graph.nodes]
     n_inputs = sum(n.kind == NodeKind.INPUT for n in nodes)
     if n_inputs != 1:
         raise CaptureError(f"expected a model with one input tensor, found {n_inputs}")
     return Graph(gm, nodes, shape, _signature(nodes, shape))
+
+
+class _FakeShapes(ShapeProp):
+    """Shape propagation on fake tensors over the real module: parameters become fake as operators read them
+    (``ShapeProp``'s own fake mode first deep-copies the whole module into fake tensors)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, mode: Any) -> None:
+        torch.fx.Interpreter.__init__(self, gm)
+        self.fake_module = None
+        self.fake_mode = mode
+        self.real_module = self.module
+
+
+def _propagate_fake(gm: torch.fx.GraphModule, example: torch.Tensor) -> bool:
+    """Shapes for every node from fake tensors (no arithmetic: a 3-D network's forward pass is seconds of a
+    capture otherwise); False when some operator has no fake implementation (the caller then runs the real
+    forward pass, which also words the error when the model fails on this shape)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints what it re-raises
+            _FakeShapes(gm, mode).propagate(example)
+    except Exception:  # any failure of the fake path (unsupported op, the model's own error): run it for real
+        for fx_node in gm.graph.nodes:
+            fx_node.meta.pop("tensor_meta", None)
+        return False
+    return True
 
 
 def captured_graph(model: nn.Module, input_shape: Any) -> Graph:

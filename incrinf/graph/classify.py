@@ -91,7 +91,10 @@ def _describe(fx_node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
 
 def _is_inplace(fx_node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     if fx_node.op == "call_function":
-        return fx_node.target in _INPLACE_FUNCTIONS or bool(fx_node.kwargs.get("inplace", False))
+        # torch's in-place functions end in an underscore (torch.relu_, F.relu_)
+        return fx_node.target in _INPLACE_FUNCTIONS or bool(fx_node.kwargs.get("inplace", False)) \
+            or getattr(fx_node.target, "__name__", "").endswith("_") and not \
+            getattr(fx_node.target, "__name__", "").startswith("_")
     if fx_node.op == "call_method":
         return str(fx_node.target).endswith("_")
     if fx_node.op == "call_module":

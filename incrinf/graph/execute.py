@@ -13,7 +13,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from incrinf.graph.nodes import Graph, Node
+from incrinf.graph.nodes import Graph, Node, NodeKind
 
 Value = Callable[[str], Any]
 
@@ -71,23 +71,67 @@ def unary(graph: Graph, node: Node, source: str, value: Value) -> Callable[[Any]
     return (lambda v: fn(v, *rest)) if rest else fn
 
 
-def materialize(graph: Graph, x: torch.Tensor, track_mutation: bool = False) -> tuple[dict[str, Any], set[str]]:
-    """Every node's value for input ``x``, and (with ``track_mutation``) the names of the tensors a later
-    in-place operation overwrote (their recorded values are then not what they were when made)."""
+def materialize(graph: Graph, x: torch.Tensor, track_mutation: bool = False, keep: Iterable[str] | None = None,
+                clone: Iterable[str] = (), watch: Iterable[str] | None = None) -> tuple[dict[str, Any], set[str]]:
+    """Node values for input ``x``, and (with ``track_mutation``) the names of the recorded tensors a later
+    in-place operation overwrote (their recorded values are then copies taken when they were made).
+
+    Args:
+        graph: the captured graph.
+        x: the input.
+        track_mutation: compare every recorded tensor with a snapshot taken when it was made.
+        keep: record only these nodes' tensors (every non-tensor value and every constant is recorded too), so
+            that the rest are freed after their last use as in a plain forward pass; None: every node.
+        clone: record copies of these nodes' tensors, made when they are made (a later in-place operation
+            overwrites the originals).
+        watch: with ``track_mutation``, snapshot only these recorded tensors (None: every recorded one).
+    """
     env: dict[str, Any] = {}
     snapshots: dict[str, torch.Tensor] = {}
+    wanted = None if keep is None else set(keep) | {n.name for n in graph.nodes if n.kind == NodeKind.CONSTANT}
+    copies = set(clone)
+    watched = None if watch is None else set(watch)
 
     class _Recorder(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
             out = super().run_node(n)
-            env[n.name] = out
-            if track_mutation and isinstance(out, torch.Tensor) and out.dim() >= 3:
-                snapshots[n.name] = out.clone()
+            is_tensor = isinstance(out, torch.Tensor)
+            if wanted is None or n.name in wanted or not (is_tensor or _holds_tensors(out)):
+                env[n.name] = out.clone() if is_tensor and n.name in copies else out
+                if track_mutation and is_tensor and out.dim() >= 3 and n.name not in copies \
+                        and (watched is None or n.name in watched):
+                    snapshots[n.name] = out.clone()
             return out
 
     with torch.no_grad():
         _Recorder(graph.module).run(x)
-    return env, {name for name, snap in snapshots.items() if not torch.equal(env[name], snap)}
+    mutated = {name for name, snap in snapshots.items() if not torch.equal(env[name], snap)}
+    for name in mutated:
+        env[name] = snapshots[name]  # the value when it was made, which is what the node stands for
+    return env, mutated
+
+
+def constant_values(graph: Graph) -> dict[str, Any]:
+    """The values of the nodes that do not depend on the input (parameters, buffers and what is computed from
+    them alone), without running the model."""
+    env: dict[str, Any] = {}
+    with torch.no_grad():
+        for node in graph.nodes:
+            if node.kind != NodeKind.CONSTANT:
+                continue
+            fx_node = node.fx_node
+            if fx_node.op == "get_attr":
+                value: Any = graph.module
+                for part in str(fx_node.target).split("."):
+                    value = getattr(value, part)
+                env[node.name] = value
+            else:
+                env[node.name] = invoke(graph, node, env.__getitem__)
+    return env
+
+
+def _holds_tensors(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
 
 
 def run_nodes(graph: Graph, x: torch.Tensor, around: Callable[[Node, Callable[[], Any]], Any]) -> Any:
@@ -154,3 +198,12 @@ def copy_graph(graph: Graph, device: torch.device | str, channels_last: bool = T
     for node in nodes:
         node.fx_node = fx_nodes[node.name]
     return Graph(module, nodes, graph.input_shape, graph.signature)
+
+
+def concat_parts(node: Node) -> list[str] | None:
+    """The tensors a concatenation node joins, in order (repeats kept), or None when its first argument is not a
+    plain list of nodes."""
+    parts = node.fx_node.args[0] if node.fx_node.args else node.fx_node.kwargs.get("tensors")
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(p, torch.fx.Node) for p in parts):
+        return None
+    return [p.name for p in parts]

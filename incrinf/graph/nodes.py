@@ -128,12 +128,15 @@ class Graph:
         nodes: every node, in topological order; the first is the input, the last the output.
         input_shape: ``(1, C, *spatial)`` the shape the graph was captured for.
         signature: structure-and-shape hash (two models of one architecture share it; weights do not enter).
+        attachments: what later layers build once per graph and share (the engine's executors); it lives and dies
+            with the graph.
     """
 
     module: Any
     nodes: list[Node]
     input_shape: tuple[int, ...]
     signature: str
+    attachments: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.by_name = {n.name: n for n in self.nodes}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from incrinf.graph.nodes import Graph, NodeKind
+from incrinf.graph.nodes import Graph, NodeKind, Operator
 
 
 @dataclass(frozen=True)
@@ -84,3 +84,31 @@ def cache_point(graph: Graph) -> int:
         if node.kind == NodeKind.GLOBAL:
             return max(0, i - 1)
     return len(graph.nodes) - 1
+
+
+# Operators known to return a new tensor (never a view of their input) unless they are in place.
+_FRESH_OPERATORS = frozenset({Operator.CONV, Operator.MAX_POOL, Operator.AVG_POOL, Operator.ADAPTIVE_MAX_POOL,
+                              Operator.ADAPTIVE_AVG_POOL, Operator.WINDOWED, Operator.PAD, Operator.BATCH_NORM,
+                              Operator.ARITHMETIC, Operator.CAT})
+
+
+def possibly_mutated(graph: Graph, names: set[str]) -> set[str]:
+    """Those of ``names`` that an in-place operation may overwrite later: a node marked in place reads them, or a
+    view of them (through operators that may return a view: reshapes, getitems, identities, in-place results)."""
+    out = set()
+    for name in names:
+        seen, todo = {name}, [name]
+        while todo:
+            current = graph.by_name[todo.pop()]
+            for user_name in current.users:
+                user = graph.by_name[user_name]
+                if user.inplace and user.inputs and user.inputs[0] in seen:
+                    out.add(name)
+                    break
+                if user_name not in seen and (user.inplace or user.operator not in _FRESH_OPERATORS) \
+                        and user.inputs and user.inputs[0] == current.name:
+                    seen.add(user_name)
+                    todo.append(user_name)
+            if name in out:
+                break
+    return out

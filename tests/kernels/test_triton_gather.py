@@ -33,6 +33,7 @@ pytest.importorskip("triton")
 from incrinf.kernels import dispatch  # noqa: E402
 from incrinf.kernels import gather as torch_path  # noqa: E402
 from incrinf.kernels import triton_gather as tg  # noqa: E402
+from incrinf.kernels.gather import to_rows  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CHANNELS = [1, 3, 17, 64, 130]
@@ -255,29 +256,39 @@ def _tiny_batch():
 def test_real_plan_windows_and_scatters_match_torch(monkeypatch):
     """Every windowing and projection of a real plan (positions at corners and edges) through both paths."""
     engine, start = _tiny_batch()
-    plan: dict = {}
     monkeypatch.setenv(dispatch.FORCE_ENV, "1")  # plans carry the fused indexes the kernels use
-    engine.run(start, plan=plan)
-    store = engine.store
+    corners = np.stack(start.lo, axis=1)
+    plan, _ = engine.plan(corners, np.broadcast_to(np.asarray(start.size), corners.shape), batch_size=len(corners))
+    store, layout, program = engine.store, engine.executor.layout, engine.program
     checked = 0
-    for key, index in plan.items():
-        kind, name = key[0], key[1]
-        table = store.rows(f"{name}/padded") if kind == "window" else store.rows(name)
-        if kind == "full":
-            dest, combined = index
-            region = torch.randn(int(dest.numel()), table.shape[1])
-            n = int(dest.max()) // table.shape[0] + 1
-            expected = torch_path.project_full(table, n, dest, region)
-            assert torch.equal(dispatch.project(table, n, dest, region, None, combined), expected), key
-        else:
-            read, dest, origin, combined = index
-            if dest is None:
+    for batch in plan.batches:
+        index_of_batch = engine.index(batch)
+        for sp, si in zip(batch.steps, index_of_batch.steps):
+            step = program.steps[sp.index]
+            place = layout.windows[step.out] if step.window is not None else None
+            gathers = [(place, si.window)] if place is not None else \
+                [(layout.reads[name], g) for name, g in zip(step.inputs, si.inputs) if g is not None]
+            for where, index in gathers:
+                if index.dest is None:
+                    continue
+                table = store.table(where)
+                n_region = int(index.dest.numel() if index.origin is None else index.origin.max() + 1)
+                region = torch.randn(n_region, table.shape[1])
+                expected = _reference_windows(table, index.read, index.dest, region, index.origin)
+                got = dispatch.prepare_windows(table, index.read, index.dest, region, index.origin, index.combined)
+                assert torch.equal(got, expected), step.out
+                checked += 1
+        names = [batch.finish] if batch.finish is not None else list(program.boundary)
+        for name, projection in zip(names, index_of_batch.projections):
+            if projection is None:
                 continue
-            region = torch.randn(int(dest.numel() if origin is None else origin.max() + 1), table.shape[1])
-            expected = _reference_windows(table, read, dest, region, origin)
-            got = dispatch.prepare_windows(table, read, dest, region, origin, combined)
-            assert torch.equal(got, expected), key
-        checked += 1
+            table = to_rows(store.plain(name)).contiguous()
+            region = torch.randn(int(projection.dest.numel()), table.shape[1])
+            n = int(projection.dest.max()) // table.shape[0] + 1
+            expected = torch_path.project_full(table, n, projection.dest, region)
+            assert torch.equal(dispatch.project(table, n, projection.dest, region, None, projection.combined),
+                               expected), name
+            checked += 1
     assert checked >= 4
 
 

@@ -1,0 +1,325 @@
+"""Where the base values a batched run reads live, and the row indices that read them.
+
+A :class:`~incrinf.engine.stores.BaseStore` keeps only the tensors some step reads outside its own region (the
+program's cached tensors), each as a *row table* (one row per spatial position, channels as columns,
+channels-last in memory):
+
+- a window step reads its source through a *padded* table (the views' padding, then the operator's own), one per
+  distinct padding of a source, which also serves the source's aligned reads;
+- a tensor joined by a channel concatenation whose every part is kept anyway is a *column slice* of the
+  concatenation's table (DenseNet's dense blocks: each layer's concatenation holds the previous one and the new
+  features, so a block keeps one table instead of one per layer, as a plain forward pass frees them);
+- any other kept tensor has a table of its own.
+
+:func:`table_layout` decides this from the program's structure alone, so plans (built before any input is
+seen) and stores agree on every row index. The index functions (:func:`window_index`, :func:`aligned_index`,
+:func:`projection_index`) turn box geometry into the gathers the kernels run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from incrinf.engine.program import Program
+from incrinf.engine.regions import Boxes
+from incrinf.engine.windows import WindowSpec, box_rows
+from incrinf.graph import NodeKind, Operator
+from incrinf.graph.execute import concat_parts
+from incrinf.kernels import dispatch
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How a table is padded around its tensor (all zero: not padded).
+
+    Attributes:
+        view_before, view_after: (d,) padding views' extent (value ``view_value``).
+        own_before, own_after: (d,) the operator's own padding outside the views (value ``pad_value``).
+    """
+
+    view_before: tuple[int, ...]
+    view_after: tuple[int, ...]
+    own_before: tuple[int, ...]
+    own_after: tuple[int, ...]
+    view_value: float = 0.0
+    pad_value: float = 0.0
+
+    @property
+    def before(self) -> tuple[int, ...]:
+        return tuple(v + o for v, o in zip(self.view_before, self.own_before))
+
+    @property
+    def after(self) -> tuple[int, ...]:
+        return tuple(v + o for v, o in zip(self.view_after, self.own_after))
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.before) and not any(self.after)
+
+
+def no_padding(d: int) -> Padding:
+    zero = (0,) * d
+    return Padding(zero, zero, zero, zero)
+
+
+def window_padding(spec: WindowSpec) -> Padding:
+    """The padding a window step's source table needs."""
+    view_before, view_after, own_before, own_after = spec.pads
+    if not any(view_before) and not any(view_after):
+        return Padding(view_before, view_after, own_before, own_after, 0.0, spec.pad_value)
+    return Padding(view_before, view_after, own_before, own_after, spec.view_value, spec.pad_value)
+
+
+@dataclass(frozen=True)
+class Table:
+    """One row table of the store.
+
+    Attributes:
+        source: the tensor whose (padded) values fill it.
+        padding: how it is padded.
+        dims: (d,) its spatial extents (padding included).
+    """
+
+    source: str
+    padding: Padding
+    dims: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.dims)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one tensor's base values are read: a table, the columns holding it, its origin in the table.
+
+    Attributes:
+        table: the table's key in :attr:`Layout.tables`.
+        columns: ``(first, count)`` columns of the table holding the tensor (all of them for a table of its own).
+        origin: (d,) table coordinates of the tensor's first element (the padding before it).
+    """
+
+    table: str
+    columns: tuple[int, int]
+    origin: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every table a store builds and where each read finds its values.
+
+    Attributes:
+        tables: key -> :class:`Table` (the key names the source and its padding).
+        windows: window step's output name -> where its (padded) source is read.
+        reads: tensor name -> where its values are read (aligned reads, full projections).
+        kept: the tensors whose base values the store must be given (the roots of the tables).
+    """
+
+    tables: dict[str, Table]
+    windows: dict[str, Place]
+    reads: dict[str, Place]
+    kept: frozenset[str]
+
+    def nbytes(self, element_size: int, channels: dict[str, int]) -> int:
+        """Bytes of every table (``channels``: a table source's channel count)."""
+        return sum(t.rows * channels[t.source] * element_size for t in self.tables.values())
+
+
+def _channels(program: Program, name: str) -> int:
+    shape = program.graph.by_name[name].shape
+    return math.prod(shape[1:-program.graph.spatial_dims])
+
+
+def _aliases(program: Program, mutated: set[str]) -> dict[str, tuple[str, int]]:
+    """Kept tensors held as column slices of a concatenation: name -> (concatenation, first column)."""
+    graph = program.graph
+    kept = set(program.cached) | {graph.input.name}
+    out: dict[str, tuple[str, int]] = {}
+    for node in graph.nodes:
+        if node.kind != NodeKind.MERGE or node.operator != Operator.CAT or node.name in mutated:
+            continue
+        parts = concat_parts(node)
+        if parts is None or len(set(parts)) != len(parts) or not all(p in kept for p in parts):
+            continue
+        dims = program.dims(node.name)
+        column = 0
+        for part in parts:
+            if part not in mutated and part != graph.input.name and program.dims(part) == dims \
+                    and len(graph.by_name[part].shape) == len(graph.by_name[node.name].shape):
+                out[part] = (node.name, column)
+            column += _channels(program, part)
+    return out
+
+
+def table_layout(program: Program, mutated: set[str] = frozenset(), alias: bool = True) -> Layout:
+    """The tables a store keeps for ``program`` and where every read finds its values.
+
+    Args:
+        program: the graph as steps.
+        mutated: tensors a later in-place operation overwrites (never shared with a concatenation's table).
+        alias: hold a concatenation's parts as column slices of its table (off: a table each; the Triton
+            kernels read contiguous tables only).
+    """
+    graph = program.graph
+    d = graph.spatial_dims
+    links = _aliases(program, set(mutated)) if alias else {}
+    padded: dict[str, set[str]] = {}  # tensors read through a padded table: never column slices
+    for step in program.steps:
+        if step.window is not None and not window_padding(step.window).empty:
+            padded.setdefault(step.window.source, set()).add(step.out)
+    links = {k: v for k, v in links.items() if k not in padded}
+
+    def root(name: str) -> tuple[str, int]:
+        column = 0
+        while name in links:
+            name, offset = links[name]
+            column += offset
+        return name, column
+
+    tables: dict[str, Table] = {}
+    windows: dict[str, Place] = {}
+    reads: dict[str, Place] = {}
+    kept: set[str] = set()
+
+    def plain(name: str) -> Place:
+        base, column = root(name)
+        key = base
+        if key not in tables:
+            tables[key] = Table(base, no_padding(d), program.dims(base))
+            kept.add(base)
+        return Place(key, (column, _channels(program, name)), (0,) * d)
+
+    for step in program.steps:
+        if step.window is None:
+            continue
+        source = step.window.source
+        pad = window_padding(step.window)
+        if pad.empty:
+            windows[step.out] = plain(source)
+            continue
+        key = f"{source}/pad{pad.before}{pad.after}/{pad.view_value}/{pad.pad_value}"
+        if key not in tables:
+            dims = tuple(n + b + a for n, b, a in zip(program.dims(source), pad.before, pad.after))
+            tables[key] = Table(source, pad, dims)
+            kept.add(source)
+        windows[step.out] = Place(key, (0, _channels(program, source)), pad.before)
+        reads.setdefault(source, windows[step.out])
+    for name in [graph.input.name, *program.cached, *sorted(kept)]:  # the roots are read too
+        if name not in reads:
+            reads[name] = plain(name)
+    return Layout(tables, windows, reads, frozenset(kept))
+
+
+# --- row indices --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Gather:
+    """The index tensors of one read: rows of a table, optionally overlaid with a region's values.
+
+    Attributes:
+        read: (R,) table row of every gathered row.
+        dest: (K,) gathered rows receiving region values (None: no overlay).
+        origin: (K,) region row of each ``dest`` (None: region rows 0..K-1 in order).
+        combined: the fused index of the Triton kernels (None off CUDA).
+    """
+
+    read: torch.Tensor
+    dest: torch.Tensor | None = None
+    origin: torch.Tensor | None = None
+    combined: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.read, self.dest, self.origin, self.combined)
+                   if t is not None)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """The index tensors of a full projection: N copies of a map with each query's box written in.
+
+    Attributes:
+        dest: (K,) rows of the (N * positions) result receiving region values.
+        combined: the fused index of the Triton kernels (None off CUDA).
+    """
+
+    dest: torch.Tensor
+    combined: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.dest, self.combined) if t is not None)
+
+
+def _tensor(a: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+
+def overlay_rows(region: Boxes, offset: np.ndarray, window: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Rows of N stacked windows of extent ``window`` receiving the region's values (placed at ``offset`` (N, d)
+    inside each window), and the region's source rows (None: all of them, in order); elements falling outside
+    their window are dropped."""
+    n, d = offset.shape
+    dest = np.zeros((n, *region.size), np.int64)
+    source = np.zeros_like(dest)
+    valid = np.ones(dest.shape, bool)
+    for a in range(d):
+        shape = [1] * (d + 1)
+        shape[a + 1] = region.size[a]
+        k = np.arange(region.size[a]).reshape(shape)
+        w = offset[:, a].reshape(-1, *([1] * d)) + k
+        valid &= (w >= 0) & (w < window[a])
+        dest = dest * window[a] + w
+        source = source * region.size[a] + k
+    dest = dest + (np.arange(n) * math.prod(window)).reshape(-1, *([1] * d))
+    source = source + (np.arange(n) * region.area).reshape(-1, *([1] * d))
+    if valid.all():
+        return dest.reshape(-1), None
+    return dest[valid], source[valid]
+
+
+def _gather(read: np.ndarray, dest: np.ndarray | None, origin: np.ndarray | None, table_rows: int,
+            device: torch.device) -> Gather:
+    read_t, dest_t, origin_t = _tensor(read, device), _tensor(dest, device), _tensor(origin, device)
+    combined = dispatch.fuse_window_index(read_t, dest_t, origin_t, table_rows) \
+        if dest_t is not None and dispatch.wants_fused_index(device) else None
+    return Gather(read_t, dest_t, origin_t, combined)
+
+
+def window_index(layout: Layout, spec: WindowSpec, place: Place, src: Boxes | None, out: Boxes,
+                 device: torch.device) -> Gather:
+    """The read-in windows of ``out`` (N boxes of a window step's output) in its source's padded table, with the
+    source's changed boxes ``src`` overlaid."""
+    table = layout.tables[place.table]
+    read = spec.read_size(out.size)
+    # window start in table coordinates: out * stride - offset + origin; the table holds exactly the padding of
+    # this window, so the origin equals the offset
+    start = out.start() * np.asarray(spec.stride) + (np.asarray(place.origin) - np.asarray(spec.offset))
+    dest = origin = None
+    if src is not None:
+        dest, origin = overlay_rows(src, src.start() + np.asarray(place.origin) - start, read)
+    return _gather(box_rows(start, read, table.dims), dest, origin, table.rows, device)
+
+
+def aligned_index(layout: Layout, place: Place, region: Boxes | None, out: Boxes, device: torch.device) -> Gather:
+    """A tensor's base values in ``out`` (N boxes of one size), its changed boxes ``region`` overlaid."""
+    table = layout.tables[place.table]
+    start = out.start() + np.asarray(place.origin)
+    dest = origin = None
+    if region is not None:
+        dest, origin = overlay_rows(region, region.start() - out.start(), out.size)
+    return _gather(box_rows(start, out.size, table.dims), dest, origin, table.rows, device)
+
+
+def projection_index(dims: tuple[int, ...], region: Boxes, device: torch.device) -> Projection:
+    """Rows of N stacked maps of extents ``dims`` that receive each query's box."""
+    positions = math.prod(dims)
+    dest = _tensor(box_rows(region.start(), region.size, dims, batch_stride=positions), device)
+    combined = dispatch.fuse_scatter_index(dest, None, region.n, positions) \
+        if dispatch.wants_fused_index(device) else None
+    return Projection(dest, combined)
