@@ -124,10 +124,6 @@ class Layout:
     reads: dict[str, Place]
     kept: frozenset[str]
 
-    def nbytes(self, element_size: int, channels: dict[str, int]) -> int:
-        """Bytes of every table (``channels``: a table source's channel count)."""
-        return sum(t.rows * channels[t.source] * element_size for t in self.tables.values())
-
 
 def _channels(program: Program, name: str) -> int:
     shape = program.graph.by_name[name].shape

@@ -45,8 +45,9 @@ from incrinf.graph.execute import concat_parts
 CPU_BATCH_CAP = 64
 # On a GPU larger packed batches keep paying (Krypton used 128); memory is the limit.
 GPU_BATCH_CAP = 256
-# A plan keeps its index tensors when all of them take at most this share of its largest batch's working
-# memory (they then add at most that much to a run's peak); otherwise each batch makes its own as it runs.
+# A plan keeps its index tensors when all of them take at most this share of what a run holds anyway (the model's
+# weights, the store's tables, the largest batch's working memory); otherwise each batch makes its own, step by
+# step, as it runs.
 INDEX_SHARE = 0.25
 
 
@@ -427,6 +428,51 @@ def order_queries(program: Program, exact: Propagation, sizes: np.ndarray) -> np
     return np.lexsort(keys)
 
 
+def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
+    """Batch boundaries over the ordered queries: consecutive runs of ``batch_size // 2`` (at least 1) to
+    ``batch_size`` queries whose packed boxes cost the fewest multiply-adds (dynamic programming; an exact batch
+    computes each step on the per-axis largest of its queries' boxes, so queries of different reach waste work
+    when packed together). Runs never shrink below half the batch size, so per-batch costs at most double.
+
+    Returns:
+        ``(first, end)`` positions in ``order`` of each batch, in order.
+    """
+    q = len(order)
+    smallest = max(1, min(batch_size // 2, q))
+    per_position, extents = [], []
+    for step in program.steps:
+        region = exact.regions[step.out]
+        if region.kind == RegionKind.NONE or step.flops == 0:
+            continue
+        dims = np.asarray(step.dims)
+        per_position.append(step.flops / step.positions)
+        extents.append(np.broadcast_to(dims, (q, len(dims))) if region.kind == RegionKind.FULL
+                       else np.minimum(region.size, dims))
+    if not extents:
+        return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
+    weight = np.asarray(per_position)
+    ordered = np.stack(extents, axis=1)[order]  # (Q, steps, d)
+    best = np.full(q + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros(q + 1, np.int64)
+    for end in range(1, q + 1):
+        largest = None
+        for first in range(end - 1, max(end - batch_size, 0) - 1, -1):
+            largest = ordered[first] if largest is None else np.maximum(largest, ordered[first])
+            n = end - first
+            if n < smallest and first > 0 and end < q:
+                continue
+            # a batch costs its multiply-adds; ties go to fewer batches
+            cost = best[first] + n * float(weight @ largest.prod(axis=1)) * (1 + 1e-9) + 1e-6
+            if cost < best[end]:
+                best[end], cut[end] = cost, first
+    bounds, end = [], q
+    while end > 0:
+        bounds.append((int(cut[end]), end))
+        end = int(cut[end])
+    return bounds[::-1]
+
+
 def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarray, sizes: np.ndarray) -> Plan:
     """The :class:`Plan` for ``key``: ``starts`` and ``sizes`` (Q, d) are the queries' changed input boxes (inside
     the input) whose digest the key holds.
@@ -462,15 +508,19 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
         per_query = max(peak / len(trial), 1.0)
         batch_size = int(max(1, min(cap, key.memory // per_query)))
     batch_size = max(1, min(batch_size, q))
+    bounds = pack(program, exact, order, batch_size) if per_axis is not None else \
+        [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
     made = []
-    for lo in range(0, q, batch_size):
-        queries = order[lo:lo + batch_size]
+    for lo, hi in bounds:
+        queries = order[lo:hi]
         start, (steps, boundary, unchanged, macs, peak) = geometry(queries)
         estimate = _index_estimate(program, steps, len(queries), boundary)
         made.append((queries, start, steps, boundary, unchanged, macs, peak, estimate))
     peak = max(m[6] for m in made)
     index_bytes = sum(m[7] for m in made)
-    keep = index_bytes <= INDEX_SHARE * peak
+    store = sum(t.rows * byte_sizes.channels(t.source) * element_size for t in layout.tables.values())
+    weights = sum(p.numel() * p.element_size() for p in graph.module.parameters())
+    keep = index_bytes <= INDEX_SHARE * (weights + store + peak)
     batches = []
     for queries, start, steps, boundary, unchanged, macs, batch_peak, estimate in made:
         frozen = np.array(queries)

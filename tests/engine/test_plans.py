@@ -269,7 +269,7 @@ def test_unplanned_walk_and_plan_agree(dense3d):
     region = input_region(np.array([[0, 0, 0], [14, 18, 22], [7, 3, 11]]), (6, 6, 6), (20, 24, 28))
     plan, _ = engine.plan(region.start, region.size, batch_size=3)
     batch = plan.batches[0]
-    values = torch.randn(3, 1, *batch.start.size)
+    values = torch.randn(batch.n, 1, *batch.start.size)
     planned = engine.run_batch(batch, values).output
     walked = engine.run(Boxes(batch.start.lo, batch.start.size, values)).output
     torch.testing.assert_close(planned, walked, rtol=1e-5, atol=1e-5)

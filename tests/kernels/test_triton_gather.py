@@ -278,8 +278,7 @@ def test_real_plan_windows_and_scatters_match_torch(monkeypatch):
                 got = dispatch.prepare_windows(table, index.read, index.dest, region, index.origin, index.combined)
                 assert torch.equal(got, expected), step.out
                 checked += 1
-        names = [batch.finish] if batch.finish is not None else list(program.boundary)
-        for name, projection in zip(names, index_of_batch.projections):
+        for name, projection in zip(program.boundary, index_of_batch.projections):
             if projection is None:
                 continue
             table = to_rows(store.plain(name)).contiguous()
