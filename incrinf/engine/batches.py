@@ -28,18 +28,21 @@ import torch
 from incrinf.cache import LookupStatus, runtime_cache
 from incrinf.engine.boxes import WalkResult, chain, compute, shares_memory, walk
 from incrinf.engine.layout import Layout, table_layout
+from incrinf.engine.memory import release_free_memory
 from incrinf.engine.plans import (
     BatchIndex,
     BatchPlan,
     Plan,
     PlanKey,
+    StepIndex,
+    StepPlan,
     batch_index,
     boxes_digest,
     build_plan,
     projections,
     step_indices,
 )
-from incrinf.engine.program import Program
+from incrinf.engine.program import Program, Step
 from incrinf.engine.regions import Boxes
 from incrinf.engine.stores import BaseStore
 from incrinf.graph import Graph, NodeKind, Operator, possibly_mutated
@@ -79,6 +82,9 @@ class Executor:
 
 
 _EXECUTORS_LOCK = threading.Lock()
+# Freed bytes after which a batch hands host memory back to the system (glibc's largest mmap threshold: blocks
+# above it are unmapped when freed anyway).
+TRIM_BYTES = 32 * 2**20
 
 
 def _fingerprint(module: torch.nn.Module) -> tuple:
@@ -87,7 +93,8 @@ def _fingerprint(module: torch.nn.Module) -> tuple:
 
 
 def _candidates(program: Program) -> set[str]:
-    """Tensors a store may keep (every cached tensor and concatenations whose parts are all cached)."""
+    """Tensors a store may keep (every cached tensor and concatenations whose parts are all cached): those whose
+    in-place overwrites matter."""
     graph = program.graph
     kept = set(program.cached) | {graph.input.name, graph.output.name}
     for node in graph.nodes:
@@ -99,10 +106,11 @@ def _candidates(program: Program) -> set[str]:
 
 
 def executor_for(graph: Graph, x: torch.Tensor, fold_batch_norm: bool = True) -> tuple[Executor, dict[str, Any]]:
-    """The graph's shared executor for ``x``'s device and dtype, and the base values of ``x`` that its store keeps.
+    """The graph's shared executor for ``x``'s device and dtype (built on first use), and the base values of ``x``
+    that its store keeps.
 
-    The first input of a graph also finds out which kept tensors the model overwrites in place (their values are
-    then recorded as copies, for this and every later input).
+    Tensors an in-place operation may overwrite later (:func:`incrinf.graph.possibly_mutated`) are recorded as
+    copies made when they are made, and never share a concatenation's table.
     """
     key = ("executor", str(x.device), str(x.dtype), bool(fold_batch_norm))
     fingerprint = _fingerprint(graph.module)
@@ -111,15 +119,12 @@ def executor_for(graph: Graph, x: torch.Tensor, fold_batch_norm: bool = True) ->
         if found is None or found.fingerprint != fingerprint:
             start = time.perf_counter()
             program = Program(graph, {**constant_values(graph), graph.input.name: x}, fold_batch_norm=fold_batch_norm)
-            candidates = _candidates(program)
-            env, mutated = materialize(graph, x, track_mutation=True, keep=candidates,
-                                       watch=possibly_mutated(graph, candidates))
+            mutated = possibly_mutated(graph, _candidates(program))
             program.mutated = set(mutated)
             alias = not dispatch.wants_fused_index(x.device)  # the Triton kernels read contiguous tables
             found = Executor(program, table_layout(program, mutated, alias), frozenset(mutated), fingerprint,
                              time.perf_counter() - start)
             graph.attachments[key] = found
-            return found, env
     return found, _base(found, x)
 
 
@@ -150,6 +155,7 @@ class BatchEngine:
         self.program = self.executor.program
         self.store = BaseStore(self.program, self.executor.layout, base)
         del base
+        release_free_memory()
         took = time.perf_counter() - start
         built = self.executor.seconds if took >= self.executor.seconds else 0.0
         self.seconds = {"executor": built, "base": took - built}
@@ -207,57 +213,69 @@ class BatchEngine:
         Returns:
             The walk's result (output with the batch axis n; flops per query; ``peak_bytes`` from the plan).
         """
-        program, store, layout = self.program, self.store, self.executor.layout
+        program, store = self.program, self.store
         device = store.device
-        indices = batch.index.steps if batch.index is not None else step_indices(program, layout, batch, device)
-        n = batch.n
+        indices = batch.index.steps if batch.index is not None else \
+            step_indices(program, self.executor.layout, batch, device)
         regions: dict[str, Boxes] = {self.graph.input.name: Boxes(batch.start.lo, batch.start.size, values)}
+        freed = _Freed()
         positions = 0
         done = 0
         for sp, si in zip(batch.steps, indices):
-            step = program.steps[sp.index]
             for skipped in range(done, sp.index):  # steps without a change still end their inputs' lives
-                for name in program.release[skipped]:
-                    regions.pop(name, None)
+                freed.drop(regions, program.release[skipped])
             out = Boxes(sp.box.lo, sp.box.size)
-            if step.window is not None:
-                source = step.window.source
-                windows = store.padded(step.window, regions[source].values) if sp.dense else store.gather(
-                    layout.windows[step.out], si.window, regions.get(source), n, step.window.read_size(out.size),
-                    _channels(program, source))
-                out.values = compute(program, step, out, windows=windows)
-                del windows
-            elif sp.assemble:
-                head = step.head.name
-                gathered = store.gather(layout.reads[head], si.inputs[0], None, n, out.size, _channels(program, head))
-                columns = _columns(program, step)
-                parts = [(regions.get(name), columns[name], overlay)
-                         for name, overlay in zip(concat_parts(step.head), si.parts)]
-                out.values = chain(step, store.assemble(gathered, parts))
-            else:
-                inputs = {}
-                for name, same, gather in zip(step.inputs, sp.same, si.inputs):
-                    region = regions.get(name)
-                    inputs[name] = region.values if same else store.gather(
-                        layout.reads[name], gather, region, n, out.size, _channels(program, name))
-                out.values = compute(program, step, out, inputs=inputs,
-                                     fresh=self._fresh(step, sp, regions))
-                del inputs
+            out.values = self._step(program.steps[sp.index], sp, si, out, regions, freed)
             positions += out.area
-            regions[step.out] = out
-            for name in program.release[sp.index]:
-                regions.pop(name, None)
+            regions[program.steps[sp.index].out] = out
+            freed.drop(regions, program.release[sp.index])
             done = sp.index + 1
-        flops = batch.macs / n
-        projected = batch.index.projections if batch.index is not None else projections(program, batch, device)
+        flops = batch.macs / batch.n
         if batch.unchanged:
-            return WalkResult(store.unchanged(n), flops, positions, unchanged=True, peak_bytes=batch.peak_bytes)
-        tensors = []
-        for name, region, projection in zip(program.boundary, batch.boundary, projected):
-            tensors.append(store.full(name, None, n) if region is None else
-                           store.project(name, regions[name], n, projection))
+            return WalkResult(store.unchanged(batch.n), flops, positions, unchanged=True, peak_bytes=batch.peak_bytes)
+        projected = batch.index.projections if batch.index is not None else projections(program, batch, device)
+        tensors = [store.full(name, None, batch.n) if region is None else
+                   store.project(name, regions[name], batch.n, projection)
+                   for name, region, projection in zip(program.boundary, batch.boundary, projected)]
         regions.clear()
-        return WalkResult(program.tail()(*tensors), flops, positions, peak_bytes=batch.peak_bytes)
+        output = program.tail()(*tensors)
+        del tensors
+        release_free_memory()
+        return WalkResult(output, flops, positions, peak_bytes=batch.peak_bytes)
+
+    def _step(self, step: Step, sp: StepPlan, si: StepIndex, out: Boxes, regions: dict[str, Boxes],
+              freed: _Freed) -> torch.Tensor:
+        """One planned step's values: windows gathered (or the source padded, for a whole map), a concatenation
+        assembled in its own base values, or inputs gathered where their boxes are not the step's."""
+        program, store, layout = self.program, self.store, self.executor.layout
+        n = out.n
+        if step.window is not None:
+            source = regions.get(step.window.source)
+            windows = store.padded(step.window, source.values) if sp.dense else store.gather(
+                layout.windows[step.out], si.window, source, n, step.window.read_size(out.size),
+                _channels(program, step.window.source))
+            values = compute(program, step, out, windows=windows)
+            nbytes = _nbytes(windows)
+            del windows
+            freed.add(nbytes)
+            return values
+        if sp.assemble:
+            head = step.head.name
+            gathered = store.gather(layout.reads[head], si.inputs[0], None, n, out.size, _channels(program, head))
+            columns = _columns(program, step)
+            parts = [(regions.get(name), columns[name], overlay)
+                     for name, overlay in zip(concat_parts(step.head), si.parts)]
+            return chain(step, store.assemble(gathered, parts))
+        inputs = {}
+        for name, same, gather in zip(step.inputs, sp.same, si.inputs):
+            region = regions.get(name)
+            inputs[name] = region.values if same else store.gather(
+                layout.reads[name], gather, region, n, out.size, _channels(program, name))
+        values = compute(program, step, out, inputs=inputs, fresh=self._fresh(step, sp, regions))
+        nbytes = sum(_nbytes(inputs[name]) for name, same in zip(step.inputs, sp.same) if not same)
+        del inputs
+        freed.add(nbytes)
+        return values
 
     def _fresh(self, step, sp, regions: dict[str, Boxes]) -> bool:
         """Whether a step may overwrite its first input's values: gathered for it, or an input's values whose last
@@ -285,6 +303,34 @@ class BatchEngine:
             The walk's result; its ``output`` has the batch axis N.
         """
         return walk(self.program, self.store, start, tau=tau, threshold=threshold)
+
+
+class _Freed:
+    """Bytes of region values and gathers freed since host memory was last handed back to the system: past
+    :data:`TRIM_BYTES` they are (glibc keeps freed blocks below its mmap threshold, 32 MiB at most, resident)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` just freed."""
+        self.bytes += nbytes
+        if self.bytes >= TRIM_BYTES:
+            release_free_memory()
+            self.bytes = 0
+
+    def drop(self, regions: dict[str, Boxes], names: list[str]) -> None:
+        """Remove the regions of ``names`` (their last reader ran), counting their values."""
+        for name in names:
+            region = regions.pop(name, None)
+            if region is not None:
+                nbytes = _nbytes(region.values)
+                del region
+                self.add(nbytes)
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def _channels(program: Program, name: str) -> tuple[int, ...]:

@@ -56,8 +56,8 @@ class BaseStore:
     Args:
         program: the graph as steps.
         layout: which tables to keep and where each tensor lives in them.
-        base: the unchanged input's values of at least ``layout.kept``, the input and the output (taken and
-            released table by table, so the caller's dict should not keep them alive).
+        base: the unchanged input's values of at least ``layout.kept``, the input and the output; each kept
+            tensor is removed from it once its tables are made, so that it is freed then.
 
     Attributes:
         tables: table key -> (rows, columns) channels-last rows.
@@ -73,13 +73,20 @@ class BaseStore:
         self.device = self.input.device
         self.output = base[graph.output.name]
         self.tables: dict[str, torch.Tensor] = {}
+        remaining = {}
+        for table in layout.tables.values():
+            remaining[table.source] = remaining.get(table.source, 0) + 1
         for key, table in layout.tables.items():
             p = table.padding
             value = base[table.source]
+            remaining[table.source] -= 1
+            if not remaining[table.source] and table.source not in (graph.input.name, graph.output.name):
+                del base[table.source]  # its last table: let it go as soon as the table is made
             if not p.empty:
                 value = pad_map(value, p.view_before, p.view_after, p.view_value, p.own_before, p.own_after,
                                 p.pad_value)
             self.tables[key] = to_rows(value).contiguous()
+            del value
         self._scales: dict[str, float] = {}
 
     @property

@@ -30,6 +30,13 @@ _POINTWISE_MODULES: tuple[type[nn.Module], ...] = (
     nn.SELU, nn.CELU, nn.PReLU, nn.Mish, nn.Softplus, nn.Hardtanh, nn.Identity, nn.Dropout, nn.Dropout1d,
     nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
 )
+
+
+def preserves_shape(module: nn.Module) -> bool:
+    """Whether a module's output has its (one) input's shape and dtype: activations, dropouts, batch norms."""
+    return isinstance(module, _POINTWISE_MODULES + _BATCH_NORM_MODULES)
+
+
 _CONV_FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
 _MAX_POOL_FUNCTIONS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, torch.max_pool1d: 1, torch.max_pool2d: 2,
                        torch.max_pool3d: 3}

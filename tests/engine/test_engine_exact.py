@@ -24,7 +24,8 @@ def _check(model, image, positions, window, batch_size, baseline=0.0) -> None:
     # the occlusions really change the output (the comparison is not vacuous)
     base = runner.base_output
     assert ((want - base).abs().amax(dim=1) > 1e-6 * scale).any()
-    assert stats.batches == -(-len(positions) // batch_size)
+    # packed in runs of half to the full batch size (the plan picks the cheapest; a partial run at either end)
+    assert -(-len(positions) // batch_size) <= stats.batches <= len(positions) // max(1, batch_size // 2) + 2
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -34,7 +35,7 @@ def test_zoo_corners_edges_centre(name: str) -> None:
     p = 11
     positions = np.array([[0, 0], [0, w - p], [h - p, 0], [h - p, w - p], [(h - p) // 2, (w - p) // 2],
                           [0, 30], [h - p, 17], [23, 0], [31, w - p]])
-    _check(zoo_model(name), image, positions, (p, p), batch_size=4)  # 9 positions: batches of 4, 4, 1
+    _check(zoo_model(name), image, positions, (p, p), batch_size=4)  # 9 positions: several batches, one partial
 
 
 @pytest.mark.parametrize("patch,stride", [(1, 13), (3, 7), (16, 9), (33, 15), (64, 5)])

@@ -160,7 +160,7 @@ def test_small_cnn_equals_naive_re_inference(d, dims, window, stride) -> None:
     scale = want.abs().max()
     assert ((got - want).abs().max() / scale).item() < 1e-4
     assert ((want - model(x)).abs().amax(dim=1) > 1e-6 * scale).any()  # the occlusions move the output
-    assert stats.theoretical_speedup > 1.0 and stats.batches == -(-len(corners) // 6)
+    assert stats.theoretical_speedup > 1.0 and -(-len(corners) // 6) <= stats.batches <= len(corners) // 3 + 2
 
 
 def test_monai_densenet_3d_equals_naive_re_inference() -> None:

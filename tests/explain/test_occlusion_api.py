@@ -26,7 +26,7 @@ def test_heatmap_equals_naive_drop_in_target_score() -> None:
     want = (base[result.target] - naive_occlusion(model, image[None], positions, (12, 12))[:, result.target])
     np.testing.assert_allclose(result.heatmap.ravel(), want.numpy(), rtol=1e-4, atol=1e-4 * float(base.abs().max()))
     s = result.stats
-    assert s["positions"] == 49 and s["batches"] == 10 and s["seconds"] > 0
+    assert s["positions"] == 49 and 10 <= s["batches"] <= 49 // 2 + 2 and s["seconds"] > 0
     assert s["theoretical_speedup"] >= 1 and s["realized_flop_ratio"] >= 1 and s["peak_memory_bytes"] > 0
 
 
