@@ -85,9 +85,9 @@ def occlusion(
     (1-D (C, L), 2-D (C, H, W), 3-D (C, D, H, W)), target, occluder and feature mask.
 
     Args:
-        model, image, target, patch, stride, baseline, batch_size, max_memory, output, device, progress,
-            feature_mask, spatial_dims: as in the exact :func:`incrinf.explain.occlusion.occlusion` (``target`` an
-            int, None, ``"all"`` or a reducer; ``baseline`` a number, a tensor or an occluder mode).
+        model, image, target, patch, stride, baseline: as in the exact :func:`incrinf.explain.occlusion.occlusion`
+            (``target`` an int, None, ``"all"`` or a reducer; ``baseline`` a number, a tensor or an occluder mode).
+        batch_size, max_memory, output, device, progress, feature_mask, spatial_dims: as in the exact front end.
         tau: projective field threshold in (0, 1]; below 1 is approximate (faster).
         feature_threshold: value-based pruning (see :func:`incrinf.explain.occlusion.occlusion`); above 0 is
             approximate (faster).
