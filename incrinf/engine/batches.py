@@ -14,8 +14,8 @@ import torch
 from incrinf.cache import runtime_cache
 from incrinf.engine.boxes import WalkResult, walk
 from incrinf.engine.program import Program
-from incrinf.engine.regions import Boxes
 from incrinf.engine.stores import BaseStore
+from incrinf.geometry import Boxes
 from incrinf.graph import Graph
 from incrinf.graph.execute import materialize
 

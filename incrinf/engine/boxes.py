@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes, grow, union
+from incrinf.engine.regions import grow, union
 from incrinf.engine.stores import take
+from incrinf.geometry import Boxes
 from incrinf.kernels.gather import from_rows, to_rows
 
 

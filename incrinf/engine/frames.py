@@ -21,8 +21,8 @@ import torch
 from incrinf.engine.blocks import Motion, Positions, walk_blocks
 from incrinf.engine.boxes import walk
 from incrinf.engine.program import Program
-from incrinf.engine.regions import Boxes
 from incrinf.engine.stores import FrameCache, clone_output
+from incrinf.geometry import Boxes
 from incrinf.graph import Graph, NodeKind
 from incrinf.graph.execute import copy_graph, materialize
 

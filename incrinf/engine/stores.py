@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes, cut
+from incrinf.engine.regions import cut
 from incrinf.engine.windows import box_rows, padded_crop, padded_rows
+from incrinf.geometry import Boxes
 from incrinf.kernels import dispatch
 from incrinf.kernels.gather import from_rows, to_rows
 

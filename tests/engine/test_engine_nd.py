@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from incrinf import CaptureError
 from incrinf.analysis import analyze, occlusion_grid
-from incrinf.engine import BatchEngine, Boxes
+from incrinf.engine import BatchEngine
 from incrinf.explain.runner import OcclusionRunner
-from incrinf.geometry import RegionKind, input_region, propagate
+from incrinf.geometry import RegionKind, input_boxes, propagate
 from incrinf.graph import capture
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,7 +74,8 @@ def _boxes_and_values(data, x: torch.Tensor, count: int):
 
 def _inside(region, i: int, shape: tuple[int, ...]) -> torch.Tensor:
     inside = torch.zeros(shape, dtype=torch.bool)
-    inside[tuple(slice(int(s), int(s) + int(z)) for s, z in zip(region.start[i], region.size[i]))] = True
+    start, size = region.boxes.start()[i], region.boxes.sizes()[i]
+    inside[tuple(slice(int(s), int(s) + int(z)) for s, z in zip(start, size))] = True
     return inside
 
 
@@ -92,16 +93,15 @@ def test_region_contains_changes_and_read_in_suffices(d: int, data) -> None:
     with torch.no_grad():
         base = model(x)
         want = torch.cat([model(x2) for x2 in changed])
-    region = propagate(graph, input_region(corners, size, dims), uniform=True).regions[graph.nodes[-2].name]
+    region = propagate(graph, input_boxes(corners, size, dims), uniform=True).regions[graph.nodes[-2].name]
     if region.kind == RegionKind.BOX:
         for i in range(len(corners)):
             moved = (want[i:i + 1] != base).any(dim=1)[0]
             assert not (moved & ~_inside(region, i, tuple(moved.shape))).any(), "a change outside the region"
     # the engine recomputes only those regions from their read-in windows: results equal full inference
-    start = input_region(corners, size, dims)
-    values = torch.stack([x2[0][(slice(None), *(slice(c, c + s) for c, s in zip(corner, size)))]
-                          for x2, corner in zip(changed, start.start)])
-    boxes = Boxes(tuple(start.start.T), tuple(int(s) for s in start.size[0]), values)
+    boxes = input_boxes(corners, size, dims)
+    boxes.values = torch.stack([x2[0][(slice(None), *(slice(c, c + s) for c, s in zip(corner, size)))]
+                                for x2, corner in zip(changed, boxes.start())])
     got = BatchEngine(graph, x).run(boxes).output
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
