@@ -124,16 +124,17 @@ class OcclusionRunner:
         model: a ``torch.fx``-traceable model (eval mode is set), or its captured graph.
         image: (1, C, *spatial) float tensor, 1-3 spatial axes.
         tau: projective field threshold (1 = exact).
-        prune: value-based pruning threshold (0 = exact): a recomputed position whose values moved by at most
+        feature_threshold: value-based pruning (0 = exact): a recomputed position whose values moved by at most
             this share of the tensor's mean magnitude stops spreading.
     """
 
-    def __init__(self, model: nn.Module | Graph, image: torch.Tensor, tau: float = 1.0, prune: float = 0.0) -> None:
+    def __init__(self, model: nn.Module | Graph, image: torch.Tensor, tau: float = 1.0,
+                 feature_threshold: float = 0.0) -> None:
         self.graph = model if isinstance(model, Graph) else captured_graph(model, image.shape[1:])
         self.image = image
         self.dims = tuple(self.graph.input_shape[2:])
         self.tau = tau
-        self.prune = prune
+        self.feature_threshold = feature_threshold
         self.engine = BatchEngine(self.graph, image)
         self.image_rows = to_rows(image).contiguous()
 
@@ -248,7 +249,7 @@ class OcclusionRunner:
         for batch in batches:
             corners, extent = batch.plan_key
             plan = batch_plan(self.graph, corners, extent, self.tau, dev)
-            result = self.engine.run(batch.boxes, self.tau, self.prune, plan)
+            result = self.engine.run(batch.boxes, self.tau, self.feature_threshold, plan)
             outputs.append(result.output if reduce is None else _reduced(reduce, result.output, batch.boxes.n))
             done.append(batch.queries)
             realized += result.flops * batch.boxes.n

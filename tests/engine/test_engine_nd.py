@@ -210,5 +210,5 @@ def test_tau_and_pruning_run_in_any_dimension(d, dims) -> None:
     # the cap saves work where a region outgrows it (the 3-D maps here; a 3-wide change in a 61-long signal never does)
     assert capped_stats.theoretical_speedup >= exact_stats.theoretical_speedup * (1.05 if d == 3 else 1.0)
     assert capped.shape == exact.shape and torch.isfinite(capped).all()
-    pruned, _ = OcclusionRunner(model, x, prune=1e-9).run(corners, window, batch_size=8)
+    pruned, _ = OcclusionRunner(model, x, feature_threshold=1e-9).run(corners, window, batch_size=8)
     torch.testing.assert_close(pruned, exact, rtol=1e-4, atol=1e-5)  # ... a tiny threshold keeps every change

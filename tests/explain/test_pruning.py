@@ -27,11 +27,11 @@ def test_threshold_zero_is_bit_equal_to_the_exact_path(name):
     assert zero.stats["approximate"] is False
 
 
-def _walk(engine: BatchEngine, positions: np.ndarray, threshold: float):
+def _walk(engine: BatchEngine, positions: np.ndarray, feature_threshold: float):
     boxes = input_boxes(positions, (16, 16), (64, 64))
     values = torch.zeros(len(positions), 3, 16, 16)
     boxes.values = values
-    return engine.run(boxes, threshold=threshold)
+    return engine.run(boxes, feature_threshold=feature_threshold)
 
 
 @pytest.mark.parametrize("name", ["resnet18", "efficientnet_lite0"])
