@@ -241,7 +241,7 @@ def _drill_down(model: nn.Module, image: torch.Tensor, tau: float, drill: DrillD
         raise ValueError(f"output must be 'logit' or 'prob', got {output!r}")
     budget = parse_bytes(max_memory)
     s1 = drill.stage_one_stride(stride_hw, hw)
-    runner = OcclusionRunner(model, image, tau=tau, prune=check_feature_threshold(feature_threshold))
+    runner = OcclusionRunner(model, image, tau=tau, feature_threshold=check_feature_threshold(feature_threshold))
     _warn_if_no_reuse(runner)
     spec = targets.resolve(target, runner.base_output, output)
     base = spec.scores(runner.base_output)[0]

@@ -192,7 +192,7 @@ def occlusion(
     if mask is None:
         patch_size = check_patch(patch, dims)
         stride_size = check_stride(stride, d)
-    runner = OcclusionRunner(model, image, tau=tau, prune=feature_threshold)
+    runner = OcclusionRunner(model, image, tau=tau, feature_threshold=feature_threshold)
     _warn_if_no_reuse(runner)
     spec = targets.resolve(target, runner.base_output, output)
     base = spec.scores(runner.base_output)[0]

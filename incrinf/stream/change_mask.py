@@ -27,11 +27,10 @@ import numpy as np
 import torch
 
 from incrinf.extras import require
+from incrinf.geometry import Box
 from incrinf.stream.config import StreamConfig
 
 cv2 = require("cv2", "stream", "camera streams")
-
-Box = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
