@@ -22,8 +22,8 @@ from incrinf.engine.frames import CacheMemory, ExecStats, FrameEngine
 from incrinf.engine.memory import free_device_memory, peak_memory, reset_peak_memory
 from incrinf.engine.plans import BatchPlan, Plan, PlanKey, StepPlan
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes
 from incrinf.engine.stores import crop_boxes
+from incrinf.geometry import Boxes
 
 __all__ = [
     "BatchEngine",

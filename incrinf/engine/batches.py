@@ -43,8 +43,8 @@ from incrinf.engine.plans import (
     step_indices,
 )
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes
 from incrinf.engine.stores import BaseStore
+from incrinf.geometry import Boxes
 from incrinf.graph import Graph, NodeKind, Operator, possibly_mutated
 from incrinf.graph.execute import concat_parts, constant_values, materialize
 from incrinf.kernels import dispatch
@@ -290,19 +290,19 @@ class BatchEngine:
         return not any(shares_memory(r.values, values) for name, r in regions.items() if name != first)
 
     @torch.no_grad()
-    def run(self, start: Boxes, tau: float = 1.0, threshold: float = 0.0) -> WalkResult:
+    def run(self, start: Boxes, tau: float = 1.0, feature_threshold: float = 0.0) -> WalkResult:
         """Outputs of N changed copies of the input, walking boxes without a plan (the boxes of value-based pruning
         follow the data).
 
         Args:
             start: the N changed boxes of the input (one size) and their new values (N, C, *size).
             tau: projective field threshold (1: exact).
-            threshold: value-based pruning at cached tensors (0: exact).
+            feature_threshold: value-based pruning at cached tensors (0: exact).
 
         Returns:
             The walk's result; its ``output`` has the batch axis N.
         """
-        return walk(self.program, self.store, start, tau=tau, threshold=threshold)
+        return walk(self.program, self.store, start, tau=tau, feature_threshold=feature_threshold)
 
 
 class _Freed:

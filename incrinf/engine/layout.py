@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from incrinf.engine.program import Program
-from incrinf.engine.regions import Boxes
 from incrinf.engine.windows import WindowSpec, box_rows
+from incrinf.geometry import Boxes
 from incrinf.graph import NodeKind, Operator
 from incrinf.graph.execute import concat_parts
 from incrinf.kernels import dispatch

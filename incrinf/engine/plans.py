@@ -36,8 +36,7 @@ from incrinf.engine.layout import (
     window_index,
 )
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes
-from incrinf.geometry import Propagation, Region, RegionKind, incremental_flops, propagate
+from incrinf.geometry import Boxes, Propagation, Region, RegionKind, incremental_flops, propagate
 from incrinf.graph import NodeKind, Operator
 from incrinf.graph.execute import concat_parts
 
@@ -247,9 +246,9 @@ def _exact_box(region: Region, queries: np.ndarray, dims: tuple[int, ...]) -> Bo
     n = len(queries)
     if region.kind == RegionKind.FULL:
         return Boxes(tuple(np.zeros(n, np.int64) for _ in dims), tuple(dims))
-    size = region.size[queries].max(axis=0)
+    size = region.boxes.sizes()[queries].max(axis=0)
     size = np.minimum(size, np.asarray(dims))
-    lo = np.minimum(region.start[queries], np.asarray(dims) - size)
+    lo = np.minimum(region.boxes.start()[queries], np.asarray(dims) - size)
     return Boxes(tuple(lo.T), tuple(int(s) for s in size))
 
 
@@ -423,7 +422,7 @@ def order_queries(program: Program, exact: Propagation, sizes: np.ndarray) -> np
     keys = [sizes.prod(axis=1)]
     boxed = [n.name for n in graph.nodes if exact.regions[n.name].kind == RegionKind.BOX and graph.is_map(n.shape)]
     if boxed:
-        deepest = exact.regions[boxed[-1]].size
+        deepest = exact.regions[boxed[-1]].boxes.sizes()
         keys = [*deepest.T[::-1], *keys]
     return np.lexsort(keys)
 
@@ -447,7 +446,7 @@ def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: in
         dims = np.asarray(step.dims)
         per_position.append(step.flops / step.positions)
         extents.append(np.broadcast_to(dims, (q, len(dims))) if region.kind == RegionKind.FULL
-                       else np.minimum(region.size, dims))
+                       else np.minimum(region.boxes.sizes(), dims))
     if not extents:
         return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
     weight = np.asarray(per_position)
@@ -489,7 +488,7 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
     device = torch.device(key.device)
     element_size = torch.empty((), dtype=getattr(torch, key.dtype.replace("torch.", ""))).element_size()
     byte_sizes = _Sizes(program, element_size)
-    exact = propagate(graph, Region(RegionKind.BOX, starts, sizes), key.tau, uniform=False)
+    exact = propagate(graph, Boxes(tuple(starts.T), tuple(sizes.T)), key.tau, uniform=False)
     query_macs = incremental_flops(graph, exact)
     order = order_queries(program, exact, sizes)
     per_axis = exact if key.tau >= 1.0 else None

@@ -9,8 +9,8 @@
   can be moved through per-resolution index maps (the stream computes them from the homography).
 
 Both offer value-based pruning at commit: positions whose new values differ from the old by at most
-``threshold`` times the tensor's mean magnitude stop spreading (the stream's feature threshold, DeltaCNN's
-delta threshold); threshold 0 keeps every recomputed position and is exact.
+``feature_threshold`` times the tensor's mean magnitude stop spreading (the stream's feature threshold, DeltaCNN's
+delta threshold); feature_threshold 0 keeps every recomputed position and is exact.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import torch
 
 from incrinf.engine.layout import Gather, Layout, Place, Projection, aligned_index, projection_index, window_index
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes, cut
+from incrinf.engine.regions import cut
 from incrinf.engine.windows import WindowSpec, box_rows, pad_map, padded_crop
+from incrinf.geometry import Boxes
 from incrinf.kernels import dispatch
 from incrinf.kernels.gather import from_rows, to_rows
 
@@ -187,10 +188,10 @@ class BaseStore:
         like_input = self.input.expand(n, *self.input.shape[1:])  # read for its size at most
         return self.program.suffix(cut_point, self.full(cut_point, region, n), like_input, False)[0]
 
-    def commit(self, name: str, region: Boxes, threshold: float) -> Boxes | None:
-        """``region`` cut to the positions whose values moved by more than ``threshold`` times the tensor's mean
-        magnitude (unchanged with threshold 0); None when no query keeps any."""
-        if threshold <= 0:
+    def commit(self, name: str, region: Boxes, feature_threshold: float) -> Boxes | None:
+        """``region`` cut to the positions whose values moved by more than ``feature_threshold`` times the tensor's
+        mean magnitude (unchanged with feature_threshold 0); None when no query keeps any."""
+        if feature_threshold <= 0:
             return region
         scale = self._scales.get(name)
         if scale is None:
@@ -199,7 +200,7 @@ class BaseStore:
             scale = self._scales[name] = float(rows[::_SCALE_STRIDE].abs().mean())
         old = self.aligned(name, None, region)
         delta = (region.values - old).abs_()
-        keep = delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > threshold * scale
+        keep = delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > feature_threshold * scale
         return cut(region, keep.cpu().numpy(), PRUNED_QUANTUM)
 
 
@@ -287,11 +288,11 @@ class FrameCache:
             self.buffers[name] = to_rows(t)
         return out
 
-    def commit(self, name: str, region: Boxes, threshold: float) -> Boxes | None:
-        """Write ``region`` into its cache, first cut to the positions that moved by more than ``threshold`` times
-        the tensor's mean magnitude; None when none did."""
+    def commit(self, name: str, region: Boxes, feature_threshold: float) -> Boxes | None:
+        """Write ``region`` into its cache, first cut to the positions that moved by more than
+        ``feature_threshold`` times the tensor's mean magnitude; None when none did."""
         target = take(self.map(name), region)
-        eps = threshold * self.scale(name) if threshold > 0 else 0.0
+        eps = feature_threshold * self.scale(name) if feature_threshold > 0 else 0.0
         if eps > 0:
             delta = torch.sub(region.values, target).abs_()
             kept = cut(region, (delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > eps).numpy())

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from incrinf.engine import BatchEngine, Boxes, Plan, crop_boxes, free_device_memory, peak_memory, reset_peak_memory
 from incrinf.explain.occluders import Occluder, make_occluder
-from incrinf.geometry import input_region
+from incrinf.geometry import input_boxes
 from incrinf.graph import Graph, captured_graph
 
 # Share of the free device memory a batch may use (cuDNN workspaces and the allocator need the rest).
@@ -68,18 +68,19 @@ class OcclusionRunner:
         model: a ``torch.fx``-traceable model (eval mode is set), or its captured graph.
         image: (1, C, *spatial) float tensor, 1-3 spatial axes.
         tau: projective field threshold (1 = exact).
-        prune: value-based pruning threshold (0 = exact): a recomputed position whose values moved by at most
+        feature_threshold: value-based pruning (0 = exact): a recomputed position whose values moved by at most
             this share of the tensor's mean magnitude stops spreading.
     """
 
-    def __init__(self, model: nn.Module | Graph, image: torch.Tensor, tau: float = 1.0, prune: float = 0.0) -> None:
+    def __init__(self, model: nn.Module | Graph, image: torch.Tensor, tau: float = 1.0,
+                 feature_threshold: float = 0.0) -> None:
         start = time.perf_counter()
         self.graph = model if isinstance(model, Graph) else captured_graph(model, image.shape[1:])
         self.capture_seconds = time.perf_counter() - start
         self.image = image
         self.dims = tuple(self.graph.input_shape[2:])
         self.tau = tau
-        self.prune = prune
+        self.feature_threshold = feature_threshold
         self.engine = BatchEngine(self.graph, image)
 
     @property
@@ -127,8 +128,8 @@ class OcclusionRunner:
         window = tuple(int(w) for w in window)
         positions = np.asarray(positions, dtype=np.int64).reshape(-1, len(dims))
         occluder = make_occluder(baseline, self.image, window)
-        region = input_region(positions, window, dims)
-        plan, hit, planning = self.plan(region.start, region.size, batch_size, memory)
+        boxes = input_boxes(positions, window, dims)
+        plan, hit, planning = self.plan(boxes.start(), boxes.sizes(), batch_size, memory)
 
         def values(batch) -> torch.Tensor:
             chunk = positions[batch.queries]
@@ -195,8 +196,9 @@ class OcclusionRunner:
         bar = tqdm(total=n, desc=desc, unit="pos", disable=not progress, leave=False)
         for batch in plan.batches:
             boxes_values = values(batch)
-            if self.prune > 0:  # pruned boxes follow the data: walked without the plan's boxes
-                result = self.engine.run(Boxes(batch.start.lo, batch.start.size, boxes_values), self.tau, self.prune)
+            if self.feature_threshold > 0:  # pruned boxes follow the data: walked without the plan's boxes
+                result = self.engine.run(Boxes(batch.start.lo, batch.start.size, boxes_values), self.tau,
+                                         self.feature_threshold)
             else:
                 result = self.engine.run_batch(batch, boxes_values)
             del boxes_values

@@ -16,7 +16,7 @@ from incrinf.analysis import occlusion_grid
 from incrinf.cache import LookupStatus, runtime_cache
 from incrinf.engine import BatchEngine, Boxes
 from incrinf.engine.plans import forward_peak_bytes
-from incrinf.geometry import incremental_flops, input_region, propagate
+from incrinf.geometry import incremental_flops, input_boxes, propagate
 from incrinf.graph import capture
 from incrinf.testing.memory import TensorMemory
 
@@ -87,8 +87,8 @@ def _naive(model: nn.Module, image: torch.Tensor, corners: np.ndarray, window: t
 def _planned(engine: BatchEngine, image: torch.Tensor, corners: np.ndarray, window: tuple[int, ...],
              batch_size: int) -> tuple[torch.Tensor, object]:
     dims = tuple(image.shape[2:])
-    region = input_region(corners, window, dims)
-    plan, _ = engine.plan(region.start, region.size, batch_size=batch_size)
+    region = input_boxes(corners, window, dims)
+    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
     outputs = torch.zeros(len(corners), *engine.base_output.shape[1:])
     for batch in plan.batches:
         starts = batch.start.start()
@@ -141,16 +141,16 @@ def test_a_plan_is_built_once_per_key_and_shared(dense3d, monkeypatch):
     graph = capture(model, image.shape[1:])
     engines = [BatchEngine(graph, image), BatchEngine(graph, torch.randn_like(image))]  # another volume
     assert engines[0].executor is engines[1].executor  # one executor per graph and device
-    box_a = input_region(occlusion_grid((20, 24, 28), (6, 6, 6), (7, 9, 11)), (6, 6, 6), (20, 24, 28))
-    box_b = input_region(occlusion_grid((20, 24, 28), (8, 8, 8), (6, 8, 10)), (8, 8, 8), (20, 24, 28))
-    first, status = engines[0].plan(box_a.start, box_a.size, batch_size=4)
+    box_a = input_boxes(occlusion_grid((20, 24, 28), (6, 6, 6), (7, 9, 11)), (6, 6, 6), (20, 24, 28))
+    box_b = input_boxes(occlusion_grid((20, 24, 28), (8, 8, 8), (6, 8, 10)), (8, 8, 8), (20, 24, 28))
+    first, status = engines[0].plan(box_a.start(), box_a.sizes(), batch_size=4)
     assert status is LookupStatus.MISS and len(calls) == 1
-    again, status = engines[1].plan(box_a.start, box_a.size, batch_size=4)
+    again, status = engines[1].plan(box_a.start(), box_a.sizes(), batch_size=4)
     assert status is LookupStatus.HIT and again is first and len(calls) == 1
-    engines[0].plan(box_b.start, box_b.size, batch_size=4)  # another key: built
-    third, _ = engines[1].plan(box_a.start, box_a.size, batch_size=4)  # A, B, A: the first is still there
+    engines[0].plan(box_b.start(), box_b.sizes(), batch_size=4)  # another key: built
+    third, _ = engines[1].plan(box_a.start(), box_a.sizes(), batch_size=4)  # A, B, A: the first is still there
     assert third is first and len(calls) == 2
-    engines[0].plan(box_a.start, box_a.size, batch_size=3)  # another batch size: another plan
+    engines[0].plan(box_a.start(), box_a.sizes(), batch_size=3)  # another batch size: another plan
     assert len(calls) == 3
 
 
@@ -169,9 +169,10 @@ def test_threads_share_one_build(dense3d, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(batches, "build_plan", slow)
-    region = input_region(occlusion_grid((20, 24, 28), (6, 6, 6), (5, 5, 5)), (6, 6, 6), (20, 24, 28))
+    region = input_boxes(occlusion_grid((20, 24, 28), (6, 6, 6), (5, 5, 5)), (6, 6, 6), (20, 24, 28))
     plans = []
-    threads = [threading.Thread(target=lambda: plans.append(engine.plan(region.start, region.size, batch_size=8)[0]))
+    starts, sizes = region.start(), region.sizes()
+    threads = [threading.Thread(target=lambda: plans.append(engine.plan(starts, sizes, batch_size=8)[0]))
                for _ in range(6)]
     for t in threads:
         t.start()
@@ -193,14 +194,14 @@ def test_plan_multiply_adds_equal_the_geometry(name, dense3d):
     graph = capture(model, image.shape[1:])
     engine = BatchEngine(graph, image)
     dims = tuple(image.shape[2:])
-    region = input_region(occlusion_grid(dims, window, tuple(max(1, d // 4) for d in dims)), window, dims)
+    region = input_boxes(occlusion_grid(dims, window, tuple(max(1, d // 4) for d in dims)), window, dims)
     exact = incremental_flops(graph, propagate(graph, region, uniform=False))
-    single, _ = engine.plan(region.start, region.size, batch_size=1)
+    single, _ = engine.plan(region.start(), region.sizes(), batch_size=1)
     np.testing.assert_allclose(single.query_macs, exact, rtol=1e-12)
     # a batch of one query computes exactly its own boxes: the plan counts the geometry's multiply-adds
     np.testing.assert_allclose(single.macs, exact.sum(), rtol=1e-9)
     np.testing.assert_allclose(single.planned_speedup, single.theoretical_speedup, rtol=1e-9)
-    packed, _ = engine.plan(region.start, region.size, batch_size=8)
+    packed, _ = engine.plan(region.start(), region.sizes(), batch_size=8)
     assert packed.macs >= exact.sum() * (1 - 1e-9)  # packing computes each query on the batch's largest boxes
     assert packed.planned_speedup <= packed.theoretical_speedup * (1 + 1e-9)
 
@@ -208,8 +209,8 @@ def test_plan_multiply_adds_equal_the_geometry(name, dense3d):
 def test_plans_are_immutable(dense3d):
     model, image = dense3d
     engine = BatchEngine(capture(model, image.shape[1:]), image)
-    region = input_region(np.array([[0, 0, 0], [7, 9, 11]]), (6, 6, 6), (20, 24, 28))
-    plan, _ = engine.plan(region.start, region.size, batch_size=2)
+    region = input_boxes(np.array([[0, 0, 0], [7, 9, 11]]), (6, 6, 6), (20, 24, 28))
+    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=2)
     batch = plan.batches[0]
     with pytest.raises((AttributeError, TypeError)):
         batch.macs = 0.0  # frozen dataclasses
@@ -240,9 +241,9 @@ def test_a_3d_run_stays_under_its_planned_memory(dense3d):
     model, image = dense3d
     engine = BatchEngine(capture(model, image.shape[1:]), image)
     corners = occlusion_grid((20, 24, 28), (6, 6, 6), (4, 5, 6))
-    region = input_region(corners, (6, 6, 6), (20, 24, 28))
+    region = input_boxes(corners, (6, 6, 6), (20, 24, 28))
     for batch_size in (4, 12):
-        plan, _ = engine.plan(region.start, region.size, batch_size=batch_size)
+        plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
         naive = forward_peak_bytes(engine.program, batch_size, 4)
         assert plan.peak_bytes <= naive
         for batch in plan.batches:
@@ -256,9 +257,9 @@ def test_a_3d_run_stays_under_its_planned_memory(dense3d):
 def test_memory_budget_sizes_the_batches(dense3d):
     model, image = dense3d
     engine = BatchEngine(capture(model, image.shape[1:]), image)
-    region = input_region(occlusion_grid((20, 24, 28), (6, 6, 6), (2, 3, 3)), (6, 6, 6), (20, 24, 28))
-    small, _ = engine.plan(region.start, region.size, memory=2 * 2**20)
-    large, _ = engine.plan(region.start, region.size, memory=64 * 2**20)
+    region = input_boxes(occlusion_grid((20, 24, 28), (6, 6, 6), (2, 3, 3)), (6, 6, 6), (20, 24, 28))
+    small, _ = engine.plan(region.start(), region.sizes(), memory=2 * 2**20)
+    large, _ = engine.plan(region.start(), region.sizes(), memory=64 * 2**20)
     assert small.batch_size < large.batch_size
     assert small.peak_bytes <= 2 * 2**20 or small.batch_size == 1
 
@@ -266,8 +267,8 @@ def test_memory_budget_sizes_the_batches(dense3d):
 def test_unplanned_walk_and_plan_agree(dense3d):
     model, image = dense3d
     engine = BatchEngine(capture(model, image.shape[1:]), image)
-    region = input_region(np.array([[0, 0, 0], [14, 18, 22], [7, 3, 11]]), (6, 6, 6), (20, 24, 28))
-    plan, _ = engine.plan(region.start, region.size, batch_size=3)
+    region = input_boxes(np.array([[0, 0, 0], [14, 18, 22], [7, 3, 11]]), (6, 6, 6), (20, 24, 28))
+    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=3)
     batch = plan.batches[0]
     values = torch.randn(batch.n, 1, *batch.start.size)
     planned = engine.run_batch(batch, values).output
