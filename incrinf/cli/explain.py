@@ -11,6 +11,7 @@ import numpy as np
 
 from incrinf.cli.approx_options import add_explain_options, apply_explain_options, describe_approximation
 from incrinf.cli.common import model_name, positive_int
+from incrinf.cli.feature_mask import print_summary, target_value
 from incrinf.cli.volume import is_volume_path, run_volume, volume_size
 
 
@@ -39,7 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--stride", type=positive_int, help="window stride (default 4 for images, 16 for volumes)")
     p.add_argument("--baseline", type=baseline_value, default=0.0,
                    help="occluding value: a number, mean_patch, mean_img or gaussian (default 0)")
-    p.add_argument("--target", type=int, help="class to explain (default: predicted)")
+    p.add_argument("--target", type=target_value,
+                   help="class to explain (default: predicted), or 'all' for a map per class from one run")
+    p.add_argument("--feature-mask", metavar="FILE",
+                   help="occlude features instead of sliding windows: a segment image or .npy of ids (images, the "
+                        "image's size) or a label volume (NIfTI or .npy, the volume's shape); one value per feature")
     p.add_argument("--output", choices=["logit", "prob"], default="prob")
     p.add_argument("--batch-size", type=positive_int)
     p.add_argument("--out", default="heatmap.png", help="picture to write, or the folder of a dataset run")
@@ -83,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{name} explains 3-D volumes: give a NIfTI file (.nii, .nii.gz)")
     options = apply_explain_options(args)
     if is_dataset_run(args):
+        if args.feature_mask:
+            raise ValueError("--feature-mask explains one input; a dataset run slides windows")
         # the dataset path reads the same options as one image: fill in the image defaults it would not know
         args.model, args.patch, args.stride = name, args.patch or 16, args.stride or 4
         if args.baseline != 0.0:
@@ -91,6 +98,14 @@ def run(args: argparse.Namespace) -> int:
     image = _read_image(args.image[0] if args.image else None)
     model = models.load(name, args.weights)
     x = models.preprocess(image, name)
+    if args.feature_mask:
+        from incrinf.cli.feature_mask import fit_image_mask, read_image_mask
+
+        try:
+            labels = read_image_mask(args.feature_mask)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"incrinf explain: {exc}") from None
+        options["feature_mask"] = fit_image_mask(labels, image.shape[:2], x.shape[-1])
     start = time.perf_counter()
     result = approx.occlusion(model, x, target=args.target, patch=args.patch or 16, stride=args.stride or 4,
                               baseline=args.baseline, batch_size=args.batch_size if args.batch_size else "auto",
@@ -98,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     out = result.save(args.out, image=models.unnormalize(x, name), title=f"{name}: class {result.target}")
     s = result.stats
+    if result.features is not None or result.every_class:
+        return print_summary(result, elapsed, out, "heat map")
     print(f"explained class {result.target} with {s['positions']} positions in {elapsed:.1f} s "
           f"({s['batches']} batches of {s['batch_size']}); theoretical speedup {s['theoretical_speedup']:.2f}x, "
           f"realized FLOP ratio {s['realized_flop_ratio']:.2f}x")
@@ -108,3 +125,4 @@ def run(args: argparse.Namespace) -> int:
     print(describe_approximation(s))
     print(f"heat map written to {out}")
     return 0
+

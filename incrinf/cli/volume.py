@@ -87,17 +87,33 @@ def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
         volume = read_volume(path, args.volume_index)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"incrinf explain: {exc}") from None
+    labels = None
+    if getattr(args, "feature_mask", None):
+        from incrinf.cli.feature_mask import read_volume_mask
+
+        try:
+            labels = read_volume_mask(args.feature_mask, tuple(volume.shape[1:]), args.volume_index)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"incrinf explain: {exc}") from None
     if args.resize:
         volume = resize(volume, args.resize)
+        if labels is not None:
+            from incrinf.cli.feature_mask import resize_labels
+
+            labels = resize_labels(labels, args.resize)
     model = models.load(name, args.weights)
     start = time.perf_counter()
     result = occlusion(model, volume, target=args.target, patch=args.patch or 16, stride=args.stride or 16,
                        baseline=baseline, batch_size=args.batch_size or "auto", output=args.output,
                        progress=not args.quiet, tau=args.tau, feature_threshold=args.feature_threshold,
-                       measure_quality=args.measure_quality, spatial_dims=3)
+                       measure_quality=args.measure_quality, spatial_dims=3, feature_mask=labels)
     elapsed = time.perf_counter() - start
     out = result.save(args.out, image=volume, title=f"{name} on {Path(path).name}: class {result.target}")
     s = result.stats
+    if result.features is not None or result.every_class:
+        from incrinf.cli.feature_mask import print_summary
+
+        return print_summary(result, elapsed, out, "montage")
     shape = "x".join(map(str, volume.shape[1:]))
     print(f"explained class {result.target} of a {shape} volume with {s['positions']} positions in {elapsed:.1f} s "
           f"({s['batches']} batches of {s['batch_size']}); theoretical speedup {s['theoretical_speedup']:.2f}x, "
