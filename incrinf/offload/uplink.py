@@ -15,7 +15,7 @@ from incrinf.stream.matching import HomographyEstimator
 
 @dataclass
 class Update:
-    """What the client sends for one offload_cached frame.
+    """What the client sends for one offload_changed_pixels frame.
 
     Attributes:
         full: send the whole frame (first frame, failed matching, too much change, keyframe).

@@ -58,7 +58,7 @@ def tiny_model() -> nn.Module:
 
 @pytest.fixture(scope="module")
 def service() -> ModelService:
-    return ModelService(tiny_model(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, profile_repeats=2)
+    return ModelService(tiny_model(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, timing_repeats=2)
 
 
 @pytest.fixture(scope="module")
