@@ -95,7 +95,7 @@ class ServerProcess:
     def __init__(self, args: argparse.Namespace, port: int, token_file: Path, log: Path) -> None:
         self.cmd = [sys.executable, "-c", SERVE, "serve", "--model", args.model, "--input",
                     f"3x{args.size}x{args.size}", "--port", str(port), "--token-file", str(token_file),
-                    "--threads", "1", "--workers", "2", "--profile-repeats", "2"]
+                    "--threads", "1", "--workers", "2", "--timing-repeats", "2"]
         self.env = {k: v for k, v in os.environ.items() if k != "INCRINF_TOKEN"}
         self.log = log
         self.proc: subprocess.Popen | None = None
