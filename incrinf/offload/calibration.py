@@ -23,7 +23,7 @@ from incrinf.offload.local import SlowDevice
 from incrinf.offload.policy import LOCAL_CACHED, Policy
 from incrinf.offload.scheduler import CostModel, Payloads, Scheduler
 from incrinf.offload.timing import NodeTimes, SplitRunner, time_nodes
-from incrinf.offload.uplink import CachedUplink
+from incrinf.offload.uplink import ChangedPixelsUplink
 
 
 def cost_model(graph: Graph, runner: SplitRunner, config: OffloadConfig, server_info: dict | None) -> CostModel:
@@ -61,7 +61,7 @@ def calibration_frames(input_size: tuple[int, int], channels: int) -> list[np.nd
             for k in range(3)]
 
 
-def calibrate(scheduler: Scheduler, uplink: CachedUplink, local_cached: Any, device: SlowDevice,
+def calibrate(scheduler: Scheduler, uplink: ChangedPixelsUplink, local_cached: Any, device: SlowDevice,
               frames: list[np.ndarray]) -> None:
     """Priors for the options that keep state, measured on this device: the client overhead of
     ``offload_changed_pixels`` (matching + mask + packing of the second frame) and, when the policy may run it,

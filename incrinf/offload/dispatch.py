@@ -23,7 +23,7 @@ from incrinf.offload.local import SlowDevice
 from incrinf.offload.policy import Option, Policy
 from incrinf.offload.scheduler import CostModel
 from incrinf.offload.timing import SplitRunner
-from incrinf.offload.uplink import CachedUplink, Update
+from incrinf.offload.uplink import ChangedPixelsUplink, Update
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Dispatcher:
     """
 
     def __init__(self, model: nn.Module, normalization: Normalization, runner: SplitRunner, local_cached: Any,
-                 uplink: CachedUplink, device: SlowDevice, cost: CostModel,
+                 uplink: ChangedPixelsUplink, device: SlowDevice, cost: CostModel,
                  connection: ServerConnection | None) -> None:
         self.model, self.normalization, self.runner = model, normalization, runner
         self.local_cached, self.uplink, self.device = local_cached, uplink, device

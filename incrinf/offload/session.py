@@ -39,11 +39,11 @@ from incrinf.offload.policy import LOCAL_FULL, OFFLOAD_FULL, Policy
 from incrinf.offload.scheduler import Scheduler
 from incrinf.offload.stats import FrameLog, OffloadFrameStats
 from incrinf.offload.timing import NodeTimes, SplitRunner, model_digest
-from incrinf.offload.uplink import CachedUplink, Update
+from incrinf.offload.uplink import ChangedPixelsUplink, Update
 from incrinf.stream.config import StreamConfig
 
-__all__ = ["CachedUplink", "FrameLog", "FullInferenceStandIn", "OffloadFrameStats", "OffloadingSession", "SlowDevice",
-           "StreamSessionBackend", "Update"]
+__all__ = ["ChangedPixelsUplink", "FrameLog", "FullInferenceStandIn", "OffloadFrameStats", "OffloadingSession",
+           "SlowDevice", "StreamSessionBackend", "Update"]
 
 
 class OffloadingSession:
@@ -117,7 +117,7 @@ class OffloadingSession:
                                    config.lookahead, config.margin, split=config.split)
         self.local_cached = local_backend(local_session, self.model, self.input_size, self.normalization,
                                           config.stream, local_options)
-        self.uplink = CachedUplink(config.stream)
+        self.uplink = ChangedPixelsUplink(config.stream)
         calibrate(self.scheduler, self.uplink, self.local_cached, self.device,
                   calibration_frames(self.input_size, channels))
         self.dispatcher = Dispatcher(self.model, self.normalization, self.runner, self.local_cached, self.uplink,
