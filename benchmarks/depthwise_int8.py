@@ -1,21 +1,31 @@
-"""Int8 depthwise convolution: incrinf's channel-innermost kernel vs the reference loop order and LiteRT.
+"""Int8 depthwise convolution: incrinf's tiled kernel vs LiteRT (reference, optimized, XNNPACK), and exactness.
 
-Run: ``python benchmarks/depthwise_int8.py`` (about a minute). For every depthwise layer of MobileNetV2
-(torchvision, random weights) and EfficientNet-Lite0 at a 224x224 input, batch 1, with random int8
-data and per-channel quantization, it times (median of ``--repeats`` warm calls, methods taking
-turns call by call so that load changes hit them alike, at 1 and 2 threads):
+Run: ``python benchmarks/depthwise_int8.py`` (a few minutes; ``--sweep 0`` skips the random sweep).
 
-- ``ours``: :func:`incrinf.kernels.depthwise_conv2d_int8_packed` (weights packed once per layer, as
-  LiteRT does in ``allocate_tensors``; the functional API's extra per-call cost is printed first);
-- ``ref-order``: the same arithmetic in TFLite's reference loop order (channel outer), numba;
-- ``REF``: LiteRT ``BUILTIN_REF`` (TFLite's reference kernels; single-threaded whatever num_threads);
-- ``opt``: LiteRT optimized builtin kernels without delegates (``BUILTIN_WITHOUT_DEFAULT_DELEGATES``);
-- ``xnnpack``: LiteRT's default (``AUTO``: the XNNPACK delegate).
+Speed: for every depthwise layer of MobileNetV2 (torchvision, random weights) and EfficientNet-Lite0 at a
+224x224 input, batch 1, with random int8 data and per-channel quantization, it times at 1 and 2 threads
+(median of ``--repeats`` warm calls; the methods take turns call by call, so load changes hit them alike):
 
-Numba's OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): on a shared machine
-the default spin-then-sleep barrier makes a 2-thread call wait for a scheduler slice (~10 ms).
-Every layer uses TFLite SAME padding (MobileNetV2's symmetric stride-2 padding differs by one pixel;
-the shapes and work are the same), and ``ours`` is checked bit-exact against ``REF`` on each layer.
+- ``ours``: :func:`incrinf.kernels.depthwise_conv2d_int8_packed` (weights packed once per layer, as LiteRT
+  does in ``allocate_tensors``; the per-call cost on a tiny layer is printed first);
+- ``REF``: LiteRT ``BUILTIN_REF`` (TFLite's reference kernels, the bit-exact oracle; one thread whatever
+  num_threads says);
+- ``opt``: LiteRT's optimized builtin kernels without delegates (``BUILTIN_WITHOUT_DEFAULT_DELEGATES``);
+- ``xnnpack``: LiteRT's default (``AUTO``: the XNNPACK delegate; float32 requantization, not bit-exact);
+- ``ref-order`` (with ``--ref-order``): the same arithmetic as ours in TFLite's loop order, numba.
+
+Next to the times it prints each layer's multiply-adds and outputs (noise-free work) and the per-output time.
+Every timed layer's output is checked against ``REF`` at every thread count.
+
+Exactness: all 16 EfficientNet-Lite0 depthwise layers with their real weights (BatchNorm folded, calibrated on
+three photos) and ``--sweep`` random configurations (kernels 1-7, strides and dilations 1-3, depth
+multipliers 1-3, SAME/VALID, fused activations, every multiplier regime, batch 1-3), each at every thread
+count, against ``BUILTIN_REF``: the number of mismatching outputs is printed (it must be 0).
+
+Numba's OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): on a shared machine the
+default spin-then-sleep barrier makes a 2-thread call wait for a scheduler slice (~10 ms). Every layer uses
+TFLite SAME padding (MobileNetV2's symmetric stride-2 padding differs by one pixel; the shapes and work are
+the same).
 """
 
 from __future__ import annotations
@@ -42,10 +52,12 @@ except ImportError:  # run from a checkout without `pip install -e .`: use the p
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from incrinf.kernels import depthwise_int8 as dw
 from incrinf.kernels.quantize import per_channel_multipliers
+from incrinf.testing.depthwise_cases import make_problem, random_case
+from incrinf.testing.quantized_layers import efficientnet_lite0_depthwise_layers
 from incrinf.testing.tflite_oracle import TfliteRunner, build_depthwise_model
 
 MODELS = ("mobilenet_v2", "efficientnet_lite0")
-METHODS = ("ours", "ref-order", "REF", "opt", "xnnpack")
+LITERT = (("REF", True), ("opt", "builtin"), ("xnnpack", False))
 
 
 @dataclass(frozen=True)
@@ -60,11 +72,24 @@ class Layer:
     stride: tuple[int, int]
     depth_multiplier: int
 
+    def out_hw(self) -> tuple[int, int]:
+        """TFLite SAME output size."""
+        return (-(-self.height // self.stride[0]), -(-self.width // self.stride[1]))
+
+    def outputs(self) -> int:
+        oh, ow = self.out_hw()
+        return oh * ow * self.channels * self.depth_multiplier
+
+    def macs(self) -> int:
+        """Multiply-adds, every tap counted (the padding's taps included, as the kernels compute them)."""
+        return self.outputs() * self.kernel[0] * self.kernel[1]
+
 
 @dataclass
 class Timing:
     layer: Layer
-    seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (method, threads) -> median
+    seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (method, threads) -> median wall
+    cpu: dict[tuple[str, int], float] = field(default_factory=dict)  # (method, threads) -> median thread CPU
 
 
 def depthwise_layers(model_name: str, size: int = 224) -> list[Layer]:
@@ -85,9 +110,7 @@ def depthwise_layers(model_name: str, size: int = 224) -> list[Layer]:
         def record(module, inputs, _output):
             _, c, h, w = inputs[0].shape  # EfficientNet's static ZeroPad2d runs inside forward: unpadded
             layers.append(
-                Layer(
-                    name, h, w, c, tuple(module.kernel_size), tuple(module.stride), module.out_channels // c
-                )
+                Layer(name, h, w, c, tuple(module.kernel_size), tuple(module.stride), module.out_channels // c)
             )
 
         return record
@@ -104,30 +127,33 @@ def depthwise_layers(model_name: str, size: int = 224) -> list[Layer]:
     return layers
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm up (and compile)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], repeats: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall seconds and median CPU seconds of the calling thread per function, timing the functions in
+    turn each round so load changes hit all alike.
 
-
-def _interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds per function, timing them in turn each round so load changes hit all alike."""
+    The calling thread's CPU time (``time.thread_time``) leaves out the time the OS gives to other processes,
+    which on a shared machine is most of the noise; with one thread every method here computes in the calling
+    thread, so it is their whole cost.
+    """
     for fn in fns.values():
         fn()  # warm up (and compile)
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            cpu[name].append(time.thread_time() - start_cpu)
+            wall[name].append(time.perf_counter() - start)
+    return (
+        {name: statistics.median(ts) for name, ts in wall.items()},
+        {name: statistics.median(ts) for name, ts in cpu.items()},
+    )
 
 
-def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], seed: int = 0) -> Timing:
+def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], ref_order: bool, seed: int = 0) -> Timing:
     rng = np.random.default_rng(seed)
     c, oc = layer.channels, layer.channels * layer.depth_multiplier
     x = rng.integers(-128, 128, (1, layer.height, layer.width, c), dtype=np.int8)
@@ -154,43 +180,45 @@ def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], seed: int =
     def ours():
         return dw.depthwise_conv2d_int8_packed(x, packed, output_offset=out_zp, **geometry)
 
-    def ref_order():
+    def reference_order():
         return dw.depthwise_conv2d_int8_reference_order(x, packed, output_offset=out_zp, **geometry)
 
     timing = Timing(layer)
     for t in threads:
         numba.set_num_threads(t)
-        runners = {
-            method: TfliteRunner(model, reference=resolver, num_threads=t)
-            for method, resolver in (("REF", True), ("opt", "builtin"), ("xnnpack", False))
-        }
+        runners = {method: TfliteRunner(model, reference=kind, num_threads=t) for method, kind in LITERT}
         for runner in runners.values():
             runner.set_input(x)
-        fns = {"ours": ours, "ref-order": ref_order, **{m: r.invoke for m, r in runners.items()}}
-        for method, seconds in _interleaved_medians(fns, repeats).items():
-            timing.seconds[method, t] = seconds
+        fns = {"ours": ours, **({"ref-order": reference_order} if ref_order else {})}
+        fns.update({m: r.invoke for m, r in runners.items()})
+        wall, cpu = interleaved_medians(fns, repeats)
+        for method in fns:
+            timing.seconds[method, t] = wall[method]
+            timing.cpu[method, t] = cpu[method]
         mismatches = int((runners["REF"].output() != ours()).sum())
         if mismatches:
-            raise AssertionError(f"{layer.name}: {mismatches} mismatches against BUILTIN_REF")
+            raise AssertionError(f"{layer.name}, {t} threads: {mismatches} mismatches against BUILTIN_REF")
     return timing
 
 
-def call_overheads_us(repeats: int) -> tuple[float, float]:
+def call_overhead_us(repeats: int) -> tuple[float, float]:
     """Microseconds per call on a tiny layer (1x4x4x32, 3x3): packed call, and functional minus packed."""
     x = np.zeros((1, 4, 4, 32), np.int8)
     w = np.zeros((1, 3, 3, 32), np.int8)
     args = dict(output_multiplier=2**30, output_shift=0)
     packed = dw.pack_depthwise_int8(w, None, input_offset=0, **args)
-    medians = _interleaved_medians(
+    medians, _ = interleaved_medians(
         {
-            "functional": lambda: dw.depthwise_conv2d_int8(
-                x, w, None, input_offset=0, output_offset=0, **args
-            ),
+            "functional": lambda: dw.depthwise_conv2d_int8(x, w, None, input_offset=0, output_offset=0, **args),
             "packed": lambda: dw.depthwise_conv2d_int8_packed(x, packed, output_offset=0),
         },
         repeats * 20,
     )
     return medians["packed"] * 1e6, (medians["functional"] - medians["packed"]) * 1e6
+
+
+def load() -> str:
+    return "load average " + " / ".join(f"{v:.2f}" for v in os.getloadavg()) + " (1 / 5 / 15 min)"
 
 
 def print_machine() -> None:
@@ -202,9 +230,13 @@ def print_machine() -> None:
         pass
     from importlib.metadata import version
 
+    import llvmlite.binding as llvm
+
+    flags = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vnni") if llvm.get_host_cpu_features().get(f)]
     print(f"platform : {platform.platform()} ({platform.machine()})")
-    print(f"cpu      : {cpu}, {os.cpu_count()} logical cpus, load average {os.getloadavg()[0]:.2f}")
-    print(f"threads  : OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    print(f"cpu      : {cpu} ({llvm.get_host_cpu_name()}: {', '.join(flags)}), {os.cpu_count()} logical cpus")
+    print(f"load     : {load()}")
+    print(f"threads  : OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, numba max {numba.config.NUMBA_NUM_THREADS}")
     print(
         f"python   : {sys.version.split()[0]}, numpy {np.__version__}, numba {numba.__version__}"
         f" (threading layer {numba.threading_layer()}), ai-edge-litert {version('ai-edge-litert')}"
@@ -212,52 +244,142 @@ def print_machine() -> None:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:8.3f}"
+    return f"{seconds * 1e3:.3f}"
 
 
-def print_table(model: str, timings: list[Timing], threads: int) -> None:
-    print(f"\n### {model}, {threads} thread{'s' if threads > 1 else ''} (median ms; ratios = other / ours)")
+def print_table(model: str, timings: list[Timing], threads: int, methods: list[str]) -> None:
+    others = [m for m in methods if m != "ours"]
+    cpu = threads == 1  # with one thread, the calling thread's CPU time is each method's whole cost
+    print(f"\n### {model}, {threads} thread{'s' if threads > 1 else ''} (median wall ms; ratios = other / ours)")
     header = (
-        "| layer | HxWxC k s | ours | ref-order | REF | opt | xnnpack |"
-        " ref-order/ours | REF/ours | opt/ours | xnnpack/ours |"
+        "| layer | HxWxC k s | MMAC | "
+        + " | ".join(methods)
+        + " | "
+        + " | ".join(f"{m}/ours" for m in others)
+        + " | ours ns/output |"
+        + (" CPU ms ours | CPU ms xnnpack | CPU ours/xnnpack |" if cpu else "")
     )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
-    totals = dict.fromkeys(METHODS, 0.0)
+    totals = dict.fromkeys(methods, 0.0)
+    cpu_totals = {"ours": 0.0, "xnnpack": 0.0}
+    macs = outputs = 0
 
-    def row(name: str, shape: str, sec: dict[str, float]) -> str:
-        ours = sec["ours"]
-        cells = [_ms(sec[m]) for m in METHODS]
-        ratios = [f"{sec[m] / ours:6.2f}x" for m in METHODS[1:]]
-        return f"| {name} | {shape} | " + " | ".join(cells + ratios) + " |"
+    def row(name: str, shape: str, mmac: float, sec: dict[str, float], n_out: int, cpu_sec: dict[str, float]) -> str:
+        cells = [_ms(sec[m]) for m in methods]
+        ratios = [f"{sec[m] / sec['ours']:.2f}x" for m in others]
+        per_output = f"{sec['ours'] / n_out * 1e9:.2f}"
+        text = f"| {name} | {shape} | {mmac:.2f} | " + " | ".join(cells + ratios) + f" | {per_output} |"
+        if cpu:
+            ratio = cpu_sec["ours"] / cpu_sec["xnnpack"]
+            text += f" {_ms(cpu_sec['ours'])} | {_ms(cpu_sec['xnnpack'])} | {ratio:.2f}x |"
+        return text
 
     for t in timings:
-        sec = {m: t.seconds[m, threads] for m in METHODS}
-        for m in METHODS:
+        sec = {m: t.seconds[m, threads] for m in methods}
+        cpu_sec = {m: t.cpu[m, threads] for m in cpu_totals}
+        for m in methods:
             totals[m] += sec[m]
+        for m in cpu_totals:
+            cpu_totals[m] += cpu_sec[m]
         lay = t.layer
+        macs += lay.macs()
+        outputs += lay.outputs()
         shape = f"{lay.height}x{lay.width}x{lay.channels} {lay.kernel[0]}x{lay.kernel[1]} s{lay.stride[0]}"
-        print(row(lay.name, shape, sec))
-    print(row("**total**", f"{len(timings)} layers", totals))
+        print(row(lay.name, shape, lay.macs() / 1e6, sec, lay.outputs(), cpu_sec))
+    print(row("**total**", f"{len(timings)} layers", macs / 1e6, totals, outputs, cpu_totals))
+
+
+def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
+    if len(threads) < 2:
+        return
+    base = threads[0]
+    for method in ("ours", "xnnpack"):
+        total = {t: sum(x.seconds[method, t] for x in timings) for t in threads}
+        scaling = ", ".join(f"{t} threads {total[base] / total[t]:.2f}x" for t in threads[1:])
+        print(f"{model}: {method} speed-up over {base} thread: {scaling}")
+
+
+def check_real_weights(threads: tuple[int, ...]) -> None:
+    """EfficientNet-Lite0's 16 depthwise layers, real weights and activations, at every thread count."""
+    total = mismatches = 0
+    for layer in efficientnet_lite0_depthwise_layers():
+        q = layer.module
+        x_q = q.quantize_input(layer.x).numpy()
+        model = build_depthwise_model(
+            q.weight.numpy(),
+            q.bias.numpy(),
+            input_shape=x_q.shape,
+            input_scale=q.input_scale,
+            input_zero_point=q.input_zero_point,
+            weight_scales=q.weight_scales.numpy(),
+            output_scale=q.output_scale,
+            output_zero_point=q.output_zero_point,
+            stride=q.stride,
+            dilation=q.dilation,
+            padding="same",
+            depth_multiplier=q.depth_multiplier,
+            activation="relu6",
+        )
+        expected = TfliteRunner(model, reference=True)(x_q)
+        for t in threads:
+            mismatches += int((q.forward_int8(x_q, threads=t) != expected).sum())
+            total += expected.size
+    print(
+        f"real weights: EfficientNet-Lite0's 16 depthwise layers, 3 photos, threads {threads}:"
+        f" {mismatches} mismatches of {total:,} outputs against BUILTIN_REF"
+    )
+
+
+def sweep(n_cases: int, threads: tuple[int, ...], seed: int = 1) -> None:
+    """``n_cases`` random configurations against BUILTIN_REF, each at every thread count."""
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    total = mismatches = failed = 0
+    for _ in range(n_cases):
+        problem = make_problem(random_case(rng))
+        expected = problem.tflite()
+        kwargs = problem.kernel_kwargs()
+        case_bad = 0
+        for t in threads:
+            got = dw.depthwise_conv2d_int8(problem.x, problem.w, problem.bias, threads=t, **kwargs)
+            case_bad += int((got != expected).sum())
+            total += expected.size
+        mismatches += case_bad
+        if case_bad:
+            failed += 1
+            print(f"  MISMATCH: {problem.case}")
+    print(
+        f"random sweep: {n_cases:,} configurations (seed {seed}), threads {threads}: {mismatches} mismatches"
+        f" of {total:,} outputs ({failed} configurations with any), {time.perf_counter() - start:.0f} s"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (median)")
+    parser.add_argument("--repeats", type=int, default=50, help="timed calls per measurement (median)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {MODELS}")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--sweep", type=int, default=5000, help="random configurations checked against REF")
+    parser.add_argument("--ref-order", action="store_true", help="also time TFLite's loop order (numba)")
     args = parser.parse_args(argv)
     threads = tuple(int(t) for t in args.threads.split(","))
-    packed_us, extra_us = call_overheads_us(args.repeats)  # also starts numba's threading layer
+    packed_us, extra_us = call_overhead_us(args.repeats)  # also compiles and starts numba's threading layer
     print_machine()
-    print(
-        f"per-call cost on a tiny layer: packed {packed_us:.1f} us; the functional API adds {extra_us:.1f} us"
-        " (validation + packing)"
-    )
+    print(f"per-call cost on a tiny layer: packed {packed_us:.1f} us; the functional API adds {extra_us:.1f} us")
+    methods = ["ours", *(["ref-order"] if args.ref_order else []), "REF", "opt", "xnnpack"]
     for model in args.models.split(","):
-        timings = [time_layer(layer, args.repeats, threads) for layer in depthwise_layers(model)]
+        timings = [time_layer(layer, args.repeats, threads, args.ref_order) for layer in depthwise_layers(model)]
         for t in threads:
-            print_table(model, timings, t)
+            print_table(model, timings, t, methods)
+        print_thread_scaling(model, timings, threads)
+        print(f"({load()}; every output equal to BUILTIN_REF's at every thread count)")
+    all_threads = tuple(range(1, numba.config.NUMBA_NUM_THREADS + 1))
+    print()
+    check_real_weights(all_threads)
+    if args.sweep:
+        sweep(args.sweep, all_threads)
+    print(load())
 
 
 if __name__ == "__main__":

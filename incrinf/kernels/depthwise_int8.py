@@ -25,7 +25,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from incrinf.cache import runtime_cache
 from incrinf.extras import require
 from incrinf.kernels.arguments import as_array, check_int
 from incrinf.kernels.depthwise_geometry import (
@@ -36,12 +35,14 @@ from incrinf.kernels.depthwise_geometry import (
     depthwise_output_size,
     resolve_padding,
 )
-from incrinf.kernels.depthwise_kernels import CONFIG_SIZE, TILE, depthwise_reference_order, depthwise_tiles
+from incrinf.kernels.depthwise_kernels import CONFIG_SIZE, depthwise_reference_order, depthwise_tiles
 from incrinf.kernels.depthwise_packing import PackedDepthwiseInt8, pack_depthwise_int8
 from incrinf.kernels.quantize import INT8_MAX, INT8_MIN
 
 numba = require("numba", "int8", "the int8 kernels")
 _MAX_THREADS = numba.config.NUMBA_NUM_THREADS
+_MAX_CALL_PLANS = 256
+_INT8 = np.dtype(np.int8)
 
 __all__ = [
     "PackedDepthwiseInt8",
@@ -112,9 +113,7 @@ class _CallPlan(NamedTuple):
 
     config: np.ndarray  # int64 (CONFIG_SIZE,): the kernel's scalars
     out_shape: tuple[int, int, int, int]
-    rows: int  # N * OHr, the rows the slices share
-    acc_per_slice: int  # int32 accumulators of one slice: OWr * TILE
-    ind_per_slice: int  # int64 indirection entries of one slice: OWr * KH * KW
+    size: int  # outputs (0: nothing to compute)
 
 
 def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation, region, quant_args) -> _CallPlan:
@@ -131,68 +130,74 @@ def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation,
         np.int64,
     )
     assert config.size == CONFIG_SIZE
-    width = x1 - x0
-    return _CallPlan(config, (n, y1 - y0, width, in_c * dm), n * (y1 - y0), width * TILE, width * kh * kw)
+    out_shape = (n, y1 - y0, x1 - x0, in_c * dm)
+    return _CallPlan(config, out_shape, n * (y1 - y0) * (x1 - x0) * in_c * dm)
 
 
-def _plain(value) -> bool:
-    """Whether ``value`` is an int, str, None or tuple of ints (exact types: ``True`` and ``1.0`` hash like ``1``)."""
-    kind = type(value)
-    if kind is int or kind is str or value is None:
-        return True
-    if kind is not tuple:
-        return False
-    for item in value:
-        if type(item) is not int:
+def _plain_arguments(args: tuple) -> bool:
+    """Whether every argument is an int, str, None or tuple of ints, by exact type.
+
+    Only plain arguments are cached: ``True``, ``1.0`` and ``np.int64(1)`` hash and compare like ``1``, so a
+    plan made for ``1`` would otherwise serve them, and a bool or float must still raise.
+    """
+    for arg in args:
+        kind = type(arg)
+        if kind is tuple:
+            for item in arg:
+                if type(item) is not int:
+                    return False
+        elif kind is not int and kind is not str and arg is not None:
             return False
     return True
 
 
 def _call_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation, region, quant_args) -> _CallPlan:
-    """:func:`_build_plan`, cached in incrinf's runtime cache when the arguments are plain values.
+    """:func:`_build_plan`, kept in the packed layer's ``call_plans`` when the arguments are plain values.
 
-    Checking and laying out the arguments costs more than the convolution of a small layer; the cache key
-    holds every value that determines the plan (shapes and arguments, never the weights), as the runtime
-    cache requires. Other arguments (numpy integers, lists, and wrong types that must raise) are checked on
-    every call instead: ``True`` and ``1.0`` hash like ``1`` and would find a plan made for ``1``.
+    Checking and laying out the arguments costs more than the convolution of a small layer (tens of
+    microseconds when the caches are cold), so a layer remembers the plans of its last
+    :data:`_MAX_CALL_PLANS` input shapes and argument sets.
     """
     args = (stride, padding, dilation, region, *quant_args)
-    for arg in args:
-        if not _plain(arg):
-            return _build_plan(x_shape, packed, stride, padding, dilation, region, quant_args)
-    key = (
-        "depthwise_int8_call",
-        x_shape,
-        packed.kernel_size,
-        packed.in_channels,
-        packed.depth_multiplier,
-        *args,
-    )
-    plan, _ = runtime_cache().get_or_create(
-        key, lambda _key: _build_plan(x_shape, packed, stride, padding, dilation, region, quant_args)
-    )
+    if not _plain_arguments(args):
+        return _build_plan(x_shape, packed, stride, padding, dilation, region, quant_args)
+    key = (x_shape, *args)
+    plans = packed.call_plans
+    plan = plans.get(key)
+    if plan is None:
+        plan = _build_plan(x_shape, packed, stride, padding, dilation, region, quant_args)
+        if len(plans) >= _MAX_CALL_PLANS:  # e.g. the engine's many regions: start over rather than grow
+            plans.clear()
+        plans[key] = plan
     return plan
 
 
-def _run_tiles(xa: np.ndarray, packed: PackedDepthwiseInt8, plan: _CallPlan, threads) -> np.ndarray:
-    """Run the tiled kernel, one slice of output rows per thread; returns the int8 NHWC output."""
-    out = np.empty(plan.out_shape, np.int8)
-    if plan.rows == 0 or plan.acc_per_slice == 0:
-        return out
-    n_threads = numba.get_num_threads() if threads is None else check_int(threads, "threads", 1, _MAX_THREADS)
-    n_slices = min(n_threads, plan.rows)
-    _run_with_threads(
-        threads,
-        depthwise_tiles,
-        xa.reshape(-1),
-        packed.tile_weights,
-        packed.tile_params,
-        packed.zero_row,
-        out.reshape(-1),
-        np.empty(n_slices * plan.acc_per_slice, np.int32),
-        np.empty(n_slices * plan.ind_per_slice, np.int64),
-        plan.config,
-    )
+def _check_out(out, shape: tuple[int, int, int, int], x: np.ndarray) -> np.ndarray:
+    """``out`` as a writable C-contiguous int8 numpy array of ``shape`` that does not overlap ``x``."""
+    if isinstance(out, torch.Tensor):
+        if out.device.type != "cpu":
+            raise ValueError(f"out must be a CPU tensor, got one on {out.device}")
+        out = out.detach().numpy()
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy array or CPU torch tensor of int8, got {type(out).__name__}")
+    if out.dtype != np.int8 or out.shape != shape:
+        raise ValueError(f"out must be int8 of shape {shape}, got {out.dtype} {out.shape}")
+    if not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("out must be C-contiguous and writable")
+    if np.may_share_memory(out, x):
+        raise ValueError("out must not overlap the input x")
+    return out
+
+
+def _run_tiles(xa: np.ndarray, packed: PackedDepthwiseInt8, plan: _CallPlan, threads, out=None) -> np.ndarray:
+    """Run the tiled kernel into ``out`` (new when ``None``); returns it."""
+    out = np.empty(plan.out_shape, np.int8) if out is None else _check_out(out, plan.out_shape, xa)
+    if plan.size:
+        flat_out = out.reshape(-1)
+        _run_with_threads(
+            threads, depthwise_tiles, xa.reshape(-1), packed.tile_weights, packed.tile_params, packed.zero_row,
+            flat_out, plan.config,
+        )
     return out
 
 
@@ -208,12 +213,25 @@ def depthwise_conv2d_int8_packed(
     act_max: int = INT8_MAX,
     region: Box | None = None,
     threads: int | None = None,
+    out: np.ndarray | torch.Tensor | None = None,
 ) -> np.ndarray | torch.Tensor:
-    """:func:`depthwise_conv2d_int8` with weights prepared by :func:`pack_depthwise_int8`."""
+    """:func:`depthwise_conv2d_int8` with weights prepared by :func:`pack_depthwise_int8`.
+
+    ``out``: an int8 C-contiguous array (or CPU tensor) of the result's shape to write into and return, as an
+    interpreter writes into its output tensor; a new array on every call costs page faults on large layers.
+    """
     if not isinstance(packed, PackedDepthwiseInt8):
         raise TypeError(f"packed must come from pack_depthwise_int8, got {type(packed).__name__}")
-    xa = _check_x(x, packed.in_channels)
+    if type(x) is np.ndarray and x.dtype is _INT8 and x.ndim == 4 and x.flags.c_contiguous:
+        xa = x  # the common case, checked without the general path's conversions
+        if x.shape[3] != packed.in_channels:
+            _check_x(x, packed.in_channels)  # raises the channel mismatch
+    else:
+        xa = _check_x(x, packed.in_channels)
     plan = _call_plan(xa.shape, packed, stride, padding, dilation, region, (output_offset, act_min, act_max))
+    if out is not None:
+        _run_tiles(xa, packed, plan, threads, out)
+        return out
     return _wrap_like(_run_tiles(xa, packed, plan, threads), x)
 
 

@@ -36,13 +36,23 @@ from __future__ import annotations
 import numpy as np
 
 from incrinf.extras import require
-from incrinf.kernels.simd import address_of, load_int8, load_pair, prefer_wide_vectors, store_pair, store_scratch
+from incrinf.kernels.intrinsics import (
+    address_of,
+    current_num_threads,
+    fetch_add,
+    load_int8,
+    load_pair,
+    prefer_wide_vectors,
+    store_pair,
+    store_scratch,
+)
 
 numba = require("numba", "int8", "the int8 kernels")
 njit, prange = numba.njit, numba.prange
 
 __all__ = [
     "PARAM_ROWS",
+    "SLICES_PER_THREAD",
     "TAP_GROUP",
     "TILE",
     "UNIPASS_TAPS",
@@ -57,6 +67,9 @@ TILE = 32
 
 TAP_GROUP = 4
 """Taps accumulated per pass over a tile's accumulators when the filter has no unipass kernel."""
+
+SLICES_PER_THREAD = 4
+"""Slices of output rows per thread when several threads run (taken one at a time; see depthwise_tiles)."""
 
 UNIPASS_TAPS = (9, 25)
 """Tap counts (3x3, 5x5) whose kernels sum every tap in one pass, the accumulator held in registers."""
@@ -181,7 +194,7 @@ def _round_store(
 
 
 @njit(parallel=True, cache=True)
-def depthwise_tiles(xf, weights, params, zero_row, out, acc, ind, config):
+def depthwise_tiles(xf, weights, params, zero_row, out, config):
     """The tiled kernel on flat arrays, parallel over slices of output rows (see the module docstring).
 
     Args:
@@ -193,16 +206,20 @@ def depthwise_tiles(xf, weights, params, zero_row, out, acc, ind, config):
             and ROUND_THRESHOLD (ROUND_MASK >> 1).
         zero_row: int8 ``(>= n_tiles * TILE,)`` filled with the input zero point.
         out: int8 ``(N*OHr*OWr*C*M,)``, NHWC: output rows ``y0:y0+OHr`` and columns ``x0:x0+OWr``.
-        acc: int32 ``(S * OWr * TILE,)`` scratch, ind: int64 ``(S * OWr * T,)`` scratch, for ``S`` slices of
-            rows that run in parallel (one per thread): slice ``s`` computes rows ``s*R//S`` to
-            ``(s+1)*R//S - 1`` of the ``R = N*OHr`` rows.
         config: int64 ``(CONFIG_SIZE,)``: N, H, W, C, M, KH, KW, stride (h, w), dilation (h, w), padding (top,
             left), output_offset, act_min, act_max, y0, x0, OHr, OWr (one array rather than tuples: numba
             types an array argument faster than tuples, which matters on small layers).
 
-    Scratch comes in as arguments, and the arrays are never unpacked from a tuple or aliased: numba then marks
-    every array of the parallel loop ``noalias``, so LLVM knows that the accumulators never overwrite the
-    indirection buffer, hoists the tap addresses out of the channel loop and vectorizes it.
+    Threads: the ``R = N*OHr`` output rows are cut into slices (one with one thread, four per thread
+    otherwise; slice ``s`` is rows ``s*R//S`` to ``(s+1)*R//S - 1``). One worker per thread takes slices one at a
+    time from an atomic counter, so a thread that the OS preempts on a busy machine holds up only its current
+    slice. Every slice computes its rows the same way: results do not depend on the number of threads.
+
+    Scratch (the accumulators, int32 ``(workers * OWr * TILE,)``, and the indirection buffer, int64
+    ``(workers * OWr * T,)``) is allocated here, outside the parallel loop, and no array is unpacked from a
+    tuple or aliased: numba then marks every array of the parallel loop ``noalias``, so LLVM knows that the
+    accumulators never overwrite the indirection buffer, hoists the tap addresses out of the channel loop and
+    vectorizes it.
     """
     n_batch, in_h, in_w, in_c = config[0], config[1], config[2], config[3]
     dm, kh, kw = config[4], config[5], config[6]
@@ -214,67 +231,76 @@ def depthwise_tiles(xf, weights, params, zero_row, out, acc, ind, config):
     n_tiles = (in_c + TILE - 1) // TILE
     pixel_stride = np.uint64(in_c * dm)
     n_rows = n_batch * out_h
-    n_slices = ind.size // (out_w * n_taps)
+    n_threads = current_num_threads()
+    n_slices = 1 if n_threads == 1 else min(SLICES_PER_THREAD * n_threads, n_rows)
+    n_workers = min(n_threads, n_slices)
+    acc = np.empty(n_workers * out_w * TILE, np.int32)
+    ind = np.empty(n_workers * out_w * n_taps, np.int64)
+    next_slice = np.zeros(1, np.int64)
     ow = np.uint64(out_w)
     x_address = address_of(xf)
     zero_address = address_of(zero_row)
-    for s in prange(n_slices):
+    for worker in prange(n_workers):
         prefer_wide_vectors()
-        acc0 = np.uint64(s * out_w * TILE)
-        ind0 = np.uint64(s * out_w * n_taps)
-        for row in range(s * n_rows // n_slices, (s + 1) * n_rows // n_slices):
-            n = row // out_h
-            r = row % out_h
-            iy0 = (y0 + r) * sh - pad_t
-            # Indirection buffer, tap-major (ind[ind0 + t*OWr + col]): the address of every tap's input
-            # pixel, or of the zero row. (Bounds as unsigned compares joined with `&`: a bool copied by `and`
-            # or `x if c else y` counts as an array alias for numba, which would drop the noalias flags.)
-            for ky in range(kh):
-                iy = iy0 + ky * dh
-                row_address = x_address + (n * in_h + iy) * in_w * in_c
-                for kx in range(kw):
-                    slots = ind0 + np.uint64((ky * kw + kx) * out_w)
-                    for col in range(out_w):
-                        ix = (x0 + col) * sw - pad_l + kx * dw
-                        if (np.uint64(iy) < np.uint64(in_h)) & (np.uint64(ix) < np.uint64(in_w)):
-                            ind[slots + np.uint64(col)] = row_address + ix * in_c
-                        else:
-                            ind[slots + np.uint64(col)] = zero_address
-            out_row = np.uint64(row * out_w) * pixel_stride
-            for m in range(dm):
-                for k in range(n_tiles):
-                    c0 = k * TILE
-                    width = min(TILE, in_c - c0)
-                    tile = np.uint64(m * n_tiles + k)
-                    w_base = tile * np.uint64(n_taps * TILE)
-                    p_base = tile * np.uint64(PARAM_ROWS * TILE)
-                    for col in range(out_w):
-                        a_base = acc0 + np.uint64(col * TILE)
-                        i_base = ind0 + np.uint64(col)
-                        if width == TILE and n_taps == 9:
-                            _accumulate_9(acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE)
-                        elif width == TILE and n_taps == 25:
-                            _accumulate_25(acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE)
-                        elif width == TILE:
-                            _accumulate_groups(
-                                acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE, n_taps
+        acc0 = np.uint64(worker * out_w * TILE)
+        ind0 = np.uint64(worker * out_w * n_taps)
+        while True:
+            s = fetch_add(next_slice, 0, 1)
+            if s >= n_slices:
+                break
+            for row in range(s * n_rows // n_slices, (s + 1) * n_rows // n_slices):
+                n = row // out_h
+                r = row % out_h
+                iy0 = (y0 + r) * sh - pad_t
+                # Indirection buffer, tap-major (ind[ind0 + t*OWr + col]): the address of every tap's input
+                # pixel, or of the zero row. (Bounds as unsigned compares joined with `&`: a bool copied by `and`
+                # or `x if c else y` counts as an array alias for numba, which would drop the noalias flags.)
+                for ky in range(kh):
+                    iy = iy0 + ky * dh
+                    row_address = x_address + (n * in_h + iy) * in_w * in_c
+                    for kx in range(kw):
+                        slots = ind0 + np.uint64((ky * kw + kx) * out_w)
+                        for col in range(out_w):
+                            ix = (x0 + col) * sw - pad_l + kx * dw
+                            if (np.uint64(iy) < np.uint64(in_h)) & (np.uint64(ix) < np.uint64(in_w)):
+                                ind[slots + np.uint64(col)] = row_address + ix * in_c
+                            else:
+                                ind[slots + np.uint64(col)] = zero_address
+                out_row = np.uint64(row * out_w) * pixel_stride
+                for m in range(dm):
+                    for k in range(n_tiles):
+                        c0 = k * TILE
+                        width = min(TILE, in_c - c0)
+                        tile = np.uint64(m * n_tiles + k)
+                        w_base = tile * np.uint64(n_taps * TILE)
+                        p_base = tile * np.uint64(PARAM_ROWS * TILE)
+                        for col in range(out_w):
+                            a_base = acc0 + np.uint64(col * TILE)
+                            i_base = ind0 + np.uint64(col)
+                            if width == TILE and n_taps == 9:
+                                _accumulate_9(acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE)
+                            elif width == TILE and n_taps == 25:
+                                _accumulate_25(acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE)
+                            elif width == TILE:
+                                _accumulate_groups(
+                                    acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE, n_taps
+                                )
+                            else:
+                                _accumulate_groups(
+                                    acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, width, n_taps
+                                )
+                        _high_mul(acc, acc0, out_w, params, p_base, s32)
+                        out_base = out_row + np.uint64(c0 * dm)
+                        if width == TILE:
+                            _round_store(
+                                acc, acc0, out_w, params, p_base, TILE, out, out_base, pixel_stride, dm, m,
+                                out_off, act_min, act_max,
                             )
                         else:
-                            _accumulate_groups(
-                                acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, width, n_taps
+                            _round_store(
+                                acc, acc0, out_w, params, p_base, width, out, out_base, pixel_stride, dm, m,
+                                out_off, act_min, act_max,
                             )
-                    _high_mul(acc, acc0, out_w, params, p_base, s32)
-                    out_base = out_row + np.uint64(c0 * dm)
-                    if width == TILE:
-                        _round_store(
-                            acc, acc0, out_w, params, p_base, TILE, out, out_base, pixel_stride, dm, m,
-                            out_off, act_min, act_max,
-                        )
-                    else:
-                        _round_store(
-                            acc, acc0, out_w, params, p_base, width, out, out_base, pixel_stride, dm, m,
-                            out_off, act_min, act_max,
-                        )
 
 
 @njit(cache=True)

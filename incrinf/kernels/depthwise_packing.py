@@ -56,6 +56,7 @@ class PackedDepthwiseInt8(NamedTuple):
     in_channels: int
     depth_multiplier: int
     input_offset: int
+    call_plans: dict  # the wrappers' checked per-call plans, keyed by input shape and arguments (bounded)
 
 
 def _channel_counts(oc: int, depth_multiplier, in_channels) -> tuple[int, int]:
@@ -144,4 +145,5 @@ def pack_depthwise_int8(
         in_channels=in_channels,
         depth_multiplier=dm,
         input_offset=in_off,
+        call_plans={},
     )

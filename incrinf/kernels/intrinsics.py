@@ -1,4 +1,5 @@
-"""Numba intrinsics the int8 kernels need and numba does not offer: raw-address loads and a vector-width hint.
+"""Numba intrinsics the int8 kernels need and numba does not offer (raw-address loads, scoped alias metadata,
+int32 pairs as int64, an atomic counter, the thread count, a vector-width hint).
 
 - :func:`address_of` and :func:`load_int8` let a kernel read through an *indirection buffer* of addresses, as
   XNNPACK does: a tap outside the image points at a zero row instead of being tested for bounds, so the
@@ -14,6 +15,11 @@
   loop can treat pairs of int32 lanes as int64 lanes. They do what ``array.view(np.int64)`` does without
   creating a second array object, which numba's parallel alias analysis would count as an alias (dropping the
   ``noalias`` flags that let LLVM vectorize the kernel's loops).
+- :func:`fetch_add` (an atomic add returning the old value) lets the threads of a parallel loop take work
+  items one at a time; :func:`current_num_threads` is the thread count that ``numba.set_num_threads`` set for
+  the calling thread. Both call into numba's threading layer directly, as numba's own parallel launcher does:
+  ``numba.get_num_threads()`` in compiled code would stop numba from caching the kernel, and from Python it
+  costs tens of microseconds when the caches are cold.
 - :func:`prefer_wide_vectors` marks the function being compiled with ``"prefer-vector-width"="512"``. LLVM tunes
   AVX-512 CPUs (Skylake-SP onwards) to 256-bit vectors by default; the int8 kernels are integer code that runs
   faster with 512-bit vectors (16 int32 lanes). On CPUs without AVX-512, and on other architectures, the hint
@@ -30,8 +36,18 @@ numba = require("numba", "int8", "the int8 kernels")
 llvm_ir = require("llvmlite.ir", "int8", "the int8 kernels")
 types = numba.types
 intrinsic = numba.extending.intrinsic
+cgutils = numba.core.cgutils
 
-__all__ = ["address_of", "load_int8", "load_pair", "prefer_wide_vectors", "store_pair", "store_scratch"]
+__all__ = [
+    "address_of",
+    "current_num_threads",
+    "fetch_add",
+    "load_int8",
+    "load_pair",
+    "prefer_wide_vectors",
+    "store_pair",
+    "store_scratch",
+]
 
 _VECTOR_WIDTH_ATTRIBUTE = '"prefer-vector-width"="512"'
 _ALIAS_DOMAIN = "incrinf.kernels.simd"
@@ -127,6 +143,39 @@ def store_pair(typingctx, array, index, value):
         store = builder.store(args[2], _pair_pointer(context, builder, signature.args[0], args[0], args[1]))
         store.align = 4
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def fetch_add(typingctx, array, index, value):
+    """Atomically add ``value`` to ``array[index]`` (a 1-D int64 array) and return the value it had before."""
+    if not (
+        isinstance(array, types.Array)
+        and array.dtype == types.int64
+        and array.ndim == 1
+        and isinstance(index, types.Integer)
+        and isinstance(value, types.Integer)
+    ):
+        return None
+    sig = types.int64(array, types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", builder.gep(data, [args[1]], inbounds=True), args[2], "monotonic")
+
+    return sig, codegen
+
+
+@intrinsic
+def current_num_threads(typingctx):
+    """The number of threads parallel loops use now (``numba.get_num_threads()``), from compiled code."""
+    sig = types.intp()
+
+    def codegen(context, builder, signature, args):
+        intp = llvm_ir.IntType(types.intp.bitwidth)
+        fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(intp, []), "get_num_threads")
+        return builder.call(fn, [])
 
     return sig, codegen
 
