@@ -4,7 +4,12 @@ Run: ``python benchmarks/depthwise_int8.py`` (a few minutes; ``--sweep 0`` skips
 
 Speed: for every depthwise layer of MobileNetV2 (torchvision, random weights) and EfficientNet-Lite0 at a
 224x224 input, batch 1, with random int8 data and per-channel quantization, it times at 1 and 2 threads
-(median of ``--repeats`` warm calls; the methods take turns call by call, so load changes hit them alike):
+(median of ``--repeats`` calls; methods timed together take turns call by call, so load changes hit them
+alike). ``ours`` and ``xnnpack`` are timed warm (they alternate, each with its data in cache, as a layer's
+input is right after the layer before it wrote it) and, with one thread, cold (an 8 MB array is read before
+every call, which evicts the data and the code path from the core's caches). ``REF`` and ``opt`` take turns in a pass of
+their own with a fifth of the calls: they are slow anchors, and their 10-100x longer calls would evict the
+others' caches. The methods:
 
 - ``ours``: :func:`incrinf.kernels.depthwise_conv2d_int8_packed` (weights packed once per layer, as LiteRT
   does in ``allocate_tensors``; the per-call cost on a tiny layer is printed first);
@@ -14,8 +19,10 @@ Speed: for every depthwise layer of MobileNetV2 (torchvision, random weights) an
 - ``xnnpack``: LiteRT's default (``AUTO``: the XNNPACK delegate; float32 requantization, not bit-exact);
 - ``ref-order`` (with ``--ref-order``): the same arithmetic as ours in TFLite's loop order, numba.
 
-Next to the times it prints each layer's multiply-adds and outputs (noise-free work) and the per-output time.
-Every timed layer's output is checked against ``REF`` at every thread count.
+Next to the times it prints each layer's multiply-adds (noise-free work) and ours' time per output; with one
+thread, also the median CPU time of the calling thread (``time.thread_time``), which leaves out the time the
+OS gives to other processes on a shared machine. Every timed layer's output is checked against ``REF`` at
+every thread count.
 
 Exactness: all 16 EfficientNet-Lite0 depthwise layers with their real weights (BatchNorm folded, calibrated on
 three photos) and ``--sweep`` random configurations (kernels 1-7, strides and dilations 1-3, depth
@@ -88,8 +95,9 @@ class Layer:
 @dataclass
 class Timing:
     layer: Layer
-    seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (method, threads) -> median wall
-    cpu: dict[tuple[str, int], float] = field(default_factory=dict)  # (method, threads) -> median thread CPU
+    # (method, threads) -> median seconds; methods "ours", "xnnpack", "ours cold", "xnnpack cold", "REF", "opt"
+    seconds: dict[tuple[str, int], float] = field(default_factory=dict)
+    cpu: dict[tuple[str, int], float] = field(default_factory=dict)  # the same, CPU time of the calling thread
 
 
 def depthwise_layers(model_name: str, size: int = 224) -> list[Layer]:
@@ -128,10 +136,10 @@ def depthwise_layers(model_name: str, size: int = 224) -> list[Layer]:
 
 
 def interleaved_medians(
-    fns: dict[str, Callable[[], object]], repeats: int
+    fns: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Median wall seconds and median CPU seconds of the calling thread per function, timing the functions in
-    turn each round so load changes hit all alike.
+    turn each round so load changes hit all alike; ``before`` (untimed) runs before every timed call.
 
     The calling thread's CPU time (``time.thread_time``) leaves out the time the OS gives to other processes,
     which on a shared machine is most of the noise; with one thread every method here computes in the calling
@@ -143,6 +151,8 @@ def interleaved_medians(
     cpu: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             start, start_cpu = time.perf_counter(), time.thread_time()
             fn()
             cpu[name].append(time.thread_time() - start_cpu)
@@ -151,6 +161,14 @@ def interleaved_medians(
         {name: statistics.median(ts) for name, ts in wall.items()},
         {name: statistics.median(ts) for name, ts in cpu.items()},
     )
+
+
+_EVICTION_BUFFER = np.ones(8 << 20, np.int8)  # larger than a core's L2 (2 MiB on recent Xeons)
+
+
+def evict_caches() -> None:
+    """Read 8 MiB, pushing the last call's data and code path out of the core's caches."""
+    _EVICTION_BUFFER.sum()
 
 
 def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], ref_order: bool, seed: int = 0) -> Timing:
@@ -189,12 +207,24 @@ def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], ref_order: 
         runners = {method: TfliteRunner(model, reference=kind, num_threads=t) for method, kind in LITERT}
         for runner in runners.values():
             runner.set_input(x)
-        fns = {"ours": ours, **({"ref-order": reference_order} if ref_order else {})}
-        fns.update({m: r.invoke for m, r in runners.items()})
-        wall, cpu = interleaved_medians(fns, repeats)
-        for method in fns:
-            timing.seconds[method, t] = wall[method]
-            timing.cpu[method, t] = cpu[method]
+        versus = {"ours": ours, "xnnpack": runners["xnnpack"].invoke}
+        passes = [
+            (versus, repeats, None, ""),
+            # Cold, one thread only: a second thread sleeping while the eviction runs would be timed waking up.
+            *([(versus, repeats, evict_caches, " cold")] if t == 1 else []),
+            (
+                {"REF": runners["REF"].invoke, "opt": runners["opt"].invoke}
+                | ({"ref-order": reference_order} if ref_order else {}),
+                max(3, repeats // 5),
+                None,
+                "",
+            ),
+        ]
+        for fns, n, before, suffix in passes:
+            wall, cpu = interleaved_medians(fns, n, before)
+            for method in fns:
+                timing.seconds[method + suffix, t] = wall[method]
+                timing.cpu[method + suffix, t] = cpu[method]
         mismatches = int((runners["REF"].output() != ours()).sum())
         if mismatches:
             raise AssertionError(f"{layer.name}, {t} threads: {mismatches} mismatches against BUILTIN_REF")
@@ -247,38 +277,43 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
-def print_table(model: str, timings: list[Timing], threads: int, methods: list[str]) -> None:
-    others = [m for m in methods if m != "ours"]
+def print_table(model: str, timings: list[Timing], threads: int, anchors: list[str]) -> None:
+    """One row per layer and a total: warm and cold times of ours and XNNPACK, the anchors, and ratios."""
     cpu = threads == 1  # with one thread, the calling thread's CPU time is each method's whole cost
-    print(f"\n### {model}, {threads} thread{'s' if threads > 1 else ''} (median wall ms; ratios = other / ours)")
+    print(f"\n### {model}, {threads} thread{'s' if threads > 1 else ''} (median ms)")
     header = (
-        "| layer | HxWxC k s | MMAC | "
-        + " | ".join(methods)
+        "| layer | HxWxC k s | MMAC | ours | xnnpack | ours/xnnpack | "
+        + ("ours cold | xnnpack cold | ours/xnnpack cold | " if cpu else "")
+        + " | ".join(anchors)
         + " | "
-        + " | ".join(f"{m}/ours" for m in others)
+        + " | ".join(f"{m}/ours" for m in anchors)
         + " | ours ns/output |"
-        + (" CPU ms ours | CPU ms xnnpack | CPU ours/xnnpack |" if cpu else "")
+        + (" CPU ours | CPU xnnpack | CPU ours/xnnpack |" if cpu else "")
     )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
-    totals = dict.fromkeys(methods, 0.0)
+    columns = ["ours", "xnnpack", *(["ours cold", "xnnpack cold"] if cpu else []), *anchors]
+    totals = dict.fromkeys(columns, 0.0)
     cpu_totals = {"ours": 0.0, "xnnpack": 0.0}
     macs = outputs = 0
 
     def row(name: str, shape: str, mmac: float, sec: dict[str, float], n_out: int, cpu_sec: dict[str, float]) -> str:
-        cells = [_ms(sec[m]) for m in methods]
-        ratios = [f"{sec[m] / sec['ours']:.2f}x" for m in others]
-        per_output = f"{sec['ours'] / n_out * 1e9:.2f}"
-        text = f"| {name} | {shape} | {mmac:.2f} | " + " | ".join(cells + ratios) + f" | {per_output} |"
+        cells = [_ms(sec["ours"]), _ms(sec["xnnpack"]), f"{sec['ours'] / sec['xnnpack']:.2f}x"]
         if cpu:
-            ratio = cpu_sec["ours"] / cpu_sec["xnnpack"]
-            text += f" {_ms(cpu_sec['ours'])} | {_ms(cpu_sec['xnnpack'])} | {ratio:.2f}x |"
-        return text
+            cells += [_ms(sec["ours cold"]), _ms(sec["xnnpack cold"]), f"{sec['ours cold'] / sec['xnnpack cold']:.2f}x"]
+        cells += [
+            *(_ms(sec[m]) for m in anchors),
+            *(f"{sec[m] / sec['ours']:.1f}x" for m in anchors),
+            f"{sec['ours'] / n_out * 1e9:.2f}",
+        ]
+        if cpu:
+            cells += [_ms(cpu_sec["ours"]), _ms(cpu_sec["xnnpack"]), f"{cpu_sec['ours'] / cpu_sec['xnnpack']:.2f}x"]
+        return f"| {name} | {shape} | {mmac:.2f} | " + " | ".join(cells) + " |"
 
     for t in timings:
-        sec = {m: t.seconds[m, threads] for m in methods}
+        sec = {m: t.seconds[m, threads] for m in columns}
         cpu_sec = {m: t.cpu[m, threads] for m in cpu_totals}
-        for m in methods:
+        for m in columns:
             totals[m] += sec[m]
         for m in cpu_totals:
             cpu_totals[m] += cpu_sec[m]
@@ -367,11 +402,11 @@ def main(argv: list[str] | None = None) -> None:
     packed_us, extra_us = call_overhead_us(args.repeats)  # also compiles and starts numba's threading layer
     print_machine()
     print(f"per-call cost on a tiny layer: packed {packed_us:.1f} us; the functional API adds {extra_us:.1f} us")
-    methods = ["ours", *(["ref-order"] if args.ref_order else []), "REF", "opt", "xnnpack"]
+    anchors = ["REF", "opt", *(["ref-order"] if args.ref_order else [])]
     for model in args.models.split(","):
         timings = [time_layer(layer, args.repeats, threads, args.ref_order) for layer in depthwise_layers(model)]
         for t in threads:
-            print_table(model, timings, t, methods)
+            print_table(model, timings, t, anchors)
         print_thread_scaling(model, timings, threads)
         print(f"({load()}; every output equal to BUILTIN_REF's at every thread count)")
     all_threads = tuple(range(1, numba.config.NUMBA_NUM_THREADS + 1))
