@@ -60,7 +60,7 @@ except ImportError:  # run from a checkout without `pip install -e .`: use the p
     from incrinf.kernels import depthwise_int8 as dw
 from incrinf.kernels.quantize import per_channel_multipliers
 from incrinf.testing.depthwise_cases import make_problem, random_case
-from incrinf.testing.quantized_layers import efficientnet_lite0_depthwise_layers
+from incrinf.testing.quantized_layers import efficientnet_lite0_depthwise_layers, tflite_reference_output
 from incrinf.testing.tflite_oracle import TfliteRunner, build_depthwise_model
 
 MODELS = ("mobilenet_v2", "efficientnet_lite0")
@@ -98,6 +98,7 @@ class Timing:
     # (method, threads) -> median seconds; methods "ours", "xnnpack", "ours cold", "xnnpack cold", "REF", "opt"
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     cpu: dict[tuple[str, int], float] = field(default_factory=dict)  # the same, CPU time of the calling thread
+    work: dict[tuple[str, int], float] = field(default_factory=dict)  # the same, CPU time of all threads
 
 
 def depthwise_layers(model_name: str, size: int = 224) -> list[Layer]:
@@ -137,29 +138,31 @@ def depthwise_layers(model_name: str, size: int = 224) -> list[Layer]:
 
 def interleaved_medians(
     fns: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Median wall seconds and median CPU seconds of the calling thread per function, timing the functions in
-    turn each round so load changes hit all alike; ``before`` (untimed) runs before every timed call.
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Median wall seconds, CPU seconds of the calling thread and CPU seconds of the process per function,
+    timing the functions in turn each round so load changes hit all alike; ``before`` (untimed) runs before
+    every timed call.
 
     The calling thread's CPU time (``time.thread_time``) leaves out the time the OS gives to other processes,
     which on a shared machine is most of the noise; with one thread every method here computes in the calling
-    thread, so it is their whole cost.
+    thread, so it is their whole cost. The process's CPU time (``time.process_time``) adds the other threads':
+    with several threads it is the work a call spreads over them.
     """
     for fn in fns.values():
         fn()  # warm up (and compile)
-    wall: dict[str, list[float]] = {name: [] for name in fns}
-    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    samples: dict[str, tuple[list[float], list[float], list[float]]] = {name: ([], [], []) for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             if before is not None:
                 before()
-            start, start_cpu = time.perf_counter(), time.thread_time()
+            start, start_cpu, start_work = time.perf_counter(), time.thread_time(), time.process_time()
             fn()
-            cpu[name].append(time.thread_time() - start_cpu)
-            wall[name].append(time.perf_counter() - start)
-    return (
-        {name: statistics.median(ts) for name, ts in wall.items()},
-        {name: statistics.median(ts) for name, ts in cpu.items()},
+            wall, cpu, work = samples[name]
+            work.append(time.process_time() - start_work)
+            cpu.append(time.thread_time() - start_cpu)
+            wall.append(time.perf_counter() - start)
+    return tuple(  # type: ignore[return-value]
+        {name: statistics.median(s[i]) for name, s in samples.items()} for i in range(3)
     )
 
 
@@ -221,10 +224,11 @@ def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], ref_order: 
             ),
         ]
         for fns, n, before, suffix in passes:
-            wall, cpu = interleaved_medians(fns, n, before)
+            wall, cpu, work = interleaved_medians(fns, n, before)
             for method in fns:
                 timing.seconds[method + suffix, t] = wall[method]
                 timing.cpu[method + suffix, t] = cpu[method]
+                timing.work[method + suffix, t] = work[method]
         mismatches = int((runners["REF"].output() != ours()).sum())
         if mismatches:
             raise AssertionError(f"{layer.name}, {t} threads: {mismatches} mismatches against BUILTIN_REF")
@@ -237,7 +241,7 @@ def call_overhead_us(repeats: int) -> tuple[float, float]:
     w = np.zeros((1, 3, 3, 32), np.int8)
     args = dict(output_multiplier=2**30, output_shift=0)
     packed = dw.pack_depthwise_int8(w, None, input_offset=0, **args)
-    medians, _ = interleaved_medians(
+    medians, _, _ = interleaved_medians(
         {
             "functional": lambda: dw.depthwise_conv2d_int8(x, w, None, input_offset=0, output_offset=0, **args),
             "packed": lambda: dw.depthwise_conv2d_int8_packed(x, packed, output_offset=0),
@@ -326,13 +330,24 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
 
 
 def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
+    """Wall-time speed-up over the first thread count, and the CPU work of a call at each count.
+
+    On a machine with idle cores the speed-up with ``t`` threads is at most ``t`` divided by the growth of the
+    work (the CPU time of all threads per call, which a busy machine does not change much): that bound is
+    printed too. XNNPACK's threads spin while they wait, which counts as work.
+    """
     if len(threads) < 2:
         return
     base = threads[0]
     for method in ("ours", "xnnpack"):
         total = {t: sum(x.seconds[method, t] for x in timings) for t in threads}
-        scaling = ", ".join(f"{t} threads {total[base] / total[t]:.2f}x" for t in threads[1:])
-        print(f"{model}: {method} speed-up over {base} thread: {scaling}")
+        work = {t: sum(x.work[method, t] for x in timings) for t in threads}
+        scaling = ", ".join(
+            f"{t} threads {total[base] / total[t]:.2f}x (CPU work {work[t] / work[base]:.2f}x of {base} thread's:"
+            f" at most {(t / base) / (work[t] / work[base]):.2f}x on idle cores)"
+            for t in threads[1:]
+        )
+        print(f"{model}: {method} wall-time speed-up over {base} thread: {scaling}")
 
 
 def check_real_weights(threads: tuple[int, ...]) -> None:
@@ -341,22 +356,7 @@ def check_real_weights(threads: tuple[int, ...]) -> None:
     for layer in efficientnet_lite0_depthwise_layers():
         q = layer.module
         x_q = q.quantize_input(layer.x).numpy()
-        model = build_depthwise_model(
-            q.weight.numpy(),
-            q.bias.numpy(),
-            input_shape=x_q.shape,
-            input_scale=q.input_scale,
-            input_zero_point=q.input_zero_point,
-            weight_scales=q.weight_scales.numpy(),
-            output_scale=q.output_scale,
-            output_zero_point=q.output_zero_point,
-            stride=q.stride,
-            dilation=q.dilation,
-            padding="same",
-            depth_multiplier=q.depth_multiplier,
-            activation="relu6",
-        )
-        expected = TfliteRunner(model, reference=True)(x_q)
+        expected = tflite_reference_output(q, x_q)
         for t in threads:
             mismatches += int((q.forward_int8(x_q, threads=t) != expected).sum())
             total += expected.size

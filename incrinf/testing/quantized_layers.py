@@ -15,10 +15,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from incrinf.kernels.depthwise_geometry import resolve_padding
 from incrinf.kernels.quantize import MinMaxObserver, choose_qparams
 from incrinf.kernels.quantized_module import QuantizedDepthwiseConv2d
+from incrinf.testing.tflite_oracle import TfliteRunner, build_depthwise_model
 
-__all__ = ["QuantizedLayer", "efficientnet_lite0_depthwise_layers", "photo_batch"]
+__all__ = ["QuantizedLayer", "efficientnet_lite0_depthwise_layers", "photo_batch", "tflite_reference_output"]
 
 
 class QuantizedLayer(NamedTuple):
@@ -96,3 +98,32 @@ def efficientnet_lite0_depthwise_layers(images: torch.Tensor | None = None) -> l
         module = QuantizedDepthwiseConv2d.from_float(conv, in_s, in_zp, out_s, out_zp, activation="relu6")
         layers.append(QuantizedLayer(name, module, conv, inputs_seen[name]))
     return layers
+
+
+def tflite_reference_output(module: QuantizedDepthwiseConv2d, x_q: np.ndarray) -> np.ndarray:
+    """LiteRT ``BUILTIN_REF``'s output for a quantized layer on int8 NHWC ``x_q`` (TFLite SAME padding).
+
+    Raises:
+        ValueError: the layer's padding is not TFLite's SAME for this input size (TFLite has no other padding
+            but VALID, which these layers do not use).
+    """
+    in_hw = x_q.shape[1:3]
+    same = resolve_padding("same", in_hw, module.kernel_size, module.stride, module.dilation)
+    if module.padding != same:
+        raise ValueError(f"padding {module.padding} is not TFLite's SAME {same} for a {in_hw} input")
+    model = build_depthwise_model(
+        module.weight.numpy(),
+        module.bias.numpy(),
+        input_shape=x_q.shape,
+        input_scale=module.input_scale,
+        input_zero_point=module.input_zero_point,
+        weight_scales=module.weight_scales.numpy(),
+        output_scale=module.output_scale,
+        output_zero_point=module.output_zero_point,
+        stride=module.stride,
+        dilation=module.dilation,
+        padding="same",
+        depth_multiplier=module.depth_multiplier,
+        activation=module.activation,
+    )
+    return TfliteRunner(model, reference=True)(x_q)

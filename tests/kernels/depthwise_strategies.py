@@ -1,12 +1,24 @@
-"""Hypothesis strategies and assertions shared by the int8 depthwise kernel tests."""
+"""Hypothesis strategies, assertions and a fixture shared by the int8 depthwise kernel tests."""
 
 from __future__ import annotations
 
+import numba
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 
 from incrinf.kernels.depthwise_kernels import TILE
 from incrinf.testing.depthwise_cases import ACTIVATIONS, SCALE_REGIMES, DepthwiseCase
+
+
+@pytest.fixture
+def one_numba_thread():
+    """One numba thread per test process: CI runs two pytest-xdist workers on two cores, and oversubscribed
+    parallel calls wait for a core. Tests that want more threads ask for them per call."""
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(previous)
 
 
 def assert_same(actual: np.ndarray, expected: np.ndarray, context) -> None:

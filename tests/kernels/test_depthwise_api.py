@@ -6,11 +6,10 @@ other tests check the API's contracts. Bit-exactness against TFLite is in ``test
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import pytest
 import torch
-from depthwise_strategies import assert_same, cases
+from depthwise_strategies import assert_same, cases, one_numba_thread  # noqa: F401 (fixture)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,14 +22,7 @@ from incrinf.kernels.depthwise_int8 import (
 )
 from incrinf.testing.depthwise_cases import DepthwiseCase, make_problem, numpy_reference
 
-
-@pytest.fixture(autouse=True)
-def _one_numba_thread():
-    """One numba thread per test process (see test_depthwise_int8.py)."""
-    previous = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_numba_thread")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import textwrap
 import numba
 import numpy as np
 import pytest
-from depthwise_strategies import assert_same, cases
+from depthwise_strategies import assert_same, cases, one_numba_thread  # noqa: F401 (fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,15 +31,7 @@ from incrinf.kernels.depthwise_kernels import TILE, requantize_block
 from incrinf.kernels.quantize import multiply_by_quantized_multiplier_np
 from incrinf.testing.depthwise_cases import SCALE_REGIMES, DepthwiseCase, make_problem, random_case
 
-
-@pytest.fixture(autouse=True)
-def _one_numba_thread():
-    """One numba thread per test process: CI runs two pytest-xdist workers on two cores, and GNU
-    OpenMP's spin-waiting makes oversubscribed parallel calls stall for a scheduler slice."""
-    previous = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_numba_thread")
 
 
 def _check_against_tflite(case: DepthwiseCase, reference_order: bool = True) -> None:

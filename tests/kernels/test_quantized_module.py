@@ -10,23 +10,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import naive_occlusion
+from depthwise_strategies import one_numba_thread  # noqa: F401 (fixture)
 
 from incrinf import NodeKind, capture
 from incrinf.explain.runner import OcclusionRunner
-from incrinf.kernels.depthwise_int8 import resolve_padding
 from incrinf.kernels.quantize import choose_qparams
 from incrinf.kernels.quantized_module import QuantizedDepthwiseConv2d
-from incrinf.testing.quantized_layers import efficientnet_lite0_depthwise_layers
-from incrinf.testing.tflite_oracle import TfliteRunner, build_depthwise_model
+from incrinf.testing.quantized_layers import efficientnet_lite0_depthwise_layers, tflite_reference_output
 
-
-@pytest.fixture(autouse=True)
-def _one_numba_thread():
-    """One numba thread per test process (see test_depthwise_int8.py)."""
-    previous = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_numba_thread")
 
 
 def _model() -> nn.Module:
@@ -189,25 +181,8 @@ def test_efficientnet_lite0_depthwise_layers_bit_exact(efficientnet_layers):
     assert len(efficientnet_layers) == 16
     for name, q, _, x in efficientnet_layers:
         x_q = q.quantize_input(x).numpy()
-        in_hw = x_q.shape[1:3]
-        # EfficientNet's static "same" ZeroPad2d is TFLite's SAME for these sizes.
-        assert q.padding == resolve_padding("same", in_hw, q.kernel_size, q.stride, q.dilation), name
-        model = build_depthwise_model(
-            q.weight.numpy(),
-            q.bias.numpy(),
-            input_shape=x_q.shape,
-            input_scale=q.input_scale,
-            input_zero_point=q.input_zero_point,
-            weight_scales=q.weight_scales.numpy(),
-            output_scale=q.output_scale,
-            output_zero_point=q.output_zero_point,
-            stride=q.stride,
-            dilation=q.dilation,
-            padding="same",
-            depth_multiplier=q.depth_multiplier,
-            activation="relu6",
-        )
-        expected = TfliteRunner(model, reference=True)(x_q)
+        # EfficientNet's static "same" ZeroPad2d is TFLite's SAME for these sizes (checked in there).
+        expected = tflite_reference_output(q, x_q)
         for threads in range(1, numba.config.NUMBA_NUM_THREADS + 1):
             got = q.forward_int8(x_q, threads=threads)
             mismatches = int((got != expected).sum())
