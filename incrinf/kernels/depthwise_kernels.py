@@ -10,9 +10,9 @@ with ``oc = ic * M + m`` (``M`` the depth multiplier), so their results are iden
 :func:`depthwise_tiles` follows the TFLM design (NHWC, channels innermost, int32 accumulators in chunks) laid
 out the way XNNPACK's micro-kernels are (see :mod:`incrinf.kernels.depthwise_packing` for the packed weights):
 
-- One parallel iteration per output row (and batch image). It first builds the row's *indirection buffer*: for
-  every output pixel and tap, the address of the input pixel the tap reads, or of a *zero row* when the tap
-  falls outside the image. The zero row holds the input zero point, whose contribution
+- The output rows of all batch images are shared among the threads in slices (see :func:`depthwise_tiles`). For
+  each row the kernel first builds the row's *indirection buffer*: for every output pixel and tap, the address
+  of the input pixel the tap reads, or of a *zero row* when the tap falls outside the image. The zero row holds the input zero point, whose contribution
   ``filter * (zero_point + input_offset)`` is 0, so padding costs no bounds test; and since every tap is then
   read, ``input_offset * sum(filter)`` is the same for every pixel and is folded into the packed bias ("base").
 - Channels go in tiles of :data:`TILE` (a compile-time constant, so the channel loop of a tile has a fixed trip
@@ -51,12 +51,12 @@ numba = require("numba", "int8", "the int8 kernels")
 njit, prange = numba.njit, numba.prange
 
 __all__ = [
+    "CONFIG_SIZE",
     "PARAM_ROWS",
     "SLICES_PER_THREAD",
     "TAP_GROUP",
     "TILE",
     "UNIPASS_TAPS",
-    "CONFIG_SIZE",
     "depthwise_reference_order",
     "depthwise_tiles",
     "requantize_block",
@@ -74,7 +74,7 @@ SLICES_PER_THREAD = 4
 UNIPASS_TAPS = (9, 25)
 """Tap counts (3x3, 5x5) whose kernels sum every tap in one pass, the accumulator held in registers."""
 
-# Rows of the packed per-tile int32 parameters (see depthwise_packing.PackedDepthwiseInt8.params).
+# Rows of the packed per-tile int32 parameters (see depthwise_packing.PackedDepthwiseInt8.tile_params).
 BASE, MULT, LEFT, RIGHT, ROUND_MASK, ROUND_THRESHOLD = range(6)
 PARAM_ROWS = 6
 
@@ -236,7 +236,8 @@ def depthwise_tiles(xf, weights, params, zero_row, out, config):
     n_workers = min(n_threads, n_slices)
     acc = np.empty(n_workers * out_w * TILE, np.int32)
     ind = np.empty(n_workers * out_w * n_taps, np.int64)
-    next_slice = np.zeros(1, np.int64)
+    next_slice = np.empty(1, np.int64)  # not np.zeros: in a parallel function that is a parallel loop of its own
+    next_slice[0] = 0
     ow = np.uint64(out_w)
     x_address = address_of(xf)
     zero_address = address_of(zero_row)

@@ -258,3 +258,49 @@ def test_packed_rejects_other_objects_and_channel_mismatch():
     packed = pack_depthwise_int8(w, bias, input_offset=0, output_multiplier=2**30, output_shift=0, in_channels=4)
     with pytest.raises(ValueError, match="expects 4"):
         depthwise_conv2d_int8_packed(np.zeros((1, 6, 6, 8), np.int8), packed, output_offset=0)
+
+
+def test_out_buffer_is_written_and_checked():
+    x, w, bias, kwargs = _good_args()
+    x = np.random.default_rng(1).integers(-128, 128, x.shape, dtype=np.int8)
+    packed = pack_depthwise_int8(w, bias, input_offset=3, output_multiplier=2**30, output_shift=-1, in_channels=4)
+    expected = depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=-2)
+    buffer = np.full(expected.shape, 99, np.int8)
+    assert depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=-2, out=buffer) is buffer
+    assert_same(buffer, expected, "out")
+    tensor = torch.zeros(expected.shape, dtype=torch.int8)
+    depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=-2, out=tensor)
+    assert_same(tensor.numpy(), expected, "torch out")
+    bad = [
+        (np.empty((1, 6, 6, 7), np.int8), ValueError, "shape"),
+        (np.empty(expected.shape, np.int16), ValueError, "int8"),
+        (np.empty((1, 6, 6, 16), np.int8)[..., ::2], ValueError, "C-contiguous"),
+        ([0] * 8, TypeError, "numpy array"),
+    ]
+    for out, error, pattern in bad:
+        with pytest.raises(error, match=pattern):
+            depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=-2, out=out)
+    memory = np.zeros(288, np.int8)  # x and out both contiguous, sharing their first 144 bytes
+    with pytest.raises(ValueError, match="overlap"):
+        depthwise_conv2d_int8_packed(
+            memory[:144].reshape(1, 6, 6, 4), packed, padding="same", output_offset=-2, out=memory.reshape(1, 6, 6, 8)
+        )
+
+
+def test_non_contiguous_and_transposed_inputs_equal_their_contiguous_copies():
+    p = make_problem(DepthwiseCase(2, 14, 12, 40, 1, (3, 3), (2, 1), (1, 1), "same", None, "normal", 4, -4, seed=11))
+    kwargs = p.kernel_kwargs()
+    strided = np.repeat(p.x, 2, axis=2)[:, :, ::2]  # a view with a gap between pixels
+    assert not strided.flags.c_contiguous and np.array_equal(strided, p.x)
+    nchw = torch.from_numpy(np.ascontiguousarray(p.x.transpose(0, 3, 1, 2))).permute(0, 2, 3, 1)  # NHWC view
+    expected = depthwise_conv2d_int8(p.x, p.w, p.bias, **kwargs)
+    assert_same(depthwise_conv2d_int8(strided, p.w, p.bias, **kwargs), expected, "strided")
+    assert_same(depthwise_conv2d_int8(nchw, p.w, p.bias, **kwargs).numpy(), expected, "permuted tensor")
+
+
+def test_valid_padding_with_a_filter_larger_than_the_input_gives_an_empty_output():
+    x = np.ones((2, 3, 9, 5), np.int8)
+    w = np.ones((1, 5, 3, 5), np.int8)
+    args = dict(padding="valid", input_offset=0, output_offset=0, output_multiplier=2**30, output_shift=0)
+    for fn in (depthwise_conv2d_int8, depthwise_conv2d_int8_reference_order):
+        assert fn(x, w, None, **args).shape == (2, 0, 7, 5)
