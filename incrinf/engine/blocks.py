@@ -136,7 +136,7 @@ def padding_band(spec: WindowSpec, side: str, out_dims: tuple[int, int], source_
     return band
 
 
-def walk_blocks(program: Program, cache: FrameCache, changed: np.ndarray, motion: Motion, threshold: float,
+def walk_blocks(program: Program, cache: FrameCache, changed: np.ndarray, motion: Motion, feature_threshold: float,
                 dense_cut: float) -> BlockResult:
     """Carry a moving camera's changed pixels through the program (the cache already moved by ``motion``).
 
@@ -145,16 +145,16 @@ def walk_blocks(program: Program, cache: FrameCache, changed: np.ndarray, motion
         cache: the frame cache (``cache.frame`` is the new frame).
         changed: (H, W) bool, input pixels to recompute.
         motion: per-resolution invalid positions and newly uncovered padding.
-        threshold: value-based pruning at cached tensors (0: exact).
+        feature_threshold: value-based pruning at cached tensors (0: exact).
         dense_cut: at a cut point with at least this share changed, finish with the generated suffix.
     """
-    walker = _BlockWalk(program, cache, motion, threshold)
+    walker = _BlockWalk(program, cache, motion, feature_threshold)
     return walker.run(changed, dense_cut)
 
 
 class _BlockWalk:
-    def __init__(self, program: Program, cache: FrameCache, motion: Motion, threshold: float) -> None:
-        self.program, self.cache, self.motion, self.threshold = program, cache, motion, threshold
+    def __init__(self, program: Program, cache: FrameCache, motion: Motion, feature_threshold: float) -> None:
+        self.program, self.cache, self.motion, self.feature_threshold = program, cache, motion, feature_threshold
         self.device = cache.device
         self.dims = {n.name: tuple(n.shape[-2:]) for n in program.local if n.shape is not None}
         self.frame_rows = to_rows(cache.frame)
@@ -310,7 +310,7 @@ class _BlockWalk:
             return state
         rows = to_rows(state.values)
         index = state.index(self.device)
-        eps = self.threshold * cache.scale(name) if self.threshold > 0 else 0.0
+        eps = self.feature_threshold * cache.scale(name) if self.feature_threshold > 0 else 0.0
         if eps > 0:
             delta = (rows - cache.buffers[name].index_select(0, index)).abs().mean(dim=1)
             keep = (delta > eps).cpu().numpy()

@@ -21,8 +21,8 @@ import torch
 from incrinf.engine.blocks import Motion, Positions, walk_blocks
 from incrinf.engine.boxes import walk
 from incrinf.engine.program import Program
-from incrinf.engine.regions import Boxes
 from incrinf.engine.stores import FrameCache, clone_output
+from incrinf.geometry import Boxes
 from incrinf.graph import Graph, NodeKind
 from incrinf.graph.execute import copy_graph, materialize
 
@@ -159,7 +159,7 @@ class FrameEngine:
         return out
 
     @torch.no_grad()
-    def cached(self, x: torch.Tensor, changed: np.ndarray, motion: Motion | None = None, threshold: float = 0.0,
+    def cached(self, x: torch.Tensor, changed: np.ndarray, motion: Motion | None = None, feature_threshold: float = 0.0,
                fresh: bool = False) -> Any:
         """Inference of a frame from the cache: recompute what the changed pixels (and the motion) reach.
 
@@ -167,7 +167,7 @@ class FrameEngine:
             x: (1, C, H, W) the frame as the model sees it.
             changed: (H, W) bool, pixels to recompute.
             motion: how the camera moved (None: it did not).
-            threshold: value-based pruning at cached tensors (0: exact propagation).
+            feature_threshold: value-based pruning at cached tensors (0: exact propagation).
             fresh: record in ``last.fresh`` which positions of each resolution were recomputed.
 
         Returns:
@@ -186,9 +186,9 @@ class FrameEngine:
         self.cache.frame = x
         try:
             if motion is None and self.boxes:
-                out, stats = self._boxes(x, changed, threshold, fresh)
+                out, stats = self._boxes(x, changed, feature_threshold, fresh)
             else:
-                out, stats = self._blocks(changed, motion or Motion(), threshold, fresh)
+                out, stats = self._blocks(changed, motion or Motion(), feature_threshold, fresh)
         except BaseException:
             self.reset()  # caches may be half updated in place: the next frame must refill them
             raise
@@ -196,14 +196,15 @@ class FrameEngine:
         self.cache.last_output = clone_output(out)
         return out
 
-    def _boxes(self, x: torch.Tensor, changed: np.ndarray, threshold: float, fresh: bool) -> tuple[Any, ExecStats]:
+    def _boxes(self, x: torch.Tensor, changed: np.ndarray, feature_threshold: float, fresh: bool
+               ) -> tuple[Any, ExecStats]:
         bounds = _bounding_box(changed)
         stats = ExecStats(0.0, self.program.full_flops, refreshed=bounds or None)
         if not bounds:
             return self.cache.unchanged(1), stats
         y0, y1, x0, x1 = bounds
         start = Boxes((y0, x0), (y1 - y0, x1 - x0), x[:, :, y0:y1, x0:x1])
-        result = walk(self.program, self.cache, start, threshold=threshold, quantum=self.box_quantum,
+        result = walk(self.program, self.cache, start, feature_threshold=feature_threshold, quantum=self.box_quantum,
                       dense_cut=self.dense_cut)
         stats.flops, stats.positions = result.flops, result.positions
         stats.dense_steps = int(result.suffix is not None)
@@ -212,8 +213,9 @@ class FrameEngine:
             self._mark_fresh(stats, regions, result.suffix)
         return result.output, stats
 
-    def _blocks(self, changed: np.ndarray, motion: Motion, threshold: float, fresh: bool) -> tuple[Any, ExecStats]:
-        result = walk_blocks(self.program, self.cache, changed, motion, threshold, self.dense_cut)
+    def _blocks(self, changed: np.ndarray, motion: Motion, feature_threshold: float, fresh: bool
+                ) -> tuple[Any, ExecStats]:
+        result = walk_blocks(self.program, self.cache, changed, motion, feature_threshold, self.dense_cut)
         stats = ExecStats(result.flops, self.program.full_flops, result.positions, result.dense_steps, result.moved)
         if fresh:
             self._mark_fresh(stats, result.changed, result.suffix)
