@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from incrinf.geometry import Box
 from incrinf.kernels.arguments import int_tuple, is_int
 
 __all__ = [
-    "Box",
     "ConvGeometry",
     "Pair",
     "Padding",
@@ -18,7 +18,6 @@ __all__ = [
 
 Pair = int | tuple[int, int]
 Padding = str | tuple[int, int, int, int]
-Box = tuple[int, int, int, int]
 
 
 class ConvGeometry(NamedTuple):

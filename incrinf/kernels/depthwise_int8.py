@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from incrinf.extras import require
+from incrinf.geometry import Box
 from incrinf.kernels.arguments import as_array, check_int
 from incrinf.kernels.depthwise_geometry import (
-    Box,
     Padding,
     Pair,
     conv_geometry,

@@ -10,11 +10,12 @@ with ``oc = ic * M + m`` (``M`` the depth multiplier), so their results are iden
 :func:`depthwise_tiles` follows the TFLM design (NHWC, channels innermost, int32 accumulators in chunks) laid
 out the way XNNPACK's micro-kernels are (see :mod:`incrinf.kernels.depthwise_packing` for the packed weights):
 
-- The output rows of all batch images are shared among the threads in slices (see :func:`depthwise_tiles`). For
-  each row the kernel first builds the row's *indirection buffer*: for every output pixel and tap, the address
-  of the input pixel the tap reads, or of a *zero row* when the tap falls outside the image. The zero row holds the input zero point, whose contribution
-  ``filter * (zero_point + input_offset)`` is 0, so padding costs no bounds test; and since every tap is then
-  read, ``input_offset * sum(filter)`` is the same for every pixel and is folded into the packed bias ("base").
+- The output rows of all batch images are shared among the threads in slices (see :func:`depthwise_tiles`). For each
+  row the kernel first builds the row's *indirection buffer*: for every output pixel and tap, the address of the
+  input pixel the tap reads, or of a *zero row* when the tap falls outside the image. The zero row holds the input
+  zero point, whose contribution ``filter * (zero_point + input_offset)`` is 0, so padding costs no bounds test; and
+  since every tap is then read, ``input_offset * sum(filter)`` is the same for every pixel and is folded into the
+  packed bias ("base").
 - Channels go in tiles of :data:`TILE` (a compile-time constant, so the channel loop of a tile has a fixed trip
   count that LLVM unrolls into 512-bit vectors). For each tile, the row's pixels accumulate
   ``base + sum_t weight[t] * x[tap t]`` in int32 lanes: the tap loop has a constant trip count for 3x3 and 5x5
