@@ -21,8 +21,10 @@ others' caches. The methods:
 
 Next to the times it prints each layer's multiply-adds (noise-free work) and ours' time per output; with one
 thread, also the median CPU time of the calling thread (``time.thread_time``), which leaves out the time the
-OS gives to other processes on a shared machine. Every timed layer's output is checked against ``REF`` at
-every thread count.
+OS gives to other processes on a shared machine. Per model, the speed-up of 2 threads over 1 is printed twice:
+in wall time, and as the CPU time of all threads allows it on idle cores (the work of a call, which the load
+changes little, times the busiest thread's share of the rows; see :func:`print_thread_scaling`). Every timed
+layer's output is checked against ``REF`` at every thread count.
 
 Exactness: all 16 EfficientNet-Lite0 depthwise layers with their real weights (BatchNorm folded, calibrated on
 three photos) and ``--sweep`` random configurations (kernels 1-7, strides and dilations 1-3, depth
@@ -58,6 +60,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`: use the package next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from incrinf.kernels import depthwise_int8 as dw
+from incrinf.kernels.depthwise_kernels import SLICES_PER_THREAD
 from incrinf.kernels.quantize import per_channel_multipliers
 from incrinf.testing.depthwise_cases import make_problem, random_case
 from incrinf.testing.quantized_layers import efficientnet_lite0_depthwise_layers, tflite_reference_output
@@ -95,7 +98,8 @@ class Layer:
 @dataclass
 class Timing:
     layer: Layer
-    # (method, threads) -> median seconds; methods "ours", "xnnpack", "ours cold", "xnnpack cold", "REF", "opt"
+    # (method, threads) -> median seconds; methods "ours", "xnnpack", "ours cold", "xnnpack cold", "ours alone",
+    # "REF", "opt"
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     cpu: dict[tuple[str, int], float] = field(default_factory=dict)  # the same, CPU time of the calling thread
     work: dict[tuple[str, int], float] = field(default_factory=dict)  # the same, CPU time of all threads
@@ -213,6 +217,9 @@ def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], ref_order: 
         versus = {"ours": ours, "xnnpack": runners["xnnpack"].invoke}
         passes = [
             (versus, repeats, None, ""),
+            # Ours alone, for its CPU work: XNNPACK's pool threads spin after each of its calls, and the process's
+            # CPU time would charge that spinning to the next call of ours.
+            ({"ours": ours}, repeats, None, " alone"),
             # Cold, one thread only: a second thread sleeping while the eviction runs would be timed waking up.
             *([(versus, repeats, evict_caches, " cold")] if t == 1 else []),
             (
@@ -329,25 +336,49 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
     print(row("**total**", f"{len(timings)} layers", macs / 1e6, totals, outputs, cpu_totals))
 
 
-def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
-    """Wall-time speed-up over the first thread count, and the CPU work of a call at each count.
+def largest_share(layer: Layer, threads: int) -> float:
+    """The largest fraction of a layer's output rows one thread computes, from the kernel's slicing.
 
-    On a machine with idle cores the speed-up with ``t`` threads is at most ``t`` divided by the growth of the
-    work (the CPU time of all threads per call, which a busy machine does not change much): that bound is
-    printed too. XNNPACK's threads spin while they wait, which counts as work.
+    The kernel cuts the rows into ``min(SLICES_PER_THREAD * threads, rows)`` slices that idle threads take in
+    turn; with rows of equal cost the busiest thread gets ``ceil(slices / threads)`` of the largest slices.
+    """
+    rows = layer.out_hw()[0]
+    if threads == 1:
+        return 1.0
+    n_slices = min(SLICES_PER_THREAD * threads, rows)
+    sizes = sorted(((s + 1) * rows // n_slices - s * rows // n_slices for s in range(n_slices)), reverse=True)
+    loads = [0] * threads
+    for size in sizes:  # idle threads take the next slice: the least loaded one gets it
+        loads[loads.index(min(loads))] += size
+    return max(loads) / rows
+
+
+def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
+    """Wall-time speed-up over the first thread count, and the speed-up the CPU time allows on idle cores.
+
+    On a shared machine with more runnable threads than cores, a second thread of a call waits for a core and
+    the wall time says little. The CPU time of all threads per call (the work) does not depend much on the load:
+    with ``t`` threads on idle cores a call takes at least the work times the busiest thread's share of the
+    rows (:func:`largest_share`), so ``work(1) / (work(t) * share)`` is the speed-up the kernel allows there.
+    Ours' work comes from a pass of its own; XNNPACK's threads spin while they wait, which counts as its work
+    (its share is taken as ``1 / t``).
     """
     if len(threads) < 2:
         return
     base = threads[0]
-    for method in ("ours", "xnnpack"):
+    for method, key in (("ours", "ours alone"), ("xnnpack", "xnnpack")):
         total = {t: sum(x.seconds[method, t] for x in timings) for t in threads}
-        work = {t: sum(x.work[method, t] for x in timings) for t in threads}
+        work = {t: sum(x.work[key, t] for x in timings) for t in threads}
+        critical = {
+            t: sum(x.work[key, t] * (largest_share(x.layer, t) if method == "ours" else 1 / t) for x in timings)
+            for t in threads
+        }
         scaling = ", ".join(
-            f"{t} threads {total[base] / total[t]:.2f}x (CPU work {work[t] / work[base]:.2f}x of {base} thread's:"
-            f" at most {(t / base) / (work[t] / work[base]):.2f}x on idle cores)"
+            f"{t} threads {total[base] / total[t]:.2f}x wall; CPU work {work[t] / work[base]:.2f}x of {base} "
+            f"thread's, so {critical[base] / critical[t]:.2f}x on idle cores"
             for t in threads[1:]
         )
-        print(f"{model}: {method} wall-time speed-up over {base} thread: {scaling}")
+        print(f"{model}: {method} speed-up over {base} thread: {scaling}")
 
 
 def check_real_weights(threads: tuple[int, ...]) -> None:
