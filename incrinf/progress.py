@@ -1,0 +1,56 @@
+"""Progress bars that suit where they are written: live on a terminal or in a notebook, a line now and then in a
+log or a pipe (CI, ``nohup``, a dataset run under a scheduler), where a live bar's carriage-return updates would
+pile up as hundreds of lines."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+from tqdm import tqdm as _plain
+from tqdm.auto import tqdm as _auto
+from tqdm.autonotebook import tqdm as _notebook_or_plain  # tqdm.auto imported it first, with its warning silenced
+
+# In Jupyter tqdm draws a widget (stderr is no terminal there, but the bar is live).
+_IN_NOTEBOOK = _notebook_or_plain is not _plain
+
+# Seconds between two progress lines in a log (tqdm's ``mininterval``); the last state is always written.
+LOG_INTERVAL_S = 30.0
+
+
+class _Lines:
+    """A file for tqdm that turns its carriage-return redraws into whole lines (a log keeps one line per write)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress_bar(iterable: Iterable | None = None, *, disable: bool = False, **kwargs: Any) -> _plain:
+    """A tqdm bar (``iterable`` and ``kwargs`` as tqdm's): live when stderr is a terminal or in a notebook;
+    otherwise one plain line at most every :data:`LOG_INTERVAL_S` seconds, plus the final state.
+
+    Args:
+        iterable: what to iterate over (optional, as in tqdm).
+        disable: no output at all.
+        **kwargs: tqdm's (``total``, ``desc``, ``unit``, ``initial``, ``leave``, ...).
+    """
+    stream = sys.stderr
+    live = _IN_NOTEBOOK or (stream is not None and hasattr(stream, "isatty") and stream.isatty())
+    if live or disable:
+        return _auto(iterable, disable=disable, **kwargs)
+    kwargs.pop("dynamic_ncols", None)
+    kwargs.update(file=_Lines(stream), mininterval=LOG_INTERVAL_S, maxinterval=max(LOG_INTERVAL_S, 10.0),
+                  leave=True, ncols=100, ascii=True)
+    return _plain(iterable, **kwargs)
+
+
+__all__ = ["LOG_INTERVAL_S", "progress_bar"]
