@@ -4,6 +4,7 @@ pile up as hundreds of lines."""
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterable
 from typing import Any, TextIO
@@ -15,8 +16,11 @@ from tqdm.autonotebook import tqdm as _notebook_or_plain  # tqdm.auto imported i
 # In Jupyter tqdm draws a widget (stderr is no terminal there, but the bar is live).
 _IN_NOTEBOOK = _notebook_or_plain is not _plain
 
-# Seconds between two progress lines in a log (tqdm's ``mininterval``); the last state is always written.
+# Seconds between two progress lines in a log (tqdm's ``mininterval``); also how long a transient bar
+# (``leave=False``, e.g. one input's positions inside a dataset run) stays silent before its first line.
 LOG_INTERVAL_S = 30.0
+# Cursor movements tqdm writes to place nested bars: meaningless in a log.
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class _Lines:
@@ -26,7 +30,7 @@ class _Lines:
         self.stream = stream
 
     def write(self, text: str) -> None:
-        line = text.replace("\r", "").rstrip()
+        line = _ANSI.sub("", text).replace("\r", "").rstrip()
         if line:
             self.stream.write(line + "\n")
 
@@ -36,7 +40,8 @@ class _Lines:
 
 def progress_bar(iterable: Iterable | None = None, *, disable: bool = False, **kwargs: Any) -> _plain:
     """A tqdm bar (``iterable`` and ``kwargs`` as tqdm's): live when stderr is a terminal or in a notebook;
-    otherwise one plain line at most every :data:`LOG_INTERVAL_S` seconds, plus the final state.
+    otherwise one plain line at most every :data:`LOG_INTERVAL_S` seconds: a lasting bar (the default) from its
+    start to its final state, a transient one (``leave=False``) only while it runs longer than that.
 
     Args:
         iterable: what to iterate over (optional, as in tqdm).
@@ -48,8 +53,10 @@ def progress_bar(iterable: Iterable | None = None, *, disable: bool = False, **k
     if live or disable:
         return _auto(iterable, disable=disable, **kwargs)
     kwargs.pop("dynamic_ncols", None)
+    if not kwargs.get("leave", True):
+        kwargs["delay"] = LOG_INTERVAL_S
     kwargs.update(file=_Lines(stream), mininterval=LOG_INTERVAL_S, maxinterval=max(LOG_INTERVAL_S, 10.0),
-                  leave=True, ncols=100, ascii=True)
+                  ncols=100, ascii=True)
     return _plain(iterable, **kwargs)
 
 

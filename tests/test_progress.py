@@ -26,11 +26,27 @@ def run_bar(monkeypatch, stream: io.StringIO, steps: int = 2000, **kwargs) -> st
 
 
 def test_a_log_gets_a_few_whole_lines_ending_at_the_total(monkeypatch) -> None:
-    text = run_bar(monkeypatch, io.StringIO(), leave=False)
+    text = run_bar(monkeypatch, io.StringIO())
     lines = text.splitlines()
     assert "\r" not in text and text.endswith("\n")
     assert 1 <= len(lines) <= 3, lines  # the start, maybe one in between, and the end: not one per update
-    assert "positions" in lines[-1] and "2000/2000" in lines[-1]  # the last state kept even with leave=False
+    assert "positions" in lines[-1] and "2000/2000" in lines[-1]
+
+
+def test_a_log_skips_short_transient_bars_and_cursor_moves(monkeypatch) -> None:
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    outer = progress_bar(total=3, desc="inputs", position=0)
+    for _ in range(3):
+        inner = progress_bar(total=100, desc="positions", leave=False)  # nested: tqdm places it with escapes
+        for _ in range(100):
+            inner.update(1)
+        inner.close()
+        outer.update(1)
+    outer.close()
+    lines = stream.getvalue().splitlines()
+    assert "\x1b" not in stream.getvalue() and not any("positions" in line for line in lines)
+    assert len(lines) <= 3 and "3/3" in lines[-1]
 
 
 def test_a_log_gets_a_line_per_interval(monkeypatch) -> None:
