@@ -108,7 +108,8 @@ def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
                        progress=not args.quiet, tau=args.tau, feature_threshold=args.feature_threshold,
                        measure_quality=args.measure_quality, spatial_dims=3, feature_mask=labels)
     elapsed = time.perf_counter() - start
-    out = result.save(args.out, image=volume, title=f"{name} on {Path(path).name}: class {result.target}")
+    out = result.save(args.out, image=volume, title=f"{name} on {Path(path).name}: class {result.target}",
+                      cmap=args.cmap, centre=None if args.no_centre else 0.0)
     s = result.stats
     if result.features is not None or result.every_class:
         from incrinf.cli.feature_mask import print_summary

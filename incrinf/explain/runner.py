@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
 
 from incrinf.engine import BatchEngine, Boxes, Plan, crop_boxes, free_device_memory, peak_memory, reset_peak_memory
 from incrinf.explain.occluders import Occluder, make_occluder
 from incrinf.geometry import input_boxes
 from incrinf.graph import Graph, captured_graph
+from incrinf.progress import progress_bar
 
 # Share of the free device memory a batch may use (cuDNN workspaces and the allocator need the rest).
 GPU_MEMORY_SHARE = 0.5
@@ -193,7 +193,7 @@ class OcclusionRunner:
         start = time.perf_counter()
         dev = self.image.device
         resident = reset_peak_memory(dev)
-        bar = tqdm(total=n, desc=desc, unit="pos", disable=not progress, leave=False)
+        bar = progress_bar(total=n, desc=desc, unit="pos", disable=not progress, leave=False)
         for batch in plan.batches:
             boxes_values = values(batch)
             if self.feature_threshold > 0:  # pruned boxes follow the data: walked without the plan's boxes
