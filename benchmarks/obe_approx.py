@@ -49,11 +49,11 @@ from captum.attr import Occlusion as CaptumOcclusion
 
 from incrinf import models
 from incrinf.analysis import occlusion_grid
-from incrinf.explain.approx import occlusion
 from incrinf.explain.drilldown import DrillDown
-from incrinf.explain.occlusion import occlusion as exact_occlusion
+from incrinf.explain.occlusion import occlusion
+from incrinf.explain.quality import heatmap_ssim
 from incrinf.explain.runner import OcclusionRunner, estimate_batch_size
-from incrinf.explain.tuning import heatmap_ssim, tune
+from incrinf.explain.tuning import tune
 from incrinf.validation import parse_bytes
 
 REAL_MODELS = ("efficientnet_lite0", "efficientnet_lite1")
@@ -149,10 +149,10 @@ def part_a(args: argparse.Namespace) -> list[str]:
                 x = models.preprocess(photo(pname), name, size=size)
                 with torch.no_grad():
                     target = int(model(x[None]).argmax())
-                exact, t_exact = timed(exact_occlusion, model, x, patch=patch, stride=stride, target=target,
+                exact, t_exact = timed(occlusion, model, x, patch=patch, stride=stride, target=target,
                                        progress=False)
                 if captum_per_forward is None:  # checked against incrinf's exact map on the same windows
-                    coarse = exact_occlusion(model, x, patch=patch, stride=patch, target=target, progress=False)
+                    coarse = occlusion(model, x, patch=patch, stride=patch, target=target, progress=False)
                     captum_per_forward, attribution = captum_seconds_per_forward(model, x, patch, target, True)
                     agreement = float((attribution[0] - torch.from_numpy(coarse.pixel_map()).float()).abs().max())
                 run = approximate_run(model, x, patch, stride, target, profile)

@@ -24,7 +24,7 @@ def test_analyze_bad_arguments_exit_with_message(capsys) -> None:
 
 
 def test_explain_default_heatmap_is_on_the_cat(tmp_path, capsys, monkeypatch) -> None:
-    import incrinf.explain.approx as occ
+    import incrinf.explain.occlusion as occ
 
     results = []
     original = occ.occlusion
