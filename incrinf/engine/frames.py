@@ -47,11 +47,6 @@ class CacheMemory:
     kept_tensors: int
     naive_tensors: int
 
-    @property
-    def saved_fraction(self) -> float:
-        """Share of the naive cache memory not kept."""
-        return 1.0 - self.kept_bytes / self.naive_bytes if self.naive_bytes else 0.0
-
 
 @dataclass
 class ExecStats:
