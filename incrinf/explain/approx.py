@@ -27,7 +27,7 @@ from incrinf.explain.drilldown import (
     select_cells,
     upsample,
 )
-from incrinf.explain.heatmaps import TargetRunner, stats_of
+from incrinf.explain.heatmaps import TargetRunner
 from incrinf.explain.result import ChosenSetting, DrillDownStages, OcclusionResult, OcclusionStats
 from incrinf.explain.runner import RunStats
 from incrinf.explain.tuning_profile import Setting, TuningProfile, check_target_ssim, profile_for
@@ -156,7 +156,7 @@ def _drill_stats(one: RunStats, two: RunStats, n_fine: int, s1: tuple[int, int],
     incr = sum(s.positions * full / s.theoretical_speedup for s in (one, two) if s.positions)
     realized = sum(s.positions * full / s.realized_flop_ratio for s in (one, two) if s.positions)
     run = one.positions + two.positions
-    stats = stats_of(one)
+    stats = OcclusionStats.of_run(one)
     stats.positions = run
     stats.batches = one.batches + two.batches
     stats.seconds = seconds

@@ -1,5 +1,5 @@
 """Occlusion heat maps from the runner: the runner set up for one input and one target (:class:`TargetRunner`),
-the drops of windows and features, and the run's counts as :class:`~incrinf.explain.result.OcclusionStats`.
+and the drops of windows and features.
 
 Shared by the occlusion front end (:mod:`incrinf.explain.occlusion`) and the drill-down's two stages
 (:mod:`incrinf.explain.approx`); it knows nothing of approximation settings or error estimates.
@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 
 from incrinf.explain import targets
-from incrinf.explain.result import OcclusionStats
 from incrinf.explain.runner import OcclusionRunner, RunStats, estimate_batch_size
 from incrinf.graph import NodeKind
 from incrinf.validation import check_spatial_dims
@@ -55,14 +54,6 @@ def drops(base: torch.Tensor, scores: torch.Tensor) -> np.ndarray:
     """Unoccluded minus occluded scores: (N,) from a scalar base, (K, N) from a (K,) base and (N, K) scores."""
     drop = base - scores
     return (drop.transpose(0, 1) if drop.dim() == 2 else drop).cpu().numpy()
-
-
-def stats_of(run: RunStats) -> OcclusionStats:
-    """The front end's record of a runner's counts (the setting and error are the front end's to fill)."""
-    return OcclusionStats(positions=run.positions, batches=run.batches, batch_size=run.batch_size,
-                          seconds=run.seconds, flops_full=run.flops_full,
-                          theoretical_speedup=run.theoretical_speedup, realized_flop_ratio=run.realized_flop_ratio,
-                          peak_memory_bytes=run.peak_memory_bytes, extra=dict(run.extra))
 
 
 @dataclass
@@ -127,4 +118,4 @@ class TargetRunner:
         return ids, drops(self.base, scores), run
 
 
-__all__ = ["TargetRunner", "check_batch_size", "drops", "infer_spatial_dims", "stats_of"]
+__all__ = ["TargetRunner", "check_batch_size", "drops", "infer_spatial_dims"]

@@ -22,9 +22,9 @@ import torch.nn as nn
 from incrinf.analysis import grid_shape, occlusion_grid
 from incrinf.explain import approx
 from incrinf.explain.drilldown import DrillDown
-from incrinf.explain.heatmaps import TargetRunner, check_batch_size, infer_spatial_dims, stats_of
+from incrinf.explain.heatmaps import TargetRunner, check_batch_size, infer_spatial_dims
 from incrinf.explain.quality import estimated_ssim, map_ssim
-from incrinf.explain.result import ErrorEstimate, OcclusionResult
+from incrinf.explain.result import ErrorEstimate, OcclusionResult, OcclusionStats
 from incrinf.explain.runner import feature_boxes
 from incrinf.explain.targets import check_output
 from incrinf.explain.tuning_profile import TuningProfile
@@ -171,8 +171,8 @@ def _heat_map(scoring: TargetRunner, mask: torch.Tensor | None, window: tuple[tu
         ids, corners, sizes = feature_boxes(mask)
         bs = scoring.batch_size(batch_size, tuple(int(s) for s in sizes.max(axis=0)), budget)
         features, heat, run = scoring.features(mask, baseline, bs, progress, desc=f"occlusion of {len(ids)} features")
-        return OcclusionResult(heat, corners, scoring.target.label, (), (), dims, stats_of(run), None, features,
-                               mask.cpu().numpy(), scoring.predicted)
+        return OcclusionResult(heat, corners, scoring.target.label, (), (), dims, OcclusionStats.of_run(run), None,
+                               features, mask.cpu().numpy(), scoring.predicted)
     patch, stride = window
     bs = scoring.batch_size(batch_size, patch, budget)
     positions = occlusion_grid(dims, patch, stride)
@@ -180,7 +180,7 @@ def _heat_map(scoring: TargetRunner, mask: torch.Tensor | None, window: tuple[tu
                                 desc=f"occlusion {'x'.join(map(str, patch))}/{'x'.join(map(str, stride))}")
     grid = grid_shape(dims, patch, stride)
     heat = heat.reshape(-1, *grid) if scoring.target.every else heat.reshape(grid)
-    return OcclusionResult(heat, positions, scoring.target.label, patch, stride, dims, stats_of(run),
+    return OcclusionResult(heat, positions, scoring.target.label, patch, stride, dims, OcclusionStats.of_run(run),
                            np.ones(grid, bool), predicted=scoring.predicted)
 
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,6 +13,7 @@ import torch
 
 from incrinf.explain.drilldown import DrillDown
 from incrinf.explain.pictures import save_heatmap
+from incrinf.explain.runner import RunStats
 
 SettingSource = Literal["argument", "profile"]
 ErrorMethod = Literal["exact", "measured", "sampled"]
@@ -107,37 +108,27 @@ class DrillDownStages:
 
 
 @dataclass
-class OcclusionStats:
-    """What an occlusion run did.
+class OcclusionStats(RunStats):
+    """What an occlusion run did: the runner's counts (:class:`~incrinf.explain.runner.RunStats`: ``positions``,
+    ``batches``, ``batch_size``, ``seconds``, ``flops_full`` the multiply-adds of one full inference,
+    ``theoretical_speedup`` and ``realized_flop_ratio`` over naive re-inference of every cell (a drill-down counts
+    its fine grid), ``peak_memory_bytes``, ``extra``) and what the front end adds.
 
     Attributes:
-        positions: occlusion queries run (windows or features; both stages of a drill-down).
-        batches: engine batches.
-        batch_size: queries per batch.
-        seconds: wall time of the queries (not the error check: :attr:`ErrorEstimate.seconds`).
-        flops_full: multiply-adds of one full inference.
-        theoretical_speedup: multiply-adds of naive re-inference of every cell over those the incremental plan
-            needs (the exact projective fields; a drill-down counts its fine grid).
-        realized_flop_ratio: the same over the multiply-adds the engine computed (box-rounded, thresholded).
-        peak_memory_bytes: peak working memory of the engine's batches.
         setting: the knobs used (:class:`ChosenSetting`).
         error: the error estimate (:class:`ErrorEstimate`; ``method="exact"`` for exact runs).
         drill_down: the stages of a drill-down run, else None.
-        extra: further counters of the runner (e.g. ``peak_device_memory_bytes`` on a GPU).
     """
 
-    positions: int = 0
-    batches: int = 0
-    batch_size: int = 0
-    seconds: float = 0.0
-    flops_full: float = 0.0
-    theoretical_speedup: float = 1.0
-    realized_flop_ratio: float = 1.0
-    peak_memory_bytes: int = 0
     setting: ChosenSetting = field(default_factory=ChosenSetting)
     error: ErrorEstimate = field(default_factory=lambda: ErrorEstimate("exact", ssim=1.0))
     drill_down: DrillDownStages | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of_run(cls, run: RunStats) -> OcclusionStats:
+        """The record of a runner's counts (the setting and error are the front end's to fill)."""
+        counts = {f.name: getattr(run, f.name) for f in fields(RunStats)}
+        return cls(**{**counts, "extra": dict(run.extra)})
 
     @property
     def approximate(self) -> bool:

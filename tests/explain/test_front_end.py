@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import torch.nn as nn
+from test_approx import image, small_net
 
 import incrinf
 from incrinf.cli.approx_options import describe_approximation
@@ -20,18 +20,6 @@ from incrinf.explain.quality import heatmap_ssim
 from incrinf.explain.result import ChosenSetting, DrillDownStages, ErrorEstimate, OcclusionStats
 
 PACKAGE = Path(incrinf.__file__).parent
-
-
-def small_net() -> nn.Module:
-    torch.manual_seed(3)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 12, 5, stride=2, padding=2), nn.ReLU(),
-        nn.MaxPool2d(2), nn.Conv2d(12, 12, 3, padding=1), nn.ReLU(), nn.Conv2d(12, 16, 3, padding=1),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
-
-
-def image(size: int = 64) -> torch.Tensor:
-    return torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(7))
 
 
 def _modules() -> list[tuple[Path, ast.Module]]:
