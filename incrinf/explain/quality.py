@@ -34,8 +34,8 @@ def grid_ssim(exact: np.ndarray, approx: np.ndarray) -> float | None:
     under 3 cells along an axis.
 
     Args:
-        exact: (*grid) exact heat map.
-        approx: (*grid) approximate heat map on the same grid.
+        exact: ``(*grid)`` exact heat map.
+        approx: ``(*grid)`` approximate heat map on the same grid.
 
     Raises:
         ValueError: the shapes differ.
@@ -83,7 +83,7 @@ def map_ssim(exact: np.ndarray, approx: np.ndarray, every_class: bool = False, f
     ``target="all"``; None for feature maps (no neighbourhoods) and grids under 3 cells along an axis.
 
     Args:
-        exact, approx: (*grid) heat maps, or (K, *grid) with ``every_class``.
+        exact, approx: ``(*grid)`` heat maps, or ``(K, *grid)`` with ``every_class``.
         every_class: the maps hold one map per class.
         features: the maps hold one value per feature.
     """
@@ -101,7 +101,7 @@ def estimated_ssim(approx: np.ndarray, error_power: float) -> float:
     variance there (the approximate map's less ``e``; the luminance term is about 1: the error has no mean).
 
     Args:
-        approx: (*grid) approximate heat map over 1, 2 or 3 grid axes.
+        approx: ``(*grid)`` approximate heat map over 1, 2 or 3 grid axes.
         error_power: mean squared error of the approximation.
 
     Returns:
