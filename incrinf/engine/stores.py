@@ -80,7 +80,7 @@ class BaseStore:
 
     Attributes:
         plan: index tensors of the current batch by key, reused whenever the same batch runs again (set by the
-            caller from :func:`incrinf.engine.batches.batch_plan`; None: build them every time).
+            caller from :func:`incrinf.engine.plan.batch_plan`; None: build them every time).
     """
 
     def __init__(self, program: Program, base: dict[str, Any]) -> None:
