@@ -190,7 +190,7 @@ class QualityGuard:
 
     def __init__(self, config: StreamConfig) -> None:
         self.config = config
-        self.min_interval = config.audit_interval
+        self.min_interval = config.first_audit_interval
         self.max_interval = config.keyframe_interval or _MAX_INTERVAL
         self.interval = self.min_interval
         self.level = 0
@@ -211,8 +211,8 @@ class QualityGuard:
         return TIGHTEN ** self.level
 
     @property
-    def threshold(self) -> float:
-        return self.config.threshold * self.scale
+    def pixel_threshold(self) -> float:
+        return self.config.pixel_threshold * self.scale
 
     @property
     def still_feature_threshold(self) -> float:

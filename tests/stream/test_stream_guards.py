@@ -64,7 +64,7 @@ def test_speed_guard_switches_to_full_inference_when_the_cached_path_is_slow(fra
         session(frame)
     assert [s.mode for s in session.stats[1:8]].count("cached") >= 5  # a small change: cached is cheaper
     assert all(s.predicted_cached < s.predicted_full for s in session.stats[1:8] if s.mode == "cached")
-    executor = next(iter(session._executors.values()))
+    executor = next(iter(session._engines.values()))
     fast = executor.cached
     full_seconds = next(iter(session._speed_guards.values())).full_seconds
 
@@ -108,18 +108,18 @@ def _label(agreement: float, risk: float = 0.0) -> Comparison:
 
 def test_quality_guard_tightens_on_misses_and_relaxes_while_the_target_holds():
     guard = QualityGuard(StreamConfig(audit_interval=2, keyframe_interval=16))
-    assert (guard.interval, guard.level, guard.threshold) == (2, 0, 10.0)
+    assert (guard.interval, guard.level, guard.pixel_threshold) == (2, 0, 10.0)
     verdicts = [guard.record(_label(1.0), guard.interval) for _ in range(4)]
     # holding with room to spare: audits get rarer, up to the keyframe interval
     assert verdicts == [Verdict.RELAX] * 3 + [Verdict.HOLD] and guard.interval == 16
     assert guard.record(_label(0.0, 1.5), guard.interval) == Verdict.MISS  # a top-1 flip
     assert (guard.interval, guard.level) == (2, 1)
-    assert guard.threshold == pytest.approx(6.0) and guard.still_feature_threshold == pytest.approx(0.21)
+    assert guard.pixel_threshold == pytest.approx(6.0) and guard.still_feature_threshold == pytest.approx(0.21)
     assert guard.record(_label(1.0, 0.4), 2) == Verdict.HOLD  # 0.4 at 2 frames would be 0.8 at 4: no relaxing
     assert guard.interval == 2
     for _ in range(10):
         guard.record(_label(1.0), guard.interval)
-    assert guard.level == 0 and guard.threshold == 10.0  # relaxed back once the misses stopped
+    assert guard.level == 0 and guard.pixel_threshold == 10.0  # relaxed back once the misses stopped
     summary = guard.summary
     assert summary.audits == 16 and summary.misses == 1 and summary.agreement == pytest.approx(15 / 16)
 
@@ -154,7 +154,7 @@ def test_injected_disagreements_raise_the_audit_rate_and_tighten_then_relax(fram
     model = _classifier()
     session = StreamSession(model, speed_guard=False, audit_interval=2, keyframe_interval=4, near_tie=0)
     session(frames[0])
-    executor = next(iter(session._executors.values()))
+    executor = next(iter(session._engines.values()))
     honest = executor.cached
     injecting = [False]
 
@@ -182,10 +182,10 @@ def test_injected_disagreements_raise_the_audit_rate_and_tighten_then_relax(fram
 
 def test_reported_agreement_equals_agreement_measured_against_full_inference(frames):
     model = _classifier()
-    session = StreamSession(model, speed_guard=False, audit_interval=2, keyframe_interval=4, threshold=30,
+    session = StreamSession(model, speed_guard=False, audit_interval=2, keyframe_interval=4, pixel_threshold=30,
                             feature_threshold=0.5)
     session(frames[0])
-    executor = next(iter(session._executors.values()))
+    executor = next(iter(session._engines.values()))
     honest, seen = executor.cached, {}
 
     def cached(*args, **kwargs):
@@ -245,9 +245,9 @@ def dense_models() -> dict:
 @pytest.mark.parametrize("name", ["dilated_fcn", "pnet", "lraspp_mobilenet_v3_large"])
 def test_dense_sessions_equal_full_inference_with_thresholds_at_zero(dense_models, frames, name):
     model = dense_models[name]
-    session = StreamSession(model, threshold=0.0, feature_threshold=0.0, max_ratio=1.0, speed_guard=False,
+    session = StreamSession(model, pixel_threshold=0.0, feature_threshold=0.0, max_ratio=1.0, speed_guard=False,
                             quality_guard=False)
-    local = StreamSession(model, threshold=0.01, feature_threshold=0.0, speed_guard=False, quality_guard=False)
+    local = StreamSession(model, pixel_threshold=0.01, feature_threshold=0.0, speed_guard=False, quality_guard=False)
     for frame in frames[:3]:
         for s in (session, local):
             out = s(frame, homography=np.eye(3))
@@ -280,7 +280,7 @@ def test_a_failed_frame_keeps_the_guards_state(frames):
     before = (quality.level, quality.interval, quality.summary, speed.full_seconds, dict(speed._cached))
     with pytest.raises(TypeError, match="uint8"):
         session(frames[8].astype(np.float32))
-    executor = next(iter(session._executors.values()))
+    executor = next(iter(session._engines.values()))
     honest = executor.cached
     executor.cached = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated failure"))
     executor_full = executor.full
@@ -302,7 +302,7 @@ def test_a_failed_frame_keeps_the_guards_state(frames):
     ({"target_agreement": 1.5}, "target_agreement"),
     ({"target_error": -1}, "target_error"),
     ({"audit_interval": 0}, "audit_interval"),
-    ({"audit_interval": 40, "keyframe_interval": 30}, "audit_interval"),
+    ({"keep_stats": 0}, "keep_stats"),
     ({"near_tie": -1}, "near_tie"),
     ({"speed_guard": "yes"}, "speed_guard"),
 ])
@@ -331,3 +331,12 @@ def test_stream_cli_reports_the_guards(tmp_path, capsys):
     for bad in (["--target-agreement", "1.5"], ["--audit-interval", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["stream", *bad])
+
+
+def test_dependent_settings_adapt_instead_of_raising():
+    # audits are keyframes: an audit interval longer than the keyframe interval counts as the keyframe interval
+    config = StreamConfig(audit_interval=40, keyframe_interval=30)
+    assert (config.audit_interval, config.first_audit_interval) == (40, 30)
+    assert QualityGuard(config).interval == 30
+    assert StreamConfig(keyframe_interval=1).every_frame_full
+    assert StreamConfig(keyframe_interval=0, audit_interval=40).first_audit_interval == 40

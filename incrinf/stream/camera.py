@@ -33,7 +33,7 @@ class _Warp:
     new_padding: tuple[str, ...] = ()
 
 
-class StreamExecutor:
+class CameraEngine:
     """Full and cached inference of camera frames (a :class:`~incrinf.engine.FrameEngine` plus motion).
 
     Args:
