@@ -56,8 +56,8 @@ from _common import machine  # noqa: E402
 # knob, one knob at a time.
 GRID = {
     "defaults": {},
-    "threshold 6": {"threshold": 6.0},
-    "threshold 15": {"threshold": 15.0},
+    "pixel thr. 6": {"pixel_threshold": 6.0},
+    "pixel thr. 15": {"pixel_threshold": 15.0},
     "feature thr. 0.2": {"feature_threshold": 0.2},
     "feature thr. 0.5": {"feature_threshold": 0.5},
     "near_tie 0.5": {"near_tie": 0.5},
@@ -277,10 +277,10 @@ def _pnet_wheel(cache: Path) -> Path | None:
 
 
 def _settings(config: StreamConfig) -> str:
-    return (f"threshold {config.threshold:g}, feature threshold {config.still_feature_threshold:g} (still), target "
-            f"agreement {config.target_agreement:g}, audits every {config.audit_interval}..{config.keyframe_interval} "
-            f"frames, near_tie {config.near_tie:g}, speed guard {config.speed_guard}, quality guard "
-            f"{config.quality_guard}")
+    return (f"pixel threshold {config.pixel_threshold:g}, feature threshold {config.still_feature_threshold:g} "
+            f"(still), target agreement {config.target_agreement:g}, audits every "
+            f"{config.audit_interval}..{config.keyframe_interval} frames, near_tie {config.near_tie:g}, speed guard "
+            f"{config.speed_guard}, quality guard {config.quality_guard}")
 
 
 def _load() -> str:
