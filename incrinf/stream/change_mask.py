@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from incrinf.engine.frame_regions import cluster_boxes
 from incrinf.extras import require
 from incrinf.stream.config import StreamConfig
 
@@ -71,6 +72,11 @@ class ChangeMask:
     def changed_cell_fraction(self) -> float:
         """Changed cells / all cells (CacheInf falls back to full inference at >= 0.6)."""
         return float(self.cells.mean())
+
+    def clusters(self) -> list[Box]:
+        """Pixel boxes ``(y0, y1, x0, x1)`` of the 8-connected clusters of changed cells (a walker each, where
+        walkers are apart), clipped to the frame."""
+        return cluster_boxes(self.cells, self.cell, self.image_size)
 
     def boxes(self) -> list[Box]:
         """Changed cells merged into disjoint rectangles, in pixel coords.

@@ -81,9 +81,13 @@ class StreamConfig:
             further than this (in positions of the map) from where the content moved, they are recomputed.
             Features are not shift-equivariant below their stride, so 0.5 (always reuse, as CacheInf) flips
             top-1 predictions on panning cameras; 0 reuses only whole-position shifts.
-        still_fraction: when phase correlation finds a clear global shift below ``min_motion / 2`` and the
+        still_fraction: when phase correlation finds a clear global shift below ``min_motion`` (a homography that
+            moves no corner further would count as the identity) and the
             unmoved previous frame explains all but this fraction of the new one, the camera is taken as still
-            and keypoint matching is skipped; 0 always estimates the homography.
+            and keypoint matching is skipped; 0 always estimates the homography. With 1 (the default) a clear
+            sub-pixel shift alone decides: a keypoint fit on a still camera is noisier (its corners move by 1-7 px
+            at 288x384 under a quarter pixel of jitter) than the phase correlation, and whatever the identity
+            leaves unexplained is in the change mask anyway.
         still_response: the phase-correlation peak (1 for identical frames) from which a shift counts as clear; a
             weaker peak (a pan over repetitive texture, a zoom, a scene cut) is not taken as a still camera.
         backoff_after: frames in a row that tried the cache in vain before a back-off stretch starts.
@@ -96,6 +100,9 @@ class StreamConfig:
             returning the output; outputs are identical either way.
         speed_guard: choose cached or full inference per frame from the plan's predicted cost (the cost model,
             calibrated on the frames run); False: always try the cache.
+        min_saving: when the plan of the smallest possible change saves less than this share of a full frame (a
+            model where every change soon reaches the whole output: squeeze-excitation, a global branch early on),
+            every frame runs plain inference, without matching, masks or a cache.
         quality_guard: audit frames (run full inference as well, compare, keep the result as a keyframe) and adapt
             ``pixel_threshold``, the feature threshold and the audit interval to hold ``target_agreement``; False:
             fixed settings, a keyframe every ``keyframe_interval`` frames.
@@ -105,11 +112,23 @@ class StreamConfig:
             held as well (None: agreement only).
         audit_interval: the shortest interval between audits (the first audit, and after a miss); the guard doubles
             it up to ``keyframe_interval`` while the target holds with room to spare.
+        sampled_audits: between full audits, check a few tiles of a cached tensor recomputed exactly from the frame
+            (:mod:`~incrinf.stream.audits`): at the guard's audit points (up to ``keyframe_interval``, where a full
+            audit runs anyway) and every ``audit_interval`` frames; a full audit runs only when a sample says the
+            cache has drifted. False: every audit is a full one.
+        sample_budget: what one sampled audit may cost, as a share of a full frame (sets the probe's depth and the
+            number of tiles).
+        sample_tolerance: a sample flags when its error exceeds this many times the largest error seen at recent
+            full audits that held the target.
         near_tie: a cached classifier output whose top-1 margin is within this many times the largest lead the
             recent audits saw the cached path lose (over the top class's five closest rivals) is audited on the spot
             (every cached frame before the first audit); 0: never.
         keep_stats: per-frame records kept in :attr:`StreamSession.stats` (the newest; None: all). A stream never
             ends, and an unbounded log grows by a record per frame.
+        oracle_sample: on this share of the frames that had a plan, run both the cached path and full inference,
+            time both and return the one the speed guard chose (``FrameStats.oracle_cached`` and ``oracle_full``):
+            a measurement of the guard's decisions (its regret), not a mode to run a camera in; the full run
+            refills the cache, so such frames are keyframes.
     """
 
     pixel_threshold: float = 10.0
@@ -121,18 +140,23 @@ class StreamConfig:
     feature_threshold: float | None = None
     min_motion: float = 2.0
     max_misalignment: float = 0.25
-    still_fraction: float = 0.25
-    still_response: float = 0.8
+    still_fraction: float = 1.0
+    still_response: float = 0.5
     backoff_after: int = 3
     max_backoff: int = 64
     background_update: bool = False
     speed_guard: bool = True
+    min_saving: float = 0.1
     quality_guard: bool = True
     target_agreement: float = 0.99
     target_error: float | None = None
     audit_interval: int = 4
+    sampled_audits: bool = True
+    sample_budget: float = 0.05
+    sample_tolerance: float = 1.5
     near_tie: float = 1.0
     keep_stats: int | None = 1000
+    oracle_sample: float = 0.0
 
     #: feature threshold of still-camera frames when ``feature_threshold`` is None (on EfficientNet-Lite0 about
     #: 7x fewer FLOPs on a still-camera clip at the output error of reusing the previous frame's output)
@@ -168,10 +192,16 @@ class StreamConfig:
         _check(self.near_tie >= 0, "near_tie must be >= 0", self.near_tie)
         _check(_is_int(self.audit_interval) and self.audit_interval >= 1, "audit_interval must be a positive integer",
                self.audit_interval)
+        _check(0.0 <= self.min_saving < 1.0, "min_saving must be in [0, 1)", self.min_saving)
+        _check(isinstance(self.sampled_audits, bool), "sampled_audits must be True or False", self.sampled_audits)
+        _check(0.0 < self.sample_budget <= 1.0, "sample_budget must be in (0, 1]", self.sample_budget)
+        _check(self.sample_tolerance >= 1.0, "sample_tolerance must be >= 1", self.sample_tolerance)
+        _check(0.0 <= self.oracle_sample <= 1.0, "oracle_sample must be in [0, 1]", self.oracle_sample)
         _check(self.keep_stats is None or (_is_int(self.keep_stats) and self.keep_stats >= 1),
                "keep_stats must be a positive integer or None", self.keep_stats)
         for name in ("pixel_threshold", "max_ratio", "min_motion", "max_misalignment", "still_fraction",
-                     "still_response", "target_agreement", "near_tie"):
+                     "still_response", "target_agreement", "near_tie", "min_saving", "oracle_sample",
+                     "sample_budget", "sample_tolerance"):
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.target_error is not None:
             object.__setattr__(self, "target_error", float(self.target_error))

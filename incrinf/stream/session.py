@@ -30,18 +30,22 @@ import torch
 import torch.nn as nn
 
 from incrinf.engine import CacheMemory
+from incrinf.engine.blocks import BlockPlan
+from incrinf.engine.frame_regions import RegionPlan
 from incrinf.graph import capture, has_windows
 from incrinf.normalization import Normalization
-from incrinf.stream.agreement import compare, top1_margin
+from incrinf.stream.agreement import Comparison, compare, top1_margin
+from incrinf.stream.audits import SampledAudit
 from incrinf.stream.backoff import BackOff
 from incrinf.stream.camera import CameraEngine
 from incrinf.stream.change_mask import ChangeMask, change_mask
 from incrinf.stream.config import StreamConfig
-from incrinf.stream.guards import Agreement, QualityGuard, SpeedEstimate, SpeedGuard, Walk
+from incrinf.stream.decisions import Prediction, SpeedGuard, best_saving, plan_kind, predict
+from incrinf.stream.guards import Agreement, QualityGuard, Verdict
 from incrinf.stream.inputs import FrameInput
 from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
 from incrinf.stream.stats import Cause, FrameLog, FrameStats, FrameTimes
-from incrinf.stream.stillness import StillnessTest
+from incrinf.stream.stillness import StillnessTest, align
 from incrinf.stream.warp import warp_image, warp_valid_mask
 from incrinf.validation import check_homography
 
@@ -76,6 +80,10 @@ class _Frame:
     warped: np.ndarray | None = None
     n_matches: int = 0
     features: FrameFeatures | None = None
+    plan: RegionPlan | BlockPlan | None = None
+    oracle: tuple[float, float] = (math.nan, math.nan)  # measured cached and full engine seconds
+    sampled: float = math.nan  # a sampled audit's error
+    probes: tuple[torch.Tensor, torch.Tensor] | None = None  # the probe, cached and full, at a full audit
 
     @property
     def still(self) -> bool:
@@ -138,9 +146,11 @@ class StreamSession:
             param.device if param is not None else torch.device("cpu"))
         self.inputs = FrameInput(Normalization(mean, std), input_size, preprocess, self.device)
         self._estimator = HomographyEstimator(**self.config.matcher_settings.as_kwargs())
-        self._stillness = StillnessTest(self.config.still_response, max(self.config.min_motion / 2, 0.5))
+        self._stillness = StillnessTest(self.config.still_response, max(self.config.min_motion, 0.5))
         self._engines: dict[tuple[int, ...], CameraEngine] = {}
-        self._speed_guards: dict[tuple[int, ...], SpeedGuard] = {}
+        self._no_reuse: dict[tuple[int, ...], str] = {}  # frame shapes on which the cache cannot pay, and why
+        self._samplers: dict[tuple[int, ...], SampledAudit] = {}
+        self._speed = SpeedGuard()
         self._quality = QualityGuard(self.config) if self.config.quality_guard else None
         self._backoff = BackOff(self.config)
         self.stats: FrameLog = FrameLog(self.config.keep_stats)
@@ -220,74 +230,39 @@ class StreamSession:
         decided = time.perf_counter()
         self._decide(f, engine, matrix_given)
         attempt = f.fallback is None or f.fallback.cause in _MISSES
+        prediction = self._plan(f, engine)
         overhead = time.perf_counter() - decided
-        walk = Walk.STILL if f.still else Walk.MOVING
-        work = _work(f.mask, walk) if f.fallback is None else 1.0
-        speed = self._speed_guards.setdefault(tuple(x.shape), SpeedGuard()) if self.config.speed_guard else None
-        estimate = SpeedEstimate(math.nan, math.nan)
-        if speed is not None:
-            estimate = speed.estimate(walk, work) if f.fallback is None else SpeedEstimate(speed.full_seconds,
-                                                                                            math.nan)
-            if f.fallback is None and not speed.choose_cached(estimate):
-                f.fallback = _Fallback(Cause.SLOWER, f"predicted {estimate.cached * 1e3:.1f} ms cached vs "
-                                                     f"{estimate.full * 1e3:.1f} ms full")
         since_full = self._index - self._last_full
         audit = f.fallback is None and quality is not None and quality.due(since_full)
-        comparison = None
-        verify = False
-        engine_start = time.perf_counter()
-        cached_seconds = 0.0
+        oracle = f.plan is not None and self._oracle_due()
         try:
-            if f.fallback is None:
-                out = engine.cached(x, f.mask.pixel_mask, f.matrix)
-                ran_full = bool(engine.full_reason)
-                cached_seconds = time.perf_counter() - engine_start
-                # a classifier's near tie is checked on the spot (see QualityGuard.risky)
-                verify = not audit and not ran_full and quality is not None and quality.risky(top1_margin(out))
-                if (audit or verify) and not ran_full:
-                    cached_out, out = out, engine.full(x)
-                    comparison = compare(cached_out, out, self.config.target_agreement, self.config.target_error)
-            else:
-                out = engine.full(x)
-                ran_full = True
+            out, comparison, verify, engine_seconds = self._run(f, engine, audit, oracle)
         except BaseException:
             self._failed = True  # the guards keep their state: the next frame runs full and carries on
             raise
-        engine_seconds = time.perf_counter() - engine_start
-        if comparison is not None:
-            f.times.engine, f.times.audit = cached_seconds, engine_seconds - cached_seconds
-        else:
-            f.times.engine = engine_seconds
         bookkeeping = time.perf_counter()
         if f.fallback is None and engine.full_reason:
             f.fallback = _Fallback(Cause.CACHE_UNUSABLE, engine.full_reason)
-        refreshed = engine.last.refreshed if f.fallback is None and comparison is None else None
+        cached = f.fallback is None and comparison is None and not oracle
+        refreshed = engine.last.refreshed if cached else None
         # only a moving camera's low saving predicts the next frame's (a still camera's follows the scene)
-        moving = f.matrix is not None and not f.still
-        saving = engine.last.flops_ratio if f.fallback is None and moving else math.inf
-        flops_ratio = engine.last.flops_ratio if f.fallback is None and comparison is None else 1.0
-        if speed is not None:
-            if ran_full:
-                speed.record_full(engine_seconds)
-            else:
-                # a check forced by the output is part of what the cached path costs; a scheduled audit's full run
-                # is the keyframe the session needs anyway
-                speed.record_cached(walk, work, engine_seconds if verify else cached_seconds)
-                if comparison is not None:
-                    speed.record_full(engine_seconds - cached_seconds)
+        saving = engine.last.flops_ratio if f.fallback is None and not f.still else math.inf
+        flops_ratio = engine.last.flops_ratio if cached or (oracle and f.fallback is None) else 1.0
+        regions = engine.last.regions if f.fallback is None else 0
         if comparison is not None:
             verdict = quality.record(comparison, since_full)
+            if f.probes is not None:
+                self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS)
             why = "near tie, " if verify else ""
             f.fallback = _Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
                                                 f"{verdict.value}")
         if quality is not None:
             quality.tick()
         cause = f.fallback.cause if f.fallback is not None else None
-        paid = self._backoff.paid(cause, attempt, saving, estimate.full, overhead + engine_seconds, overhead)
-        full_seconds = speed.full_seconds if speed is not None else math.nan
+        paid = self._backoff.paid(cause, attempt, saving, prediction.full, overhead + engine_seconds, overhead)
         f.times.decide = time.perf_counter() - bookkeeping
         commit_start = time.perf_counter()
-        commit = (f, tuple(x.shape), refreshed, paid, full_seconds)
+        commit = (f, tuple(x.shape), refreshed, paid, engine.costs.full_seconds, oracle)
         if self.config.background_update:
             self._worker = threading.Thread(target=self._commit, args=commit, daemon=True)
             self._worker.start()
@@ -296,23 +271,27 @@ class StreamSession:
         f.times.commit = time.perf_counter() - commit_start
         seconds = time.perf_counter() - start
         f.times.decide += max(seconds - sum(f.times.as_dict().values()), 0.0)
-        cached = f.fallback is None
+        reported_cached = f.fallback is None
         self.stats.append(FrameStats(
             index=self._index,
-            mode="cached" if cached else "full",
-            reason="ok" if cached else f.fallback.text,
+            mode="cached" if reported_cached else "full",
+            reason="ok" if reported_cached else f.fallback.text,
             homography_found=f.matrix is not None,
             homography=f.matrix,
-            recompute_fraction=f.mask.recompute_fraction if cached else 1.0,
+            recompute_fraction=f.mask.recompute_fraction if reported_cached else 1.0,
             flops_ratio=flops_ratio,
             seconds=seconds,
             n_matches=f.n_matches,
-            cause=Cause.CACHED if cached else f.fallback.cause,
+            cause=Cause.CACHED if reported_cached else f.fallback.cause,
             audit=comparison is not None,
             agreement=comparison.agreement if comparison is not None else None,
-            predicted_full=estimate.full,
-            predicted_cached=estimate.cached,
+            predicted_full=prediction.full,
+            predicted_cached=prediction.cached,
             guard_level=quality.level if quality is not None else 0,
+            regions=regions,
+            sampled_error=f.sampled,
+            oracle_cached=f.oracle[0],
+            oracle_full=f.oracle[1],
             times=f.times,
         ))
         self._index += 1
@@ -320,17 +299,150 @@ class StreamSession:
 
     # --- steps -------------------------------------------------------------------------------------------
 
+    def _plan(self, f: _Frame, engine: CameraEngine) -> Prediction:
+        """Plan a frame that may run cached and predict its cost; with the speed guard, send it to full
+        inference when the plan says the cached path would be slower."""
+        costs = engine.costs
+        if f.fallback is not None:
+            return Prediction(costs.full_seconds if costs.profiled else math.nan, math.nan)
+        clock = time.perf_counter()
+        f.plan = engine.plan(f.mask.pixel_mask, f.matrix, f.mask.clusters() if f.still else None)
+        prediction = predict(costs, f.plan) if costs.profiled else Prediction(math.nan, math.nan)
+        f.times.plan = time.perf_counter() - clock
+        if self.config.speed_guard and not self._speed.choose_cached(prediction):
+            f.fallback = _Fallback(Cause.SLOWER, f"predicted {prediction.cached * 1e3:.1f} ms cached vs "
+                                                 f"{prediction.full * 1e3:.1f} ms full")
+        return prediction
+
+    def _run(self, f: _Frame, engine: CameraEngine, audit: bool, oracle: bool
+             ) -> tuple[Any, Comparison | None, bool, float]:
+        """Run the frame: ``(output, the audit's comparison or None, whether the audit was a near-tie check, engine
+        seconds)``; times the engine and the audit, and calibrates the cost model."""
+        quality, costs = self._quality, engine.costs
+        comparison, verify = None, False
+        clock = time.perf_counter()
+        if oracle:  # both paths, timed: the cached one first (it needs the previous frame's cache)
+            cached_out = engine.cached(f.x, f.mask.pixel_mask, f.matrix, f.plan)
+            cached_seconds = time.perf_counter() - clock
+            if not engine.full_reason:
+                self._calibrate(f, engine)
+            middle = time.perf_counter()
+            full_out = engine.full(f.x)
+            f.oracle = (cached_seconds, time.perf_counter() - middle)
+            out = cached_out if f.fallback is None else full_out
+            f.times.engine = f.oracle[0] if f.fallback is None else f.oracle[1]
+            costs.record_full(f.oracle[1])
+            return out, None, False, f.times.engine
+        if f.fallback is not None:
+            out = self._full_frame(f, engine)
+            seconds = time.perf_counter() - clock
+            f.times.engine = seconds
+            if f.fallback.cause != Cause.FIRST_FRAME:  # the first pays one-time costs (and the profile)
+                costs.record_full(seconds)
+            return out, None, False, seconds
+        out = engine.cached(f.x, f.mask.pixel_mask, f.matrix, f.plan)
+        cached_seconds = time.perf_counter() - clock
+        f.times.engine = cached_seconds
+        if engine.full_reason:
+            costs.record_full(cached_seconds)
+            return out, None, False, cached_seconds
+        self._calibrate(f, engine)
+        audit = self._sample(f, engine, audit)
+        # a classifier's near tie is checked on the spot (see QualityGuard.risky)
+        verify = not audit and quality is not None and quality.risky(top1_margin(out))
+        if audit or verify:
+            sampler = self._samplers.get(tuple(f.x.shape))
+            probe = sampler.probe if sampler is not None else None
+            cached_probe = engine.engine.cache.map(probe.name).clone() if probe is not None else None
+            audit_start = time.perf_counter()
+            cached_out, out = out, engine.full(f.x)
+            spent = time.perf_counter() - audit_start
+            f.times.audit += spent
+            costs.record_full(spent)
+            comparison = compare(cached_out, out, self.config.target_agreement, self.config.target_error)
+            if cached_probe is not None:
+                f.probes = (cached_probe, engine.engine.cache.map(probe.name))
+        return out, comparison, verify, time.perf_counter() - clock
+
+    def _sample(self, f: _Frame, engine: CameraEngine, due: bool) -> bool:
+        """A sampled audit where one is due (in place of a due full audit, or every ``audit_interval`` frames since
+        the last check); returns whether a full audit runs on this frame (a due one the sample cannot stand in
+        for, or one the sample flagged)."""
+        quality, sampler = self._quality, self._samplers.get(tuple(f.x.shape))
+        if quality is None or sampler is None or not sampler.ready:
+            return due
+        since_full = self._index - self._last_full
+        if due and quality.long_due(since_full):
+            return True  # the long interval: a full audit whatever a sample would say
+        if not due and self._index - self._last_check < self.config.first_audit_interval:
+            return False
+        clock = time.perf_counter()
+        result = sampler.check(engine.engine, f.x, f.mask)
+        f.times.audit += time.perf_counter() - clock
+        f.sampled = result.error
+        self._last_check = self._index
+        if result.flagged:
+            return True
+        if due:
+            quality.sampled_hold()
+        return False
+
+    @staticmethod
+    def _calibrate(f: _Frame, engine: CameraEngine) -> None:
+        """Feed the cost model what the cached frame's steps measured (the pruning was recorded as it ran)."""
+        engine.costs.record_steps(plan_kind(f.plan), engine.last.step_samples)
+
+    def _full_frame(self, f: _Frame, engine: CameraEngine) -> Any:
+        """Full inference of a frame that falls back: plain (nothing kept) when the next frame cannot use the
+        cache either, else refilling it (the first frame also profiles the engine's costs)."""
+        if not self._next_may_use_cache(f):
+            return engine.plain(f.x)
+        out = engine.full(f.x)
+        if self.config.speed_guard and not engine.costs.profiled:
+            engine.profile()
+            if best_saving(engine.engine) < self.config.min_saving:
+                self._no_reuse[tuple(f.x.shape)] = "the plan of the smallest change saves less than " \
+                                                   f"{self.config.min_saving:.0%} of a full frame"
+            elif self.config.quality_guard and self.config.sampled_audits:
+                sampler = SampledAudit(self.config, seed=len(self._samplers))
+                sampler.choose(engine.engine)
+                self._samplers[tuple(f.x.shape)] = sampler
+        return out
+
+    def _next_may_use_cache(self, f: _Frame) -> bool:
+        """Whether the frame after this full one may use the cache (else this one need not fill it)."""
+        cause = f.fallback.cause
+        if cause in (Cause.NO_REUSE, Cause.KEYFRAME) and (cause == Cause.NO_REUSE or self.config.every_frame_full):
+            return False
+        if cause == Cause.BACKING_OFF and self._backoff.skip > 1:
+            return False  # this frame's stretch goes on
+        quality = self._quality
+        return not (cause == Cause.SUSPENDED and quality is not None and quality.suspended_for > 1)
+
+    def _oracle_due(self) -> bool:
+        share = self.config.oracle_sample
+        if share <= 0:
+            return False
+        self._planned += 1
+        return self._planned % max(int(round(1.0 / share)), 1) == 0
+
+    # --- steps -------------------------------------------------------------------------------------------
+
     def _decide(self, f: _Frame, engine: CameraEngine, matrix_given: np.ndarray | None) -> None:
         """Set the frame's fallback (None: cached), homography, change mask, warped reference and keypoints;
         mutates nothing else. Keypoints are detected only when a homography is estimated (the previous frame's
         lazily, when it had none)."""
+        no_reuse = self._no_reuse.get(tuple(f.x.shape))
+        if no_reuse is not None:
+            f.fallback = _Fallback(Cause.NO_REUSE, no_reuse)
+            return
         if self._prev_pixels is None:
             f.fallback = _Fallback(Cause.FIRST_FRAME)
             return
         if f.raw_size != self._raw_size or tuple(f.x.shape) != self._shape:
             f.fallback = _Fallback(Cause.SIZE_CHANGED)
             return
-        if self._failed or not engine.has_cache:
+        if self._failed:
             f.fallback = _Fallback(Cause.PREVIOUS_FAILED)
             return
         if self.config.every_frame_full or (self._quality is None and self.config.keyframe_interval
@@ -344,12 +456,21 @@ class StreamSession:
             f.fallback = _Fallback(Cause.BACKING_OFF, f"{self._backoff.misses} frames in a row could not use the "
                                                       "cache or saved little with it")
             return
+        if not engine.has_cache:  # dropped after a failure inside the engine
+            f.fallback = _Fallback(Cause.PREVIOUS_FAILED)
+            return
         config, times = self.config, f.times
         clock = time.perf_counter()
-        if matrix_given is None and config.still_fraction > 0 and self._stillness(f.pixels, self._prev_pixels):
-            # a still camera: keypoint matching (about half a small frame's inference) would find the identity
+        stillness = None
+        if matrix_given is None and config.still_fraction > 0:
+            stillness = self._stillness(f.pixels, self._reference)
+        if stillness is not None and stillness.still:
+            # a still camera: keypoint matching (about half a small frame's inference) would find the identity. The
+            # mask is taken against the reference moved by the camera's sub-pixel jitter; the reference itself keeps
+            # the alignment of the features the cache holds (moving it would let a slow pan drift away unseen)
             clock, times.match = time.perf_counter(), time.perf_counter() - clock
-            f.mask = change_mask(f.pixels, self._reference, config.cell, self.pixel_threshold, None)
+            aligned = align(self._reference, stillness.shift)
+            f.mask = change_mask(f.pixels, aligned, config.cell, self.pixel_threshold, None)
             clock, times.mask = time.perf_counter(), time.perf_counter() - clock
             if f.mask.recompute_fraction <= config.still_fraction:
                 f.matrix, f.warped = np.eye(3), self._reference
@@ -391,26 +512,25 @@ class StreamSession:
             f.fallback = _Fallback(Cause.CHANGED_FRACTION, f"{fraction:.2f} > max_ratio {config.max_ratio:g}")
             f.warped = None
 
-    def _commit(self, f: _Frame, shape: tuple[int, ...], refreshed: tuple[int, int, int, int] | None,
-                paid: bool | None, full_seconds: float) -> None:
+    def _commit(self, f: _Frame, shape: tuple[int, ...], refreshed: list[tuple[int, int, int, int]] | None,
+                paid: bool | None, full_seconds: float, oracle: bool) -> None:
         """The frame succeeded: it becomes the previous frame."""
-        if f.fallback is None:
+        if f.fallback is None and not oracle:
             # the reference is what the cache stands for: stale where the frame kept cached values
             if refreshed is None:
                 self._reference = np.where(f.mask.pixel_mask[:, :, None], f.pixels, f.warped)
             else:
-                y0, y1, x0, x1 = refreshed
                 self._reference = f.warped.copy()
-                self._reference[y0:y1, x0:x1] = f.pixels[y0:y1, x0:x1]
+                for y0, y1, x0, x1 in refreshed:
+                    self._reference[y0:y1, x0:x1] = f.pixels[y0:y1, x0:x1]
         else:
             self._reference = f.pixels
-            self._last_full = self._index
+            self._last_full = self._last_check = self._index
             for other_shape, engine in self._engines.items():
                 if other_shape != shape:
                     engine.reset()  # another frame size: free its cache
         self._backoff.count(f.fallback.cause if f.fallback is not None else None, paid, full_seconds)
         self._prev_pixels = f.pixels
-        self._stillness.advance()
         self._prev_features = f.features
         self._raw_size = f.raw_size
         self._shape = shape
@@ -423,7 +543,8 @@ class StreamSession:
         self._raw_size: tuple[int, int] | None = None
         self._shape: tuple[int, ...] | None = None
         self._last_full = 0
-        self._stillness.reset()
+        self._last_check = 0
+        self._planned = 0
         self._backoff.reset()
         self._failed = False
 
@@ -440,16 +561,9 @@ class StreamSession:
                                   feature_threshold=self.config.still_feature_threshold,
                                   moving_feature_threshold=self.config.moving_feature_threshold)
             self._engines[shape] = engine
+            if self.config.speed_guard and best_saving(engine.engine) < self.config.min_saving:
+                # the plan's multiply-adds say it before anything runs: no change could pay for the bookkeeping
+                self._no_reuse[shape] = (f"the smallest change computes over {1 - self.config.min_saving:.0%} of a "
+                                         "full frame's multiply-adds")
         return engine
 
-
-def _work(mask: ChangeMask, walk: Walk) -> float:
-    """The share of the frame a cached frame starts from: the changed cells' bounding box for the box walk, the
-    changed cells for the block walk."""
-    if walk == Walk.MOVING:
-        return mask.recompute_fraction
-    cells = mask.cells
-    rows, cols = np.flatnonzero(cells.any(axis=1)), np.flatnonzero(cells.any(axis=0))
-    if not len(rows):
-        return 0.0
-    return (rows[-1] - rows[0] + 1) * (cols[-1] - cols[0] + 1) / cells.size

@@ -85,14 +85,18 @@ class FrameStats:
         seconds: wall time of the call, preprocessing and matching included.
         n_matches: keypoint matches that passed the ratio test (0 when matching did not run).
         cause: :attr:`reason` as a :class:`Cause`.
-        audit: the frame was checked against full inference (a full audit: :attr:`agreement` holds the cached
-            path's agreement with it) or, with ``sampled_audit``, a sample of its tiles was.
+        audit: the frame was a full audit (:attr:`agreement` holds the cached path's agreement with full
+            inference).
         agreement: a full audit's agreement (top-1: 1.0 or 0.0; a map: the share of agreeing positions), else None.
         predicted_full: the cost model's prediction of a full frame's engine time, seconds (NaN: unknown).
         predicted_cached: its prediction of this frame's cached engine time from the plan (NaN: not planned).
         guard_level: the quality guard's level (0: the configured thresholds; each level multiplies them by 0.6).
         regions: regions of the cached frame's input (boxes of the box walk; 0 for the block walk and full frames).
-        sampled_error: a sampled audit's relative error on its recomputed tiles (NaN: none ran).
+        sampled_error: a sampled audit's relative error on its recomputed tiles (NaN: none ran); when it flagged,
+            the frame is also a full audit.
+        oracle_cached: with ``oracle_sample``, the cached path's measured engine seconds on this frame (NaN: not
+            measured).
+        oracle_full: the same for full inference.
         times: where the time went (:class:`FrameTimes`).
     """
 
@@ -113,6 +117,8 @@ class FrameStats:
     guard_level: int = 0
     regions: int = 0
     sampled_error: float = math.nan
+    oracle_cached: float = math.nan
+    oracle_full: float = math.nan
     times: FrameTimes = field(default_factory=FrameTimes)
 
     @property
