@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, median  # noqa: E402
 
 import incrinf  # noqa: E402
-from incrinf.explain.executors import available_cores  # noqa: E402
+from incrinf.explain.dataset.executors import available_cores  # noqa: E402
 
 # RGB or grey photos shipped inside the scikit-image wheel (nothing is downloaded).
 PHOTOS = ("chelsea", "astronaut", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina",

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch.nn as nn
 
-from incrinf.geometry import Region, RegionKind, full_flops, incremental_flops, input_region, propagate
+from incrinf.geometry import Region, RegionKind, full_flops, incremental_flops, input_boxes, propagate
 from incrinf.graph import Graph, NodeKind, parse_input_shape
 from incrinf.validation import check_patch, check_stride, check_tau
 
@@ -133,7 +133,7 @@ def analyze(
     check_tau(tau)
     graph = model if isinstance(model, Graph) else _captured(model, shape)
     positions = _positions(position, dims, patch_size, stride_size)
-    prop = propagate(graph, input_region(positions, patch_size, dims), tau=tau, uniform=False)
+    prop = propagate(graph, input_boxes(positions, patch_size, dims), tau=tau, uniform=False)
     incr = incremental_flops(graph, prop)
     full = full_flops(graph)
     rows = [_row(graph, node, prop.regions[node.name]) for node in graph.nodes
@@ -165,9 +165,10 @@ def _row(graph: Graph, node, region: Region) -> NodeRow:
     elif region.kind == RegionKind.FULL:
         text, incr = "whole", float(node.flops)
     else:
-        mean = region.size.mean(axis=0)
-        text = "x".join(f"{m:.0f}" for m in mean) if len(region.size) == 1 else "~" + "x".join(f"{m:.1f}" for m in mean)
-        incr = float((node.flops * region.area() / area).mean())
+        sizes = region.boxes.sizes()
+        mean = sizes.mean(axis=0)
+        text = "x".join(f"{m:.0f}" for m in mean) if len(sizes) == 1 else "~" + "x".join(f"{m:.1f}" for m in mean)
+        incr = float(np.mean(node.flops * region.boxes.area / area))
     return NodeRow(node.name, node.kind.value, node.op, node.shape, text, float(node.flops), incr, node.reason)
 
 

@@ -59,7 +59,7 @@ class Occlusion(_attr.Occlusion):
         """Attributions with the shape of ``inputs`` (see ``captum.attr.Occlusion.attribute``).
 
         Args:
-            inputs: (N, C, *spatial) batch of examples, 1-3 spatial axes (or a tuple holding one such tensor).
+            inputs: ``(N, C, *spatial)`` batch of examples, 1-3 spatial axes (or a tuple holding one such tensor).
             sliding_window_shapes: window shape including the channel axis, e.g. ``(3, 16, 16)``.
             strides: int or a tuple like the window shape (default 1).
             baselines: occluding values: scalar or a tensor broadcastable to ``inputs`` (default 0).
@@ -144,7 +144,7 @@ class FeatureAblation(_attr.FeatureAblation):
         """Attributions with the shape of ``inputs`` (see ``captum.attr.FeatureAblation.attribute``).
 
         Args:
-            inputs: (N, C, *spatial) batch of examples, 1-3 spatial axes (or a tuple holding one such tensor).
+            inputs: ``(N, C, *spatial)`` batch of examples, 1-3 spatial axes (or a tuple holding one such tensor).
             baselines: ablating values: scalar or a tensor broadcastable to ``inputs`` (default 0).
             target: output index per example: int, tuple, list or tensor, or ``None`` for one output per example.
             additional_forward_args: extra forward arguments (computed by Captum).

@@ -4,8 +4,11 @@ Follows Krypton (seeds 001/002): a local operator maps an input box to an output
 pointwise operators keep it; merges take the bounding box; global operators make it the whole tensor.
 Projective field thresholding (``tau``) caps a box at ``round(tau * output size)``, centre-cropped.
 
-Boxes have one axis per spatial dimension of the input (1, 2 or 3), outermost first. Functions work on a batch
-of N positions at once: starts and sizes are (N, d) arrays. With ``uniform=True`` (what a packed batch needs)
+A :data:`Box` is one box's half-open bounds ``(lo0, hi0, lo1, hi1, ...)``, outermost axis first (``(y0, y1, x0,
+x1)`` in 2-D); :class:`Boxes` are N boxes (one per query) as per-axis starts and sizes, with their values once
+computed; a :class:`Region` says whether a tensor is unchanged, changed inside :class:`Boxes`, or changed whole.
+Boxes have one axis per spatial dimension of the input (1, 2 or 3). Functions work on a batch of N positions at
+once: per axis, starts are (N,) arrays. With ``uniform=True`` (what a packed batch needs)
 every position's box has the same size, shifted inwards at the far edge as in the seed's edge equations; with
 ``uniform=False`` each position keeps its exact size (for analysis). :func:`window_reach` is the one formula
 of a window's reach; it works on Python ints as on arrays, so a single still-camera box uses it too.
@@ -13,15 +16,77 @@ of a window's reach; it works on Python ints as on arrays, so a single still-cam
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from incrinf.graph import Graph, LocalGeometry, Node, NodeKind
 
+if TYPE_CHECKING:
+    import torch
+
 Int = TypeVar("Int", int, np.ndarray)
+
+Box = tuple[int, ...]  # (lo0, hi0, lo1, hi1, ...): half-open per spatial axis, outermost first; (y0, y1, x0, x1)
+
+
+@dataclass
+class Boxes:
+    """N boxes (one per query; one box for a still camera's change) and, once computed, their values.
+
+    Attributes:
+        lo: per spatial axis, the first element of each box: an (N,) int64 array, or an int for one box (numpy
+            would cost more than the operators on a camera frame's small crops).
+        size: per spatial axis, the extent: an int (one size for the batch: what a packed batch needs), or an
+            (N,) array of each box's own extent (analysis, and features of different sizes before batching).
+        values: (N, C..., *size) the new values inside the boxes (None until computed; uniform sizes only).
+    """
+
+    lo: tuple[Any, ...]
+    size: tuple[Any, ...]
+    values: torch.Tensor | None = None
+
+    @property
+    def single(self) -> bool:
+        """One box (a camera frame's change) rather than a batch."""
+        return not isinstance(self.lo[0], np.ndarray)
+
+    @property
+    def n(self) -> int:
+        return 1 if self.single else len(self.lo[0])
+
+    @property
+    def area(self) -> Any:
+        """Elements of one box (an int), or of each box ((N,) array) when their sizes differ."""
+        return math.prod(self.size)
+
+    @property
+    def bounds(self) -> Box:
+        """The :data:`Box` of a single box."""
+        out: list[int] = []
+        for lo, size in zip(self.lo, self.size):
+            out.extend((int(lo), int(lo) + int(size)))
+        return tuple(out)
+
+    def start(self) -> np.ndarray:
+        """(N, d) first corners."""
+        return np.stack([np.broadcast_to(np.asarray(lo, np.int64), (self.n,)) for lo in self.lo], axis=1)
+
+    def sizes(self) -> np.ndarray:
+        """(N, d) extents."""
+        return np.stack([np.broadcast_to(np.asarray(size, np.int64), (self.n,)) for size in self.size], axis=1)
+
+    def same_place(self, other: Boxes) -> bool:
+        """Whether both hold the same boxes (their values may differ)."""
+        return self.size == other.size and all(
+            np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(self.lo, other.lo))
+
+    def covers(self, dims: tuple[int, ...], share: float = 1.0) -> bool:
+        """Whether a box covers at least ``share`` of a map of extents ``dims``."""
+        return self.area >= share * math.prod(dims)
 
 
 class RegionKind(str, Enum):
@@ -32,18 +97,16 @@ class RegionKind(str, Enum):
 
 @dataclass
 class Region:
-    """Update region of one tensor for N positions.
+    """Update region of one tensor for N positions: unchanged, changed inside boxes, or changed whole.
 
     Attributes:
         kind: none, box or full.
-        start: (N, d) int64 first element per spatial axis (box only).
-        size: (N, d) int64 extent per spatial axis (box only); equal rows when the region is uniform.
+        boxes: the boxes (box only); one size for the batch when the propagation is uniform.
         reason: for FULL, why the whole tensor changes.
     """
 
     kind: RegionKind
-    start: np.ndarray | None = None
-    size: np.ndarray | None = None
+    boxes: Boxes | None = None
     reason: str = ""
 
     @staticmethod
@@ -53,10 +116,6 @@ class Region:
     @staticmethod
     def full(reason: str) -> Region:
         return Region(RegionKind.FULL, reason=reason)
-
-    def area(self) -> np.ndarray:
-        """(N,) elements of each position's box."""
-        return self.size.prod(axis=1)
 
 
 @dataclass
@@ -180,15 +239,7 @@ def bounding_axis(starts: list[Int], sizes: list[Int], dim: int, uniform: bool) 
     return minimum(lo, dim - size), size
 
 
-def bounding(starts: list[np.ndarray], sizes: list[np.ndarray], dims: tuple[int, ...], uniform: bool
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """Per position, the bounding box of several (N, d) boxes, kept inside ``dims`` (uniform: one size)."""
-    axes = [bounding_axis([s[:, a] for s in starts], [z[:, a] for z in sizes], dims[a], uniform)
-            for a in range(len(dims))]
-    return np.stack([ax[0] for ax in axes], axis=1), np.stack([ax[1] for ax in axes], axis=1)
-
-
-def input_region(positions: np.ndarray, patch: tuple[int, ...], dims: tuple[int, ...]) -> Region:
+def input_boxes(positions: np.ndarray, patch: tuple[int, ...], dims: tuple[int, ...]) -> Boxes:
     """Box of each occlusion position, kept inside the input with a uniform size.
 
     Args:
@@ -201,15 +252,15 @@ def input_region(positions: np.ndarray, patch: tuple[int, ...], dims: tuple[int,
     positions = np.asarray(positions, dtype=np.int64).reshape(-1, d)
     size = np.minimum(np.asarray(patch, np.int64), dims)
     start = np.minimum(positions, np.asarray(dims) - size)
-    return Region(RegionKind.BOX, start, np.broadcast_to(size, start.shape).copy())
+    return Boxes(tuple(start[:, a] for a in range(d)), tuple(int(z) for z in size))
 
 
-def propagate(graph: Graph, start: Region, tau: float = 1.0, uniform: bool = True) -> Propagation:
+def propagate(graph: Graph, start: Boxes, tau: float = 1.0, uniform: bool = True) -> Propagation:
     """Flow the input region through every node of ``graph``.
 
     Args:
         graph: captured graph.
-        start: region of the graph input (see :func:`input_region`).
+        start: the changed boxes of the graph input (see :func:`input_boxes`).
         tau: projective field threshold in (0, 1]; 1 is exact.
         uniform: one box size per node for the whole batch (a packed batch needs it).
 
@@ -222,13 +273,13 @@ def propagate(graph: Graph, start: Region, tau: float = 1.0, uniform: bool = Tru
     steps: dict[str, LocalStep] = {}
     for node in graph.nodes:
         regions[node.name] = _node_region(graph, node, start, regions, steps, tau, uniform)
-    return Propagation(regions, steps, len(start.start))
+    return Propagation(regions, steps, start.n)
 
 
-def _node_region(graph: Graph, node: Node, start: Region, regions: dict[str, Region],
+def _node_region(graph: Graph, node: Node, start: Boxes, regions: dict[str, Region],
                  steps: dict[str, LocalStep], tau: float, uniform: bool) -> Region:
     if node.kind == NodeKind.INPUT:
-        return start
+        return Region(RegionKind.BOX, start)
     if node.kind in (NodeKind.CONSTANT, NodeKind.META):
         return Region.none()
     changed = [regions[name] for name in node.inputs if regions[name].kind != RegionKind.NONE]
@@ -244,11 +295,12 @@ def _node_region(graph: Graph, node: Node, start: Region, regions: dict[str, Reg
         return changed[0]
     dims = node.shape[-graph.spatial_dims:]
     if node.kind == NodeKind.PAD:
-        r = changed[0]
-        return _maybe_full(Region(RegionKind.BOX, r.start + np.asarray(node.shift), r.size), dims)
+        boxes = changed[0].boxes
+        return _maybe_full(Boxes(tuple(lo + shift for lo, shift in zip(boxes.lo, node.shift)), boxes.size), dims)
     if node.kind == NodeKind.MERGE:
-        lo, size = bounding([r.start for r in changed], [r.size for r in changed], dims, uniform)
-        return _maybe_full(Region(RegionKind.BOX, lo, size), dims)
+        axes = [bounding_axis([r.boxes.lo[a] for r in changed], [r.boxes.size[a] for r in changed], dims[a], uniform)
+                for a in range(len(dims))]
+        return _maybe_full(Boxes(tuple(ax[0] for ax in axes), tuple(_one_size(ax[1], uniform) for ax in axes)), dims)
     if node.kind == NodeKind.LOCAL:
         region, step = _local_region(graph, node, changed[0], tau, uniform)
         steps[node.name] = step
@@ -260,23 +312,27 @@ def _local_region(graph: Graph, node: Node, r: Region, tau: float, uniform: bool
     g: LocalGeometry = node.geometry
     d = graph.spatial_dims
     out_dims = node.shape[-d:]
-    axes = [local_axis(r.start[:, a], r.size[:, a], g.kernel[a], g.stride[a], g.pad_before[a], out_dims[a], tau,
+    axes = [local_axis(r.boxes.lo[a], r.boxes.size[a], g.kernel[a], g.stride[a], g.pad_before[a], out_dims[a], tau,
                        uniform) for a in range(d)]
-    lo = np.stack([ax[0] for ax in axes], axis=1)
-    size = np.stack([ax[1] for ax in axes], axis=1)
+    boxes = Boxes(tuple(ax[0] for ax in axes), tuple(_one_size(ax[1], uniform) for ax in axes))
     crop = np.array([ax[2] for ax in axes], np.int64)
     crop_size = np.array([int(np.max(ax[4])) for ax in axes], np.int64)
     stride, kernel = np.asarray(g.stride), np.asarray(g.kernel)
-    read_size = kernel + (size.max(axis=0) - 1) * stride
-    step = LocalStep(crop, crop_size, lo * stride, read_size)
-    return _maybe_full(Region(RegionKind.BOX, lo, size), out_dims), step
+    read_size = kernel + (boxes.sizes().max(axis=0) - 1) * stride
+    step = LocalStep(crop, crop_size, boxes.start() * stride, read_size)
+    return _maybe_full(boxes, out_dims), step
 
 
-def _maybe_full(region: Region, dims: tuple[int, ...]) -> Region:
+def _one_size(size: Int, uniform: bool) -> Int:
+    """A uniform batch's extent as one int (the functions above return it broadcast to the batch)."""
+    return largest(size) if uniform else size
+
+
+def _maybe_full(boxes: Boxes, dims: tuple[int, ...]) -> Region:
     """A box that covers the whole map is the whole map (no gather needed)."""
-    if (region.size >= np.asarray(dims)).all():
+    if all(np.all(np.asarray(size) >= dim) for size, dim in zip(boxes.size, dims)):
         return Region.full("the update region covers the whole map")
-    return region
+    return Region(RegionKind.BOX, boxes)
 
 
 def incremental_flops(graph: Graph, prop: Propagation) -> np.ndarray:
@@ -290,7 +346,7 @@ def incremental_flops(graph: Graph, prop: Propagation) -> np.ndarray:
         if region.kind == RegionKind.FULL or not graph.is_map(node.shape):
             total += node.flops
         else:
-            total += node.flops * region.area() / np.prod(node.shape[-d:])
+            total += node.flops * region.boxes.area / np.prod(node.shape[-d:])
     return total
 
 

@@ -2,9 +2,9 @@
 
 Swap ``from monai.visualize import OcclusionSensitivity`` for ``from incrinf.monai import OcclusionSensitivity``:
 a subclass of MONAI's class with its constructor (``mask_size``, ``n_batch``, ``verbose``, ``mode``, ``overlap``,
-``activate``) and call (``x``, ``b_box``), returning MONAI's outputs: the occlusion map (1, num_classes, *spatial)
+``activate``) and call (``x``, ``b_box``), returning MONAI's outputs: the occlusion map ``(1, num_classes, *spatial)``
 (each voxel: the activated outputs with the windows covering it occluded, blended as MONAI's sliding-window
-inference blends them) and the most probable class (1, 1, *spatial). MONAI's own sliding-window inference places
+inference blends them) and the most probable class ``(1, 1, *spatial)``. MONAI's own sliding-window inference places
 the windows and blends the results; only the model's outputs for the occluded copies come from incremental
 inference. Calls incrinf cannot capture (a model that torch.fx cannot trace, extra forward arguments, outputs
 that are not one score vector per example) are computed by MONAI itself, with a warning.

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from incrinf import CaptureError
-from incrinf.engine import BatchEngine, Boxes
-from incrinf.geometry import RegionKind, input_region, local_axis, propagate
+from incrinf.engine import BatchEngine
+from incrinf.geometry import RegionKind, input_boxes, local_axis, propagate
 from incrinf.graph import capture
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -46,14 +46,14 @@ def _model(layer, explicit):
 
 def _run_engine(graph, x, positions, window, values):
     """The engine's outputs for N changed copies of ``x`` (boxes at ``positions``, new values ``values``)."""
-    region = input_region(positions, window, x.shape[-2:])
-    start = Boxes(tuple(region.start.T), tuple(int(v) for v in region.size[0]), values)
+    start = input_boxes(positions, window, x.shape[-2:])
+    start.values = values
     return BatchEngine(graph, x).run(start).output
 
 
 def _inside(region, i, shape):
     inside = torch.zeros(shape, dtype=torch.bool)
-    (y, x), (h, w) = region.start[i], region.size[i]
+    (y, x), (h, w) = region.boxes.start()[i], region.boxes.sizes()[i]
     inside[y:y + h, x:x + w] = True
     return inside
 
@@ -84,7 +84,7 @@ def test_region_contains_changes_and_read_in_suffices(layer_spec, data) -> None:
     boxes = [(data.draw(st.integers(0, h - bh)), data.draw(st.integers(0, w - bw)), bh, bw) for _ in range(n)]
     positions = np.array([[b[0], b[1]] for b in boxes])
     base, outs = _changed(model, x, boxes)
-    prop = propagate(graph, input_region(positions, (bh, bw), (h, w)), uniform=True)
+    prop = propagate(graph, input_boxes(positions, (bh, bw), (h, w)), uniform=True)
     out_node = graph.nodes[-2]
     region = prop.regions[out_node.name]
     for i, (_, out2) in enumerate(outs):
@@ -122,7 +122,7 @@ def test_merge_bounding_box(k1: int, k2: int, mode: str, data) -> None:
     boxes = [(data.draw(st.integers(0, h - bh)), data.draw(st.integers(0, w - bw)), bh, bw) for _ in range(2)]
     base, outs = _changed(model, x, boxes)
     positions = np.array([[b[0], b[1]] for b in boxes])
-    prop = propagate(graph, input_region(positions, (bh, bw), (h, w)), uniform=True)
+    prop = propagate(graph, input_boxes(positions, (bh, bw), (h, w)), uniform=True)
     merge = next(n for n in graph.nodes if n.kind.value == "merge")
     region = prop.regions[merge.name]
     for i, (_, out2) in enumerate(outs):
@@ -164,4 +164,4 @@ def test_tau_caps_region_centre_cropped() -> None:
 def test_tau_out_of_range(tau) -> None:
     graph = capture(nn.Conv2d(3, 3, 3), (3, 8, 8))
     with pytest.raises(ValueError, match="tau"):
-        propagate(graph, input_region(np.array([[0, 0]]), (2, 2), (8, 8)), tau=tau)
+        propagate(graph, input_boxes(np.array([[0, 0]]), (2, 2), (8, 8)), tau=tau)

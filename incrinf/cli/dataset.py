@@ -56,7 +56,7 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
 def is_dataset_run(args: argparse.Namespace) -> bool:
     """Whether ``incrinf explain`` should explain a dataset: several inputs, a directory or a glob pattern, an
     existing directory or a trailing slash as ``--out``, or any dataset-only option."""
-    from incrinf.explain.dataset_inputs import is_pattern
+    from incrinf.explain.dataset.inputs import is_pattern
 
     inputs = list(args.image or [])
     if len(inputs) > 1 or any(Path(p).is_dir() or is_pattern(p) for p in inputs):

@@ -18,7 +18,7 @@ from incrinf.engine.blocks import Motion
 from incrinf.engine.boxes import WalkResult, walk
 from incrinf.engine.frames import CacheMemory, ExecStats, FrameEngine
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes
+from incrinf.geometry import Boxes
 
 __all__ = [
     "BatchEngine",

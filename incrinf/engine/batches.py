@@ -14,8 +14,8 @@ import torch
 from incrinf.cache import runtime_cache
 from incrinf.engine.boxes import WalkResult, walk
 from incrinf.engine.program import Program
-from incrinf.engine.regions import Boxes
 from incrinf.engine.stores import BaseStore
+from incrinf.geometry import Boxes
 from incrinf.graph import Graph
 from incrinf.graph.execute import materialize
 
@@ -64,21 +64,22 @@ class BatchEngine:
         return self.store.output
 
     @torch.no_grad()
-    def run(self, start: Boxes, tau: float = 1.0, threshold: float = 0.0, plan: dict | None = None) -> WalkResult:
+    def run(self, start: Boxes, tau: float = 1.0, feature_threshold: float = 0.0, plan: dict | None = None
+            ) -> WalkResult:
         """Outputs of N changed copies of the input.
 
         Args:
             start: the N changed boxes of the input (one size) and their new values (N, C, *size).
             tau: projective field threshold (1: exact).
-            threshold: value-based pruning at cached tensors (0: exact).
+            feature_threshold: value-based pruning at cached tensors (0: exact).
             plan: the batch's index tensors (:func:`batch_plan`), reused across runs of the same batch; ignored
                 with pruning, whose boxes follow the data.
 
         Returns:
             The walk's result; its ``output`` has the batch axis N.
         """
-        self.store.plan = plan if threshold <= 0 else None
+        self.store.plan = plan if feature_threshold <= 0 else None
         try:
-            return walk(self.program, self.store, start, tau=tau, threshold=threshold)
+            return walk(self.program, self.store, start, tau=tau, feature_threshold=feature_threshold)
         finally:
             self.store.plan = None

@@ -271,7 +271,7 @@ def _runs_dense(step: Step, mask: np.ndarray) -> bool:
     return active * th * tw >= (CHEAP_DENSE_RATIO if step.window.cheap else DENSE_RATIO) * step.positions
 
 
-def walk_blocks(program: Program, cache: FrameCache, changed: np.ndarray, motion: Motion, threshold: float,
+def walk_blocks(program: Program, cache: FrameCache, changed: np.ndarray, motion: Motion, feature_threshold: float,
                 dense_cut: float, costs: FrameCosts | None = None, plan: BlockPlan | None = None,
                 timed: bool = False) -> BlockResult:
     """Carry a moving camera's changed pixels through the program (the cache already moved by ``motion``).
@@ -281,21 +281,21 @@ def walk_blocks(program: Program, cache: FrameCache, changed: np.ndarray, motion
         cache: the frame cache (``cache.frame`` is the new frame).
         changed: (H, W) bool, input pixels to recompute.
         motion: per-resolution invalid positions and newly uncovered padding.
-        threshold: value-based pruning at cached tensors (0: exact).
+        feature_threshold: value-based pruning at cached tensors (0: exact).
         dense_cut: without a plan (or once pruning left it), at a cut point with at least this share changed,
             finish with the generated suffix.
         costs: the cost coefficients (the result's ``seconds`` is 0 without them).
         plan: :func:`plan_blocks`'s plan for these arguments: its masks are used and it switches where planned.
         timed: measure each step's seconds.
     """
-    walker = _BlockWalk(program, cache, motion, threshold, costs, plan, timed)
+    walker = _BlockWalk(program, cache, motion, feature_threshold, costs, plan, timed)
     return walker.run(changed, dense_cut)
 
 
 class _BlockWalk:
-    def __init__(self, program: Program, cache: FrameCache, motion: Motion, threshold: float,
+    def __init__(self, program: Program, cache: FrameCache, motion: Motion, feature_threshold: float,
                  costs: FrameCosts | None, plan: BlockPlan | None, timed: bool) -> None:
-        self.program, self.cache, self.motion, self.threshold = program, cache, motion, threshold
+        self.program, self.cache, self.motion, self.feature_threshold = program, cache, motion, feature_threshold
         self.costs, self.plan, self.timed = costs, plan, timed
         self.device = cache.device
         self.dims = {n.name: tuple(n.shape[-2:]) for n in program.local if n.shape is not None}
@@ -486,7 +486,7 @@ class _BlockWalk:
             return state
         rows = to_rows(state.values)
         index = state.index(self.device)
-        eps = self.threshold * cache.scale(name) if self.threshold > 0 else 0.0
+        eps = self.feature_threshold * cache.scale(name) if self.feature_threshold > 0 else 0.0
         if eps > 0:
             delta = (rows - cache.buffers[name].index_select(0, index)).abs().mean(dim=1)
             keep = (delta > eps).cpu().numpy()

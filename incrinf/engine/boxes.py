@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes, grow, union
+from incrinf.engine.regions import grow, union
 from incrinf.engine.stores import take
+from incrinf.geometry import Boxes
 from incrinf.kernels.gather import from_rows, to_rows
 
 
@@ -35,7 +36,7 @@ class Store(Protocol):
 
     def full(self, name: str, region: Boxes | None, n: int) -> torch.Tensor: ...
 
-    def commit(self, name: str, region: Boxes, threshold: float) -> Boxes | None: ...
+    def commit(self, name: str, region: Boxes, feature_threshold: float) -> Boxes | None: ...
 
     def finish(self, cut_point: str, region: Boxes, n: int) -> Any: ...
 
@@ -65,8 +66,8 @@ class WalkResult:
     peak_bytes: int = 0
 
 
-def walk(program: Program, store: Store, start: Boxes, tau: float = 1.0, threshold: float = 0.0, quantum: int = 1,
-         dense_cut: float = math.inf) -> WalkResult:
+def walk(program: Program, store: Store, start: Boxes, tau: float = 1.0, feature_threshold: float = 0.0,
+         quantum: int = 1, dense_cut: float = math.inf) -> WalkResult:
     """Carry ``start`` (the input's boxes with their new values) through the program.
 
     Args:
@@ -74,7 +75,7 @@ def walk(program: Program, store: Store, start: Boxes, tau: float = 1.0, thresho
         store: where unchanged values come from.
         start: the changed boxes of the input and their values.
         tau: projective field threshold (1: exact).
-        threshold: value-based pruning at cached tensors (0: exact).
+        feature_threshold: value-based pruning at cached tensors (0: exact).
         quantum: round box sides up to multiples of this (a camera's varying boxes reuse oneDNN's kernels).
         dense_cut: at a cut point whose box covers at least this share of the map, finish with the generated
             suffix module (``math.inf``: never).
@@ -95,7 +96,7 @@ def walk(program: Program, store: Store, start: Boxes, tau: float = 1.0, thresho
             flops += step.flops * region.area / step.positions
             positions += region.area
             if step.out in cached:
-                region = store.commit(step.out, region, threshold)
+                region = store.commit(step.out, region, feature_threshold)
                 if region is not None:
                     committed[step.out] = region
         if region is not None:

@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 from incrinf.engine.costs import FrameCosts
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes
 from incrinf.engine.stores import FrameCache, take
-from incrinf.engine.windows import Bounds, WindowSpec, padded_crop
+from incrinf.engine.windows import WindowSpec, padded_crop
+from incrinf.geometry import Box, Boxes
 from incrinf.kernels.gather import from_rows, to_rows
 
 
@@ -58,8 +58,8 @@ class RegionPlan:
         unchanged: no change reaches the output (the previous output is returned).
     """
 
-    start: list[Bounds]
-    steps: list[list[Bounds]]
+    start: list[Box]
+    steps: list[list[Box]]
     switch: str | None
     flops: float
     seconds: float
@@ -89,34 +89,48 @@ class RegionResult:
     output: Any
     flops: float
     positions: int
-    committed: dict[str, list[Bounds]] = field(default_factory=dict)
+    committed: dict[str, list[Box]] = field(default_factory=dict)
     suffix: str | None = None
     seconds: float = 0.0
     step_samples: list[tuple[float, float, float]] = field(default_factory=list)
 
 
-def cluster_boxes(cells: np.ndarray, cell: int, size: tuple[int, int]) -> list[Bounds]:
+def cluster_boxes(cells: np.ndarray, cell: int, size: tuple[int, int]) -> list[Box]:
     """Pixel boxes of the 8-connected clusters of True cells of a ``(gh, gw)`` grid of ``cell``-pixel cells,
     clipped to a frame of ``size``; ordered by their first row."""
-    from scipy import ndimage
-
-    labels, n = ndimage.label(np.asarray(cells, bool), structure=np.ones((3, 3), bool))
+    cells = np.asarray(cells, bool)
+    if not cells.any():
+        return []
+    gh, gw = cells.shape
+    # every changed cell starts as its own label and takes the smallest label among its 8 neighbours until nothing
+    # changes (as many rounds as a cluster is long: a few on a grid of cells)
+    big = gh * gw
+    labels = np.where(cells, np.arange(big).reshape(gh, gw), big)
+    while True:
+        padded = np.pad(labels, 1, constant_values=big)
+        neighbours = np.min([padded[dy:dy + gh, dx:dx + gw] for dy in range(3) for dx in range(3)], axis=0)
+        updated = np.where(cells, neighbours, big)
+        if np.array_equal(updated, labels):
+            break
+        labels = updated
     h, w = size
     boxes = []
-    for rows, cols in ndimage.find_objects(labels)[:n]:
-        boxes.append((rows.start * cell, min(rows.stop * cell, h), cols.start * cell, min(cols.stop * cell, w)))
+    for label in np.unique(labels[cells]):
+        rows, cols = np.nonzero(labels == label)
+        boxes.append((int(rows.min()) * cell, min((int(rows.max()) + 1) * cell, h),
+                      int(cols.min()) * cell, min((int(cols.max()) + 1) * cell, w)))
     return sorted(boxes)
 
 
-def bounding(a: Bounds, b: Bounds) -> Bounds:
+def bounding(a: Box, b: Box) -> Box:
     return min(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), max(a[3], b[3])
 
 
-def area(b: Bounds) -> int:
+def area(b: Box) -> int:
     return (b[1] - b[0]) * (b[3] - b[2])
 
 
-def merge_by_cost(boxes: list[Bounds], break_even: float) -> list[Bounds]:
+def merge_by_cost(boxes: list[Box], break_even: float) -> list[Box]:
     """Merge boxes while one box over a pair costs less than the pair: while the merged box adds at most
     ``break_even`` positions (a box's fixed cost over the cost of a position) to the two."""
     boxes = list(dict.fromkeys(boxes))  # the same box twice is computed once
@@ -135,7 +149,7 @@ def merge_by_cost(boxes: list[Bounds], break_even: float) -> list[Bounds]:
     return boxes
 
 
-def grow_box(box: Bounds, spec: WindowSpec, dims: tuple[int, ...], quantum: int) -> Bounds:
+def grow_box(box: Box, spec: WindowSpec, dims: tuple[int, ...], quantum: int) -> Box:
     """The outputs of a window whose windows read ``box`` of its source (Krypton's equations, as
     :func:`~incrinf.engine.regions.grow` for one box), sides rounded up to multiples of ``quantum``."""
     out = []
@@ -160,7 +174,7 @@ def _read_bytes(program: Program, step: Step) -> int:
     return sum(4 * math.prod(shape[1:-2]) for shape in shapes if shape is not None)
 
 
-def _clip(box: Bounds, dims: tuple[int, ...]) -> Bounds:
+def _clip(box: Box, dims: tuple[int, ...]) -> Box:
     return max(box[0], 0), min(box[1], dims[0]), max(box[2], 0), min(box[3], dims[1])
 
 
@@ -187,7 +201,7 @@ class Geometry:
             return regional + costs.tail_seconds() >= costs.suffix(program.steps[cut].out)
         return regional >= costs.suffix(program.steps[cut].out) - costs.suffix(program.steps[nxt].out)
 
-    def segment(self, cut: int, regions: dict[str, list[Bounds]]) -> list[float]:
+    def segment(self, cut: int, regions: dict[str, list[Box]]) -> list[float]:
         """Predicted seconds per step (indexed by step) of the regional steps after the cut point step ``cut`` up to
         the next cut point, from the tensors' current ``regions`` (discounted by the pruning the cached tensors
         on the way have seen: :meth:`~incrinf.engine.costs.FrameCosts.kept`)."""
@@ -209,7 +223,7 @@ class Geometry:
     def break_even(self, index: int) -> float:
         return self.costs.break_even(index)
 
-    def out_boxes(self, index: int, step: Step, regions: dict[str, list[Bounds]]) -> list[Bounds]:
+    def out_boxes(self, index: int, step: Step, regions: dict[str, list[Box]]) -> list[Box]:
         if step.window is not None:
             src = regions.get(step.window.source)
             if not src:
@@ -224,14 +238,14 @@ class Geometry:
         return merge_by_cost([_clip(b, step.dims) for b in present], self.break_even(index))
 
 
-def plan_regions(geometry: Geometry, start: list[Bounds]) -> RegionPlan:
+def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     """Plan a frame whose input changed in ``start`` boxes: the boxes per step, the cut point to switch to the
     dense rest (:meth:`Geometry.switches`), its multiply-adds, bytes and predicted seconds."""
     program, costs = geometry.program, geometry.costs
     start = merge_by_cost([_clip(b, program.dims(program.graph.input.name)) for b in start],
                           geometry.break_even(0)) if start else []
     regions = {program.graph.input.name: start}
-    steps: list[list[Bounds]] = []
+    steps: list[list[Box]] = []
     step_seconds: list[float] = []
     died = False
     survive = 1.0  # the expected share of the geometry's regions that pruning leaves by now
@@ -277,7 +291,7 @@ def program_cut_steps(program: Program) -> list[int]:
     return [i for i, s in enumerate(program.steps) if s.out in program.cuts]
 
 
-def _gathered(geometry: Geometry, index: int, step: Step, box: Bounds) -> int:
+def _gathered(geometry: Geometry, index: int, step: Step, box: Box) -> int:
     """Bytes a step reads for one output box (a window's read-in window, or the box of each input)."""
     h, w = box[1] - box[0], box[3] - box[2]
     if step.window is not None:
@@ -286,7 +300,7 @@ def _gathered(geometry: Geometry, index: int, step: Step, box: Bounds) -> int:
 
 
 def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: RegionPlan,
-                 threshold: float = 0.0, timed: bool = False) -> RegionResult:
+                 feature_threshold: float = 0.0, timed: bool = False) -> RegionResult:
     """Run a :class:`RegionPlan` on the frame ``x`` (1, C, H, W) over the frame cache (updated in place)."""
     program, costs = geometry.program, geometry.costs
     input_name = program.graph.input.name
@@ -315,7 +329,7 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
         if step.out in program.cached_set and out:
             kept = []
             for box in out:
-                committed = cache.commit(step.out, box, threshold)
+                committed = cache.commit(step.out, box, feature_threshold)
                 if committed is not box:
                     pruned = True
                 if committed is not None:
@@ -351,7 +365,7 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
     return result
 
 
-def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, list[Boxes]], bounds: Bounds
+def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, list[Boxes]], bounds: Box
              ) -> Boxes:
     """One output box of a step, with its values."""
     out = Boxes((bounds[0], bounds[2]), (bounds[1] - bounds[0], bounds[3] - bounds[2]))

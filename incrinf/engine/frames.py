@@ -26,9 +26,8 @@ from incrinf.engine.blocks import BlockPlan, Motion, Positions, plan_blocks, wal
 from incrinf.engine.costs import FrameCosts, RegionKind
 from incrinf.engine.frame_regions import Geometry, RegionPlan, cluster_boxes, plan_regions, run_box, walk_regions
 from incrinf.engine.program import Program
-from incrinf.engine.regions import Boxes
 from incrinf.engine.stores import FrameCache, clone_output, take
-from incrinf.engine.windows import Bounds
+from incrinf.geometry import Box, Boxes
 from incrinf.graph import Graph, NodeKind
 from incrinf.graph.execute import copy_graph, extract, materialize
 
@@ -88,7 +87,7 @@ class ExecStats:
     positions: int = 0
     dense_steps: int = 0
     moved: int = 0
-    refreshed: list[Bounds] | None = None
+    refreshed: list[Box] | None = None
     fresh: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     kind: RegionKind | None = None
     regions: int = 0
@@ -199,7 +198,7 @@ class FrameEngine:
 
     # --- planning ----------------------------------------------------------------------------------------
 
-    def plan_boxes(self, boxes: list[Bounds]) -> RegionPlan:
+    def plan_boxes(self, boxes: list[Box]) -> RegionPlan:
         """The plan of a frame whose input changed in ``boxes`` (``(y0, y1, x0, x1)`` pixel boxes, e.g. one per
         cluster of changed cells): boxes merged where that is cheaper, then carried through the steps."""
         if self.geometry.quantum != self.box_quantum:
@@ -213,7 +212,7 @@ class FrameEngine:
                     if tuple(self.graph.by_name[name].shape[-2:]) in motion.index)
         return plan_blocks(self.program, self.costs, changed, motion, moved)
 
-    def clusters(self, changed: np.ndarray, grid: int = CLUSTER_GRID) -> list[Bounds]:
+    def clusters(self, changed: np.ndarray, grid: int = CLUSTER_GRID) -> list[Box]:
         """Pixel boxes of the clusters of changed pixels (found on a grid of ``grid``-pixel cells), each the
         bounding box of its changed pixels."""
         h, w = changed.shape
@@ -238,15 +237,16 @@ class FrameEngine:
     # --- cached frames -----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def cached(self, x: torch.Tensor, changed: np.ndarray, motion: Motion | None = None, threshold: float = 0.0,
-               fresh: bool = False, plan: RegionPlan | BlockPlan | None = None, timed: bool | None = None) -> Any:
+    def cached(self, x: torch.Tensor, changed: np.ndarray, motion: Motion | None = None,
+               feature_threshold: float = 0.0, fresh: bool = False, plan: RegionPlan | BlockPlan | None = None,
+               timed: bool | None = None) -> Any:
         """Inference of a frame from the cache: recompute what the changed pixels (and the motion) reach.
 
         Args:
             x: (1, C, H, W) the frame as the model sees it.
             changed: (H, W) bool, pixels to recompute.
             motion: how the camera moved (None: it did not).
-            threshold: value-based pruning at cached tensors (0: exact propagation).
+            feature_threshold: value-based pruning at cached tensors (0: exact propagation).
             fresh: record in ``last.fresh`` which positions of each resolution were recomputed.
             plan: the frame's plan (:meth:`plan_boxes` without motion, :meth:`plan_blocks`); default: planned
                 here (the clusters of ``changed`` as boxes when the camera did not move).
@@ -272,9 +272,9 @@ class FrameEngine:
         boxes = isinstance(plan, RegionPlan) or (plan is None and motion is None and self.boxes)
         try:
             if boxes:
-                out, stats = self._boxes(x, changed, threshold, fresh, plan, timed)
+                out, stats = self._boxes(x, changed, feature_threshold, fresh, plan, timed)
             else:
-                out, stats = self._blocks(changed, motion or Motion(), threshold, fresh, plan, timed)
+                out, stats = self._blocks(changed, motion or Motion(), feature_threshold, fresh, plan, timed)
         except BaseException:
             self.reset()  # caches may be half updated in place: the next frame must refill them
             raise
@@ -282,7 +282,7 @@ class FrameEngine:
         self.cache.last_output = clone_output(out)
         return out
 
-    def _boxes(self, x: torch.Tensor, changed: np.ndarray, threshold: float, fresh: bool,
+    def _boxes(self, x: torch.Tensor, changed: np.ndarray, feature_threshold: float, fresh: bool,
                plan: RegionPlan | None, timed: bool) -> tuple[Any, ExecStats]:
         if plan is None:
             plan = self.plan_boxes(self.clusters(changed))
@@ -290,7 +290,7 @@ class FrameEngine:
                           regions=plan.regions)
         if not plan.start:
             return self.cache.unchanged(1), stats
-        result = walk_regions(self.geometry, self.cache, x, plan, threshold, timed)
+        result = walk_regions(self.geometry, self.cache, x, plan, feature_threshold, timed)
         stats.flops, stats.positions, stats.predicted = result.flops, result.positions, result.seconds
         stats.dense_steps = int(result.suffix is not None)
         stats.step_samples = result.step_samples
@@ -298,17 +298,17 @@ class FrameEngine:
             self._mark_fresh(stats, result.committed, result.suffix)
         return result.output, stats
 
-    def _blocks(self, changed: np.ndarray, motion: Motion, threshold: float, fresh: bool, plan: BlockPlan | None,
-                timed: bool) -> tuple[Any, ExecStats]:
-        result = walk_blocks(self.program, self.cache, changed, motion, threshold, self.dense_cut, self.costs, plan,
-                             timed)
+    def _blocks(self, changed: np.ndarray, motion: Motion, feature_threshold: float, fresh: bool,
+                plan: BlockPlan | None, timed: bool) -> tuple[Any, ExecStats]:
+        result = walk_blocks(self.program, self.cache, changed, motion, feature_threshold, self.dense_cut,
+                             self.costs, plan, timed)
         stats = ExecStats(result.flops, self.program.full_flops, result.positions, result.dense_steps, result.moved,
                           kind=RegionKind.BLOCKS, predicted=result.seconds, step_samples=result.step_samples)
         if fresh:
             self._mark_fresh(stats, result.changed, result.suffix)
         return result.output, stats
 
-    def _mark_fresh(self, stats: ExecStats, changed: dict[str, list[Bounds] | Positions], suffix: str | None
+    def _mark_fresh(self, stats: ExecStats, changed: dict[str, list[Box] | Positions], suffix: str | None
                     ) -> None:
         """Per resolution, the positions that every cached tensor of it recomputed this frame (``changed``:
         boxes or positions per tensor; absent: none; after the ``suffix`` cut point: all)."""

@@ -1,74 +1,19 @@
-"""Box regions: N update boxes of one size (one per query), the engine's region for occlusion batches and for a
-still camera's change (N = 1).
+"""Box regions: :class:`~incrinf.geometry.Boxes` of one size (one per query), the engine's region for occlusion
+batches and for a still camera's change (N = 1): how they grow through a window step, merge, and are cut by
+value-based pruning.
 
-Per spatial axis a box has a first element ``lo`` and an extent ``size``; ``lo`` is an (N,) array for a batch,
-or a plain int for a single box (numpy would cost more than the operators on a camera frame's small crops).
 Growth through a window and the bounding box of merged inputs are :mod:`incrinf.geometry`'s functions, the same
 that analysis and static plans use.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 import torch
 
-from incrinf.engine.windows import Bounds, WindowSpec, box_rows
-from incrinf.geometry import bounding_axis, largest, local_axis, minimum
+from incrinf.engine.windows import WindowSpec, box_rows
+from incrinf.geometry import Boxes, bounding_axis, largest, local_axis, minimum
 from incrinf.kernels.gather import from_rows, to_rows
-
-
-@dataclass
-class Boxes:
-    """N boxes of one size and their values.
-
-    Attributes:
-        lo: per spatial axis, the first element of each box (an (N,) int64 array, or an int for one box).
-        size: per spatial axis, the boxes' extent.
-        values: (N, C..., *size) the new values inside the boxes (None until computed).
-    """
-
-    lo: tuple[Any, ...]
-    size: tuple[int, ...]
-    values: torch.Tensor | None = None
-
-    @property
-    def single(self) -> bool:
-        """One box (a camera frame's change) rather than a batch."""
-        return not isinstance(self.lo[0], np.ndarray)
-
-    @property
-    def n(self) -> int:
-        return 1 if self.single else len(self.lo[0])
-
-    @property
-    def area(self) -> int:
-        """Elements of one box."""
-        return math.prod(self.size)
-
-    @property
-    def bounds(self) -> Bounds:
-        """``(lo0, hi0, lo1, hi1, ...)`` of a single box."""
-        out: list[int] = []
-        for lo, size in zip(self.lo, self.size):
-            out.extend((int(lo), int(lo) + size))
-        return tuple(out)
-
-    def start(self) -> np.ndarray:
-        """(N, d) first corners."""
-        return np.stack([np.broadcast_to(np.asarray(lo, np.int64), (self.n,)) for lo in self.lo], axis=1)
-
-    def same_place(self, other: Boxes) -> bool:
-        """Whether both hold the same boxes (their values may differ)."""
-        return self.size == other.size and all(
-            np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(self.lo, other.lo))
-
-    def covers(self, dims: tuple[int, ...], share: float = 1.0) -> bool:
-        """Whether a box covers at least ``share`` of a map of extents ``dims``."""
-        return self.area >= share * math.prod(dims)
 
 
 def grow(boxes: Boxes, spec: WindowSpec, out_dims: tuple[int, ...], tau: float = 1.0, quantum: int = 1) -> Boxes:

@@ -8,8 +8,8 @@
   can be moved through per-resolution index maps (the stream computes them from the homography).
 
 Both offer value-based pruning at commit: positions whose new values differ from the old by at most
-``threshold`` times the tensor's mean magnitude stop spreading (the stream's feature threshold, DeltaCNN's
-delta threshold); threshold 0 keeps every recomputed position and is exact.
+``feature_threshold`` times the tensor's mean magnitude stop spreading (the stream's feature threshold, DeltaCNN's
+delta threshold); feature_threshold 0 keeps every recomputed position and is exact.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from incrinf.engine.program import Program, Step
-from incrinf.engine.regions import Boxes, cut
+from incrinf.engine.regions import cut
 from incrinf.engine.windows import box_rows, padded_crop, padded_rows
+from incrinf.geometry import Boxes
 from incrinf.kernels import dispatch
 from incrinf.kernels.gather import from_rows, to_rows
 
@@ -177,17 +178,17 @@ class BaseStore:
         like_input = self.full(self.program.graph.input.name, None, n)  # read for its size at most
         return self.program.suffix(cut_point, self.full(cut_point, region, n), like_input, False)[0]
 
-    def commit(self, name: str, region: Boxes, threshold: float) -> Boxes | None:
-        """``region`` cut to the positions whose values moved by more than ``threshold`` times the tensor's mean
-        magnitude (unchanged with threshold 0); None when no query keeps any."""
-        if threshold <= 0:
+    def commit(self, name: str, region: Boxes, feature_threshold: float) -> Boxes | None:
+        """``region`` cut to the positions whose values moved by more than ``feature_threshold`` times the tensor's
+        mean magnitude (unchanged with feature_threshold 0); None when no query keeps any."""
+        if feature_threshold <= 0:
             return region
         scale = self._scales.get(name)
         if scale is None:
             scale = self._scales[name] = float(to_rows(self.base[name])[::_SCALE_STRIDE].abs().mean())
         old = self.aligned(name, None, region)  # no key: pruned boxes follow the data, no plan holds them
         delta = (region.values - old).abs_()
-        keep = delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > threshold * scale
+        keep = delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > feature_threshold * scale
         return cut(region, keep.cpu().numpy(), PRUNED_QUANTUM)
 
     def _windowing(self, read: np.ndarray, dest: np.ndarray | None, origin: np.ndarray | None, n_rows: int) -> tuple:
@@ -280,11 +281,11 @@ class FrameCache:
             self.buffers[name] = to_rows(t)
         return out
 
-    def commit(self, name: str, region: Boxes, threshold: float) -> Boxes | None:
-        """Write ``region`` into its cache, first cut to the positions that moved by more than ``threshold`` times
-        the tensor's mean magnitude; None when none did."""
+    def commit(self, name: str, region: Boxes, feature_threshold: float) -> Boxes | None:
+        """Write ``region`` into its cache, first cut to the positions that moved by more than
+        ``feature_threshold`` times the tensor's mean magnitude; None when none did."""
         target = take(self.map(name), region)
-        eps = threshold * self.scale(name) if threshold > 0 else 0.0
+        eps = feature_threshold * self.scale(name) if feature_threshold > 0 else 0.0
         if eps > 0:
             delta = torch.sub(region.values, target).abs_()
             kept = cut(region, (delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > eps).numpy())

@@ -21,9 +21,8 @@ import torch
 from incrinf.engine.costs import FrameCosts
 from incrinf.engine.frame_regions import area, bounding, run_box
 from incrinf.engine.program import Program
-from incrinf.engine.regions import Boxes
 from incrinf.engine.stores import take
-from incrinf.engine.windows import Bounds
+from incrinf.geometry import Box, Boxes
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class Probe:
     flops: float
 
 
-def cone(program: Program, step: int, tile: Bounds) -> dict[str, Bounds]:
+def cone(program: Program, step: int, tile: Box) -> dict[str, Box]:
     """The box of every tensor that the ``tile`` of step ``step``'s output depends on (the tile's receptive field
     through the program), the frame's included."""
     needed = {program.steps[step].out: tile}
@@ -63,7 +62,7 @@ def cone(program: Program, step: int, tile: Bounds) -> dict[str, Bounds]:
     return needed
 
 
-def _read_window(step, box: Bounds, dims: tuple[int, ...]) -> Bounds:
+def _read_window(step, box: Box, dims: tuple[int, ...]) -> Box:
     """The source box a window step reads for the output ``box`` (clipped to the source map)."""
     spec = step.window
     out = []
@@ -74,7 +73,7 @@ def _read_window(step, box: Bounds, dims: tuple[int, ...]) -> Bounds:
     return tuple(out)
 
 
-def cone_cost(program: Program, costs: FrameCosts, step: int, tile: Bounds) -> tuple[float, float]:
+def cone_cost(program: Program, costs: FrameCosts, step: int, tile: Box) -> tuple[float, float]:
     """``(seconds, multiply-adds)`` of recomputing ``tile`` of step ``step``'s output from the frame."""
     needed = cone(program, step, tile)
     seconds = flops = 0.0
@@ -114,7 +113,7 @@ class _Scratch:
         return self.maps[name]
 
 
-def exact_tiles(program: Program, frame: torch.Tensor, probe: Probe, tiles: list[Bounds]) -> list[torch.Tensor]:
+def exact_tiles(program: Program, frame: torch.Tensor, probe: Probe, tiles: list[Box]) -> list[torch.Tensor]:
     """The exact values (1, C, th, tw) of the probe's ``tiles``, recomputed from ``frame`` (1, C, H, W) through
     their cones (one cone per tile)."""
     out = []
@@ -142,7 +141,7 @@ def exact_tiles(program: Program, frame: torch.Tensor, probe: Probe, tiles: list
     return out
 
 
-def _as_boxes(box: Bounds) -> Boxes:
+def _as_boxes(box: Box) -> Boxes:
     return Boxes((box[0], box[2]), (box[1] - box[0], box[3] - box[2]))
 
 

@@ -16,11 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from incrinf.geometry import Box
 from incrinf.graph import Graph, Node, NodeKind, Operator
 from incrinf.kernels.gather import to_rows
-
-Bounds = tuple[int, ...]  # (lo0, hi0, lo1, hi1, ...): half-open per spatial axis, outermost first; (y0, y1, x0, x1)
-EMPTY: Bounds = ()
 
 
 @dataclass
@@ -110,7 +108,7 @@ def padded_rows(spec: WindowSpec, source: torch.Tensor) -> torch.Tensor:
     return to_rows(padded_map(spec, source)).contiguous()
 
 
-def padded_crop(spec: WindowSpec, source: torch.Tensor, bounds: Bounds) -> torch.Tensor:
+def padded_crop(spec: WindowSpec, source: torch.Tensor, bounds: Box) -> torch.Tensor:
     """The read-in window of the output box ``bounds``: a crop (a view) of ``source`` (1, C, *dims), padded where
     it reaches beyond the map (first the views' value, then the operator's own).
 

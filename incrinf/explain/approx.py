@@ -85,9 +85,9 @@ def occlusion(
     (1-D (C, L), 2-D (C, H, W), 3-D (C, D, H, W)), target, occluder and feature mask.
 
     Args:
-        model, image, target, patch, stride, baseline, batch_size, max_memory, output, device, progress,
-            feature_mask, spatial_dims: as in the exact :func:`incrinf.explain.occlusion.occlusion` (``target`` an
-            int, None, ``"all"`` or a reducer; ``baseline`` a number, a tensor or an occluder mode).
+        model, image, target, patch, stride, baseline: as in the exact :func:`incrinf.explain.occlusion.occlusion`
+            (``target`` an int, None, ``"all"`` or a reducer; ``baseline`` a number, a tensor or an occluder mode).
+        batch_size, max_memory, output, device, progress, feature_mask, spatial_dims: as in the exact front end.
         tau: projective field threshold in (0, 1]; below 1 is approximate (faster).
         feature_threshold: value-based pruning (see :func:`incrinf.explain.occlusion.occlusion`); above 0 is
             approximate (faster).
@@ -241,7 +241,7 @@ def _drill_down(model: nn.Module, image: torch.Tensor, tau: float, drill: DrillD
         raise ValueError(f"output must be 'logit' or 'prob', got {output!r}")
     budget = parse_bytes(max_memory)
     s1 = drill.stage_one_stride(stride_hw, hw)
-    runner = OcclusionRunner(model, image, tau=tau, prune=check_feature_threshold(feature_threshold))
+    runner = OcclusionRunner(model, image, tau=tau, feature_threshold=check_feature_threshold(feature_threshold))
     _warn_if_no_reuse(runner)
     spec = targets.resolve(target, runner.base_output, output)
     base = spec.scores(runner.base_output)[0]

@@ -37,7 +37,7 @@ class OcclusionResult:
     Attributes:
         heatmap: score of the unoccluded input minus the occluded one (a drop is positive), one value per position
             of the occlusion grid, shape ``grid`` (e.g. (rows, cols); (depth, rows, cols) for volumes); for
-            ``target="all"`` one map per output index, (K, *grid). Feature-mask runs: one value per feature, (F,)
+            ``target="all"`` one map per output index, ``(K, *grid)``. Feature-mask runs: one value per feature, (F,)
             (or (K, F)), in the order of :attr:`features`.
         positions: (N, d) first corners of the windows, row-major (feature runs: each feature's bounding-box
             corner).
@@ -46,9 +46,9 @@ class OcclusionResult:
         stride: (d,) window stride (feature runs: ``()``).
         image_shape: (d,) spatial extents of the explained input.
         stats: positions, batches, seconds, theoretical speedup and realized FLOP ratio, peak memory, tau.
-        fine: (*grid) bool, which cells were computed at the requested stride (all, for exact runs).
+        fine: ``(*grid)`` bool, which cells were computed at the requested stride (all, for exact runs).
         features: (F,) the mask's feature ids (feature runs only).
-        feature_mask: (C or 1, *spatial) the feature mask (feature runs only).
+        feature_mask: ``(C or 1, *spatial)`` the feature mask (feature runs only).
         predicted: the output index with the largest unoccluded score (tensor outputs), else None.
     """
 
@@ -70,10 +70,10 @@ class OcclusionResult:
         return self.target == "all"
 
     def pixel_map(self) -> np.ndarray:
-        """Attribution per input element, shape ``image_shape`` ((K, *image_shape) for ``"all"``).
+        """Attribution per input element, shape ``image_shape`` (``(K, *image_shape)`` for ``"all"``).
 
         Windows: the mean heat of the windows covering an element (Captum's averaging). Features: the heat of
-        the element's feature (channel-wise masks give (C, *image_shape)).
+        the element's feature (channel-wise masks give ``(C, *image_shape)``).
         """
         heat = self.heatmap if self.every_class else self.heatmap[None]
         heat = heat.reshape(heat.shape[0], -1)
@@ -192,7 +192,7 @@ def occlusion(
     if mask is None:
         patch_size = check_patch(patch, dims)
         stride_size = check_stride(stride, d)
-    runner = OcclusionRunner(model, image, tau=tau, prune=feature_threshold)
+    runner = OcclusionRunner(model, image, tau=tau, feature_threshold=feature_threshold)
     _warn_if_no_reuse(runner)
     spec = targets.resolve(target, runner.base_output, output)
     base = spec.scores(runner.base_output)[0]

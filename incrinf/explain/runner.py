@@ -18,10 +18,10 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from incrinf.engine import BatchEngine, Boxes, batch_plan
+from incrinf.engine import BatchEngine, batch_plan
 from incrinf.engine.windows import box_rows
 from incrinf.explain.occluders import Occluder, make_occluder
-from incrinf.geometry import Propagation, Region, RegionKind, full_flops, incremental_flops, input_region, propagate
+from incrinf.geometry import Boxes, Propagation, RegionKind, full_flops, incremental_flops, input_boxes, propagate
 from incrinf.graph import Graph, captured_graph
 from incrinf.kernels.dispatch import free_device_memory, peak_device_memory, reset_peak_device_memory
 from incrinf.kernels.gather import from_rows, to_rows
@@ -65,7 +65,7 @@ def estimate_batch_size(graph: Graph, window: tuple[int, ...], max_memory: int, 
         cap = GPU_BATCH_CAP
     dims = graph.input_shape[2:]
     centre = np.array([[(n - w) // 2 for n, w in zip(dims, window)]])
-    prop = propagate(graph, input_region(centre, window, dims), tau=tau, uniform=True)
+    prop = propagate(graph, input_boxes(centre, window, dims), tau=tau, uniform=True)
     largest = 0
     for node in graph.nodes:
         region = prop.regions[node.name]
@@ -75,7 +75,7 @@ def estimate_batch_size(graph: Graph, window: tuple[int, ...], max_memory: int, 
         if region.kind == RegionKind.FULL:
             elems = int(np.prod(node.shape[1:]))
         else:
-            elems = int(np.prod(node.shape[1:-len(dims)])) * int(region.area()[0]) if graph.is_map(node.shape) else 0
+            elems = int(np.prod(node.shape[1:-len(dims)])) * int(region.boxes.area) if graph.is_map(node.shape) else 0
         if step is not None:
             elems += graph.by_name[node.inputs[0]].shape[1] * int(np.prod(step.read_size))
         largest = max(largest, elems)
@@ -102,7 +102,7 @@ def batch_order(graph: Graph, exact: Propagation) -> np.ndarray:
     if not boxes:
         return np.arange(exact.n)
     deepest = exact.regions[boxes[-1]]
-    return np.lexsort(deepest.size.T[::-1])
+    return np.lexsort(deepest.boxes.sizes().T[::-1])
 
 
 Reduce = Callable[[Any], torch.Tensor]
@@ -124,16 +124,17 @@ class OcclusionRunner:
         model: a ``torch.fx``-traceable model (eval mode is set), or its captured graph.
         image: (1, C, *spatial) float tensor, 1-3 spatial axes.
         tau: projective field threshold (1 = exact).
-        prune: value-based pruning threshold (0 = exact): a recomputed position whose values moved by at most
+        feature_threshold: value-based pruning (0 = exact): a recomputed position whose values moved by at most
             this share of the tensor's mean magnitude stops spreading.
     """
 
-    def __init__(self, model: nn.Module | Graph, image: torch.Tensor, tau: float = 1.0, prune: float = 0.0) -> None:
+    def __init__(self, model: nn.Module | Graph, image: torch.Tensor, tau: float = 1.0,
+                 feature_threshold: float = 0.0) -> None:
         self.graph = model if isinstance(model, Graph) else captured_graph(model, image.shape[1:])
         self.image = image
         self.dims = tuple(self.graph.input_shape[2:])
         self.tau = tau
-        self.prune = prune
+        self.feature_threshold = feature_threshold
         self.engine = BatchEngine(self.graph, image)
         self.image_rows = to_rows(image).contiguous()
 
@@ -169,19 +170,19 @@ class OcclusionRunner:
         window = tuple(int(w) for w in window)
         positions = np.asarray(positions, dtype=np.int64).reshape(-1, len(dims))
         occluder = make_occluder(baseline, self.image, window)
-        exact_prop = propagate(self.graph, input_region(positions, window, dims), self.tau, uniform=False)
+        exact_prop = propagate(self.graph, input_boxes(positions, window, dims), self.tau, uniform=False)
         order = batch_order(self.graph, exact_prop)
 
         def batches() -> Iterator[_Batch]:
             for lo in range(0, len(positions), batch_size):
                 queries = order[lo:lo + batch_size]
                 chunk = positions[queries]
-                region = input_region(chunk, window, dims)
-                size = tuple(int(s) for s in region.size[0])
+                boxes = input_boxes(chunk, window, dims)
+                start = boxes.start()
                 picked = None if channels is None else channels[torch.from_numpy(queries).to(channels.device)]
-                mask = self._window_mask(chunk - region.start, window, size, picked)
-                values = self._occlude(region.start, size, mask, occluder, chunk - region.start, window)
-                yield _Batch(queries, Boxes(tuple(region.start.T), size, values), (chunk, window))
+                mask = self._window_mask(chunk - start, window, boxes.size, picked)
+                boxes.values = self._occlude(start, boxes.size, mask, occluder, chunk - start, window)
+                yield _Batch(queries, boxes, (chunk, window))
 
         return self._run(batches(), len(positions), exact_prop, batch_size, progress, desc, reduce)
 
@@ -209,7 +210,7 @@ class OcclusionRunner:
         mask = mask.to(self.image.device)
         occluder = make_occluder(baseline, self.image, None)
         features, start, size = feature_boxes(mask)
-        exact_prop = propagate(self.graph, Region(RegionKind.BOX, start, size), self.tau, uniform=False)
+        exact_prop = propagate(self.graph, Boxes(tuple(start.T), tuple(size.T)), self.tau, uniform=False)
         order = np.lexsort((*size.T[::-1], size.prod(axis=1)))  # similar boxes together: smallest first
         dims = np.asarray(self.dims)
         mask_rows = to_rows(mask[None]).contiguous()
@@ -248,7 +249,7 @@ class OcclusionRunner:
         for batch in batches:
             corners, extent = batch.plan_key
             plan = batch_plan(self.graph, corners, extent, self.tau, dev)
-            result = self.engine.run(batch.boxes, self.tau, self.prune, plan)
+            result = self.engine.run(batch.boxes, self.tau, self.feature_threshold, plan)
             outputs.append(result.output if reduce is None else _reduced(reduce, result.output, batch.boxes.n))
             done.append(batch.queries)
             realized += result.flops * batch.boxes.n

@@ -105,8 +105,8 @@ class ModelService:
         model: the model (put in eval mode).
         input_shape: ``(C, H, W)``: the one input shape this server accepts.
         name: model name reported to clients.
-        mean: per-channel normalisation mean applied to uint8 frames (:class:`~incrinf.normalization.
-            Normalization`).
+        mean: per-channel normalisation mean applied to uint8 frames
+            (:class:`~incrinf.normalization.Normalization`).
         std: per-channel normalisation std.
         profile_repeats: timed passes of the start-up profile.
         max_sessions: most per-client caches kept.

@@ -32,7 +32,7 @@ import torch
 
 from incrinf.engine import FrameEngine
 from incrinf.engine.tiles import Probe, choose_probe, exact_tiles, relative_error
-from incrinf.engine.windows import Bounds
+from incrinf.geometry import Box
 from incrinf.stream.change_mask import ChangeMask
 from incrinf.stream.config import StreamConfig
 
@@ -82,7 +82,7 @@ class SampledAudit:
         """Whether a sample can stand in for a full audit (a probe, and a full audit that held to compare with)."""
         return self.probe is not None and bool(self._held)
 
-    def tiles(self, mask: ChangeMask | None, frame_size: tuple[int, int]) -> list[Bounds]:
+    def tiles(self, mask: ChangeMask | None, frame_size: tuple[int, int]) -> list[Box]:
         """Tiles of the probe, drawn by the weights of the module docstring."""
         probe = self.probe
         ph, pw = probe.dims

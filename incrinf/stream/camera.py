@@ -21,7 +21,7 @@ from incrinf.engine import CacheMemory, ExecStats, FrameEngine, Motion
 from incrinf.engine.blocks import BlockPlan
 from incrinf.engine.costs import FrameCosts
 from incrinf.engine.frame_regions import RegionPlan
-from incrinf.engine.windows import Bounds
+from incrinf.geometry import Box
 from incrinf.graph import Graph
 from incrinf.stream.warp import scale_homography
 
@@ -131,7 +131,7 @@ class CameraEngine:
         invalid = warps[self.engine.first_resolution].invalid if self.engine.first_resolution in warps else None
         return float(invalid.mean()) if invalid is not None else 0.0
 
-    def plan(self, changed: np.ndarray, matrix: np.ndarray, boxes: list[Bounds] | None = None
+    def plan(self, changed: np.ndarray, matrix: np.ndarray, boxes: list[Box] | None = None
              ) -> RegionPlan | BlockPlan:
         """The plan of a cached frame: for a still camera the box walk's (over ``boxes``, the clusters of changed
         pixels; default: found on ``changed``), else the block walk's for the motion ``matrix``."""

@@ -28,11 +28,10 @@ import torch
 
 from incrinf.engine.frame_regions import cluster_boxes
 from incrinf.extras import require
+from incrinf.geometry import Box
 from incrinf.stream.config import StreamConfig
 
 cv2 = require("cv2", "stream", "camera streams")
-
-Box = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -180,8 +179,8 @@ def change_mask(
     Args:
         curr: current frame, numpy (H, W) / (H, W, C) or tensor (H, W) / (C, H, W) / (1, C, H, W); uint8 or
             float.
-        warped_prev: previous frame warped into the current view (e.g. :func:`~incrinf.stream.warp.
-            warp_image`), same layout and size as ``curr``.
+        warped_prev: previous frame warped into the current view (e.g.
+            :func:`~incrinf.stream.warp.warp_image`), same layout and size as ``curr``.
         cell: cell side in pixels.
         pixel_threshold: in the inputs' units (0-255 for uint8 frames; divide by 255 for [0, 1] floats).
         valid: optional (H, W) bool, False where the warp read from outside the previous frame

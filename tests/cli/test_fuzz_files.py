@@ -19,7 +19,7 @@ from PIL.Image import DecompressionBombError
 
 from incrinf.cli import main
 from incrinf.cli.common import read_rgb
-from incrinf.explain.dataset_inputs import decode_rgb
+from incrinf.explain.dataset.inputs import decode_rgb
 from incrinf.stream.video import read_frames
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -117,7 +117,7 @@ def test_read_rgb_refuses_a_huge_claimed_size(tmp_path):
 
 
 @pytest.mark.xfail(strict=True, raises=DecompressionBombError,
-                   reason="decode_rgb (incrinf/explain/dataset_inputs.py) lets PIL's DecompressionBombError, which is "
+                   reason="decode_rgb (incrinf/explain/dataset/inputs.py) lets PIL's DecompressionBombError, which is "
                    "no OSError, escape instead of a ValueError (reported to the lead; remove this mark with the fix)")
 def test_decode_rgb_refuses_a_huge_claimed_size():
     with pytest.raises(ValueError):

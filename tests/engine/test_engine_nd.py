@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from incrinf import CaptureError
 from incrinf.analysis import analyze, occlusion_grid
-from incrinf.engine import BatchEngine, Boxes
+from incrinf.engine import BatchEngine
 from incrinf.explain.runner import OcclusionRunner
-from incrinf.geometry import RegionKind, input_region, propagate
+from incrinf.geometry import RegionKind, input_boxes, propagate
 from incrinf.graph import capture
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,7 +74,8 @@ def _boxes_and_values(data, x: torch.Tensor, count: int):
 
 def _inside(region, i: int, shape: tuple[int, ...]) -> torch.Tensor:
     inside = torch.zeros(shape, dtype=torch.bool)
-    inside[tuple(slice(int(s), int(s) + int(z)) for s, z in zip(region.start[i], region.size[i]))] = True
+    start, size = region.boxes.start()[i], region.boxes.sizes()[i]
+    inside[tuple(slice(int(s), int(s) + int(z)) for s, z in zip(start, size))] = True
     return inside
 
 
@@ -92,16 +93,15 @@ def test_region_contains_changes_and_read_in_suffices(d: int, data) -> None:
     with torch.no_grad():
         base = model(x)
         want = torch.cat([model(x2) for x2 in changed])
-    region = propagate(graph, input_region(corners, size, dims), uniform=True).regions[graph.nodes[-2].name]
+    region = propagate(graph, input_boxes(corners, size, dims), uniform=True).regions[graph.nodes[-2].name]
     if region.kind == RegionKind.BOX:
         for i in range(len(corners)):
             moved = (want[i:i + 1] != base).any(dim=1)[0]
             assert not (moved & ~_inside(region, i, tuple(moved.shape))).any(), "a change outside the region"
     # the engine recomputes only those regions from their read-in windows: results equal full inference
-    start = input_region(corners, size, dims)
-    values = torch.stack([x2[0][(slice(None), *(slice(c, c + s) for c, s in zip(corner, size)))]
-                          for x2, corner in zip(changed, start.start)])
-    boxes = Boxes(tuple(start.start.T), tuple(int(s) for s in start.size[0]), values)
+    boxes = input_boxes(corners, size, dims)
+    boxes.values = torch.stack([x2[0][(slice(None), *(slice(c, c + s) for c, s in zip(corner, size)))]
+                                for x2, corner in zip(changed, boxes.start())])
     got = BatchEngine(graph, x).run(boxes).output
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -210,5 +210,5 @@ def test_tau_and_pruning_run_in_any_dimension(d, dims) -> None:
     # the cap saves work where a region outgrows it (the 3-D maps here; a 3-wide change in a 61-long signal never does)
     assert capped_stats.theoretical_speedup >= exact_stats.theoretical_speedup * (1.05 if d == 3 else 1.0)
     assert capped.shape == exact.shape and torch.isfinite(capped).all()
-    pruned, _ = OcclusionRunner(model, x, prune=1e-9).run(corners, window, batch_size=8)
+    pruned, _ = OcclusionRunner(model, x, feature_threshold=1e-9).run(corners, window, batch_size=8)
     torch.testing.assert_close(pruned, exact, rtol=1e-4, atol=1e-5)  # ... a tiny threshold keeps every change

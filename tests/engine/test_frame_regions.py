@@ -121,7 +121,8 @@ def test_clusters_and_merging_by_cost():
 
 
 def test_grow_box_matches_the_batched_geometry():
-    from incrinf.engine.regions import Boxes, grow
+    from incrinf.engine.regions import grow
+    from incrinf.geometry import Boxes
 
     engine = FrameEngine(capture(zoo_model("resnet18"), (3, *SIZE)))
     rng = np.random.default_rng(0)

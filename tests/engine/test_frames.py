@@ -64,12 +64,12 @@ def test_a_change_that_dies_out_returns_a_copy_of_the_previous_output():
     x1[:, :, 30, 30] += 1e-3  # far below a 50% feature threshold: pruned at the first cached tensor
     executor = FrameEngine(capture(model, x0.shape[1:]))
     first = executor.full(x0)
-    out = executor.cached(x1, (x1 != x0).any(dim=1)[0].numpy(), threshold=0.5)
+    out = executor.cached(x1, (x1 != x0).any(dim=1)[0].numpy(), feature_threshold=0.5)
     torch.testing.assert_close(out, first)
     assert out is not first and out.data_ptr() != first.data_ptr()
     assert executor.last.flops_ratio > 1000  # only the stem ran (the classifier alone would cap this near 27)
     out.add_(1.0)  # the caller owns its copy
-    again = executor.cached(x1, np.zeros(changed.shape, bool), threshold=0.5)
+    again = executor.cached(x1, np.zeros(changed.shape, bool), feature_threshold=0.5)
     torch.testing.assert_close(again, first)
 
 

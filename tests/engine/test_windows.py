@@ -6,8 +6,9 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from incrinf.engine.blocks import grow_mask
-from incrinf.engine.regions import Boxes, grow, union
+from incrinf.engine.regions import grow, union
 from incrinf.engine.windows import WindowSpec, block_table, padded_crop, padded_map
+from incrinf.geometry import Boxes
 from incrinf.kernels.gather import to_rows
 
 

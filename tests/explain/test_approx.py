@@ -27,7 +27,7 @@ from incrinf.explain.drilldown import (
 from incrinf.explain.occlusion import occlusion as exact_occlusion
 from incrinf.explain.runner import OcclusionRunner
 from incrinf.explain.tuning import heatmap_ssim
-from incrinf.geometry import RegionKind, input_region, propagate
+from incrinf.geometry import RegionKind, input_boxes, propagate
 from incrinf.graph import NodeKind, captured_graph
 
 
@@ -65,7 +65,7 @@ def _reference_capped(model: nn.Module, x: torch.Tensor, pos: tuple[int, int], p
     """Projective field thresholding, one position, on full tensors: every node keeps its new values only inside
     its (capped) output box and holds its base values elsewhere; a capped node reads its whole input."""
     graph = captured_graph(model, x.shape[1:])
-    prop = propagate(graph, input_region(np.array([pos]), patch, x.shape[-2:]), tau=tau, uniform=True)
+    prop = propagate(graph, input_boxes(np.array([pos]), patch, x.shape[-2:]), tau=tau, uniform=True)
     base = BatchEngine(graph, x).base
     occluded = x.clone()
     occluded[..., pos[0]:pos[0] + patch[0], pos[1]:pos[1] + patch[1]] = 0.0
@@ -81,7 +81,7 @@ def _reference_capped(model: nn.Module, x: torch.Tensor, pos: tuple[int, int], p
                 if region.kind == RegionKind.NONE:
                     out = base[n.name]
                 elif region.kind == RegionKind.BOX and out.dim() == 4:
-                    (y, x_), (h, w) = (int(v) for v in region.start[0]), (int(v) for v in region.size[0])
+                    (y, x_), (h, w) = region.boxes.start()[0].tolist(), region.boxes.sizes()[0].tolist()
                     kept = base[n.name].clone()
                     kept[..., y:y + h, x_:x_ + w] = out[..., y:y + h, x_:x_ + w]
                     out = kept
@@ -112,7 +112,7 @@ def test_tau_below_one_caps_every_box_and_reads_whole_inputs(name: str) -> None:
         with torch.no_grad():
             naive.append(model(occluded))
     # and it is an approximation: some box was capped and the outputs moved
-    prop = propagate(runner.graph, input_region(positions, (16, 16), x.shape[-2:]), tau=0.5)
+    prop = propagate(runner.graph, input_boxes(positions, (16, 16), x.shape[-2:]), tau=0.5)
     assert any(step.crop.any() for step in prop.steps.values())
     assert (outputs - torch.cat(naive)).abs().max() > 1e-5
 

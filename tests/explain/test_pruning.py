@@ -7,9 +7,9 @@ import torch
 from conftest import zoo_model
 
 import incrinf
-from incrinf.engine import BatchEngine, Boxes
+from incrinf.engine import BatchEngine
 from incrinf.explain.occlusion import occlusion as exact_occlusion
-from incrinf.geometry import input_region
+from incrinf.geometry import input_boxes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,10 +27,11 @@ def test_threshold_zero_is_bit_equal_to_the_exact_path(name):
     assert zero.stats["approximate"] is False
 
 
-def _walk(engine: BatchEngine, positions: np.ndarray, threshold: float):
-    region = input_region(positions, (16, 16), (64, 64))
+def _walk(engine: BatchEngine, positions: np.ndarray, feature_threshold: float):
+    boxes = input_boxes(positions, (16, 16), (64, 64))
     values = torch.zeros(len(positions), 3, 16, 16)
-    return engine.run(Boxes(tuple(region.start.T), (16, 16), values), threshold=threshold)
+    boxes.values = values
+    return engine.run(boxes, feature_threshold=feature_threshold)
 
 
 @pytest.mark.parametrize("name", ["resnet18", "efficientnet_lite0"])

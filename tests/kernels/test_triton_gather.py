@@ -237,8 +237,8 @@ class _Tiny(nn.Module):
 
 
 def _tiny_batch():
-    from incrinf.engine import BatchEngine, Boxes
-    from incrinf.geometry import input_region
+    from incrinf.engine import BatchEngine
+    from incrinf.geometry import input_boxes
     from incrinf.graph import capture
 
     torch.manual_seed(0)
@@ -246,9 +246,8 @@ def _tiny_batch():
     image = torch.randn(1, 3, 16, 16)
     graph = capture(model, image.shape[1:])
     positions = np.array([[0, 0], [0, 12], [12, 0], [6, 5], [13, 13]])
-    region = input_region(positions, (3, 3), (16, 16))
-    values = torch.randn(len(positions), 3, 3, 3)
-    start = Boxes(tuple(region.start.T), (3, 3), values)
+    start = input_boxes(positions, (3, 3), (16, 16))
+    start.values = torch.randn(len(positions), 3, 3, 3)
     return BatchEngine(graph, image), start
 
 

@@ -23,9 +23,9 @@ from dataset_fixtures import (
 import incrinf
 from incrinf import cli, models
 from incrinf.explain.dataset import DatasetInterrupted, explain_dataset
-from incrinf.explain.dataset_inputs import discover_inputs, find_masks
-from incrinf.explain.dataset_stats import grid_positions, pixel_map
-from incrinf.explain.dataset_store import atomic_write_bytes
+from incrinf.explain.dataset.inputs import discover_inputs, find_masks
+from incrinf.explain.dataset.stats import grid_positions, pixel_map
+from incrinf.explain.dataset.store import atomic_write_bytes
 
 # One torch thread: pytest-xdist runs another test on the second core, and two OpenMP threads on one busy core
 # stall (the root conftest's fixture).
@@ -197,7 +197,7 @@ def test_changed_input_file_is_explained_again(photos, tmp_path, monkeypatch) ->
 
 
 def test_second_writer_on_the_same_folder_is_refused(photos, tmp_path) -> None:
-    from incrinf.explain.dataset_store import RunFolder
+    from incrinf.explain.dataset.store import RunFolder
 
     with RunFolder(tmp_path / "run"):
         with pytest.raises(RuntimeError, match="another incrinf run"):
@@ -208,7 +208,7 @@ def test_second_writer_on_the_same_folder_is_refused(photos, tmp_path) -> None:
 
 
 def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path) -> None:
-    from incrinf.explain.dataset_store import atomic_write
+    from incrinf.explain.dataset.store import atomic_write
 
     target = tmp_path / "table.csv"
     atomic_write_bytes(target, b"old")
@@ -264,7 +264,7 @@ def test_masks_flag_explanations_outside_them(photos, tmp_path) -> None:
 
 
 def test_find_masks_by_relative_path_then_stem(tmp_path) -> None:
-    from incrinf.explain.dataset_inputs import InputItem
+    from incrinf.explain.dataset.inputs import InputItem
 
     items = [InputItem(Path("/d/a/x.jpg"), "a/x.jpg", "x1"), InputItem(Path("/d/y.jpg"), "y.jpg", "y1"),
              InputItem(Path("/d/z.jpg"), "z.jpg", "z1")]
@@ -281,7 +281,7 @@ def test_class_means_average_aligned_maps(photos, tmp_path) -> None:
     report = explain_dataset(MODEL, photos / "data" / "cats", out, size=SIZE, progress=False,
                              **dict(OPTIONS, target=285))  # the mirror image alone would be a tiger cat (282)
     assert [(m.target, m.count) for m in report.class_means] == [(285, 2)]
-    from incrinf.explain.dataset_store import RunFolder
+    from incrinf.explain.dataset.store import RunFolder
 
     folder = RunFolder(out)
     maps = [folder.load_pixel_map(folder.read_record(r["id"])) for r in report.rows]

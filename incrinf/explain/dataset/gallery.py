@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from incrinf.explain.dataset_store import STATUS_ERROR, STATUS_OK, atomic_write_bytes
+from incrinf.explain.dataset.store import STATUS_ERROR, STATUS_OK, atomic_write_bytes
 
 if TYPE_CHECKING:
-    from incrinf.explain.dataset_report import DatasetReport
+    from incrinf.explain.dataset.report import DatasetReport
 
 
 def write_gallery(root: Path, report: DatasetReport, labels: Sequence[str] | None = None) -> Path:

@@ -14,7 +14,7 @@ import torch
 from dataset_fixtures import BAD, GOOD, MODEL, OPTIONS, SIZE, photos_fixture  # noqa: F401 (the photos fixture)
 
 from incrinf.explain.dataset import explain_dataset
-from incrinf.explain.executors import threads_per_worker
+from incrinf.explain.dataset.executors import threads_per_worker
 
 # Columns that describe how a run went rather than what it computed.
 RUN_COLUMNS = ("seconds", "worker")
@@ -122,8 +122,8 @@ def test_ray_matches_in_process_and_survives_a_killed_actor(local_ray, photos, t
 
 
 def test_an_input_that_keeps_killing_workers_becomes_an_error_row() -> None:
-    from incrinf.explain.dataset_job import ERROR_WORKER_LOST, Task
-    from incrinf.explain.executors import MAX_LOSSES, _Queue
+    from incrinf.explain.dataset.executors import MAX_LOSSES, _Queue
+    from incrinf.explain.dataset.job import ERROR_WORKER_LOST, Task
 
     tasks = [Task(i, f"id{i}", f"in{i}.png", b"") for i in range(3)]
     queue = _Queue(iter(tasks))

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import torch.nn as nn
 
-from incrinf.explain.dataset_inputs import InputItem, Selection, discover_inputs, find_masks
-from incrinf.explain.dataset_job import ExplainSpec, ModelSource, Preprocessing, Task
-from incrinf.explain.dataset_report import DatasetReport
-from incrinf.explain.dataset_stats import class_means, inside_share, load_mask
-from incrinf.explain.dataset_store import (
+from incrinf.explain.dataset.executors import Executor, InProcessExecutor, ProcessExecutor, RayExecutor
+from incrinf.explain.dataset.inputs import InputItem, Selection, discover_inputs, find_masks
+from incrinf.explain.dataset.job import ExplainSpec, ModelSource, Preprocessing, Task
+from incrinf.explain.dataset.report import DatasetReport
+from incrinf.explain.dataset.stats import class_means, inside_share, load_mask
+from incrinf.explain.dataset.store import (
     STATUS_ERROR,
     STATUS_OK,
     STATUS_PENDING,
@@ -34,7 +35,6 @@ from incrinf.explain.dataset_store import (
     source_signature,
     table_row,
 )
-from incrinf.explain.executors import Executor, InProcessExecutor, ProcessExecutor, RayExecutor
 
 
 class DatasetInterrupted(KeyboardInterrupt):
@@ -302,7 +302,7 @@ def _finish(folder: RunFolder, selection: Selection, records: dict[str, dict[str
     folder.write_table(report.rows)
     _write_summary(folder, report)
     if gallery:
-        from incrinf.explain.gallery import write_gallery
+        from incrinf.explain.dataset.gallery import write_gallery
 
         write_gallery(folder.root, report, labels)
     return report

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from incrinf.explain.dataset_inputs import InputItem
-from incrinf.explain.dataset_job import Outcome
+from incrinf.explain.dataset.inputs import InputItem
+from incrinf.explain.dataset.job import Outcome
 
 RECORD_FORMAT = 1
 STATUS_OK, STATUS_ERROR, STATUS_PENDING = "ok", "error", "pending"
@@ -165,7 +165,7 @@ class RunFolder:
             record.update(status=STATUS_ERROR, error_kind=outcome.error_kind, error=outcome.error)
             self.write_record(record)
             return record
-        from incrinf.explain.dataset_stats import blend, grid_positions, pixel_map, thumbnail
+        from incrinf.explain.dataset.stats import blend, grid_positions, pixel_map, thumbnail
         from incrinf.explain.occlusion import OcclusionResult
 
         heat = outcome.heatmap
@@ -198,7 +198,7 @@ class RunFolder:
 
     def load_pixel_map(self, record: dict[str, Any]) -> np.ndarray:
         """(H, W) pixel map of a complete input, from its heat map file."""
-        from incrinf.explain.dataset_stats import grid_positions, pixel_map
+        from incrinf.explain.dataset.stats import grid_positions, pixel_map
 
         heat = np.load(self.items / record["files"]["heatmap"]["name"])
         if "positions" in record["files"]:

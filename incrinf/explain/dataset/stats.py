@@ -82,7 +82,7 @@ def load_mask(path: Path, normalization: str, size: int) -> np.ndarray:
     and thresholds the result at half.
     """
     from incrinf import models
-    from incrinf.explain.dataset_inputs import decode_rgb
+    from incrinf.explain.dataset.inputs import decode_rgb
 
     rgb = decode_rgb(Path(path).read_bytes(), str(path))
     binary = (rgb.max(axis=2) > 0).astype(np.float32)

@@ -197,7 +197,7 @@ class Explainer:
         return outcome
 
     def _run(self, task: Task) -> Outcome:
-        from incrinf.explain.dataset_inputs import decode_rgb
+        from incrinf.explain.dataset.inputs import decode_rgb
 
         if task.data is None:
             return Outcome(task.index, task.id, ERROR_READ, task.read_error)

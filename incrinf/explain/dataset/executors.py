@@ -1,7 +1,7 @@
 """Where a dataset run's jobs execute: in-process, local worker processes, or Ray actors.
 
-Every executor turns a lazy stream of :class:`~incrinf.explain.dataset_job.Task` into a stream of
-:class:`~incrinf.explain.dataset_job.Outcome` in completion order, with a bounded number of tasks in flight per
+Every executor turns a lazy stream of :class:`~incrinf.explain.dataset.job.Task` into a stream of
+:class:`~incrinf.explain.dataset.job.Outcome` in completion order, with a bounded number of tasks in flight per
 worker (so neither the inputs' bytes nor the results pile up in memory). Workers hold one model each and return
 results; the driver writes every file. A worker that dies (killed, out of memory, a lost Ray node) loses only
 the tasks it held: they go back to the queue, to the other workers and to a replacement. A task that was in
@@ -21,7 +21,7 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-from incrinf.explain.dataset_job import (
+from incrinf.explain.dataset.job import (
     ERROR_EXPLAIN,
     ERROR_WORKER_LOST,
     Explainer,

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from incrinf.explain.dataset_stats import ClassMean
-from incrinf.explain.dataset_store import STATUS_ERROR, STATUS_OK, STATUS_PENDING
+from incrinf.explain.dataset.stats import ClassMean
+from incrinf.explain.dataset.store import STATUS_ERROR, STATUS_OK, STATUS_PENDING
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
