@@ -387,10 +387,11 @@ class StreamSession:
             quality.sampled_hold()
         return False
 
-    @staticmethod
-    def _calibrate(f: _Frame, engine: CameraEngine) -> None:
-        """Feed the cost model what the cached frame's steps measured (the pruning was recorded as it ran)."""
-        engine.costs.record_steps(plan_kind(f.plan), engine.last.step_samples)
+    def _calibrate(self, f: _Frame, engine: CameraEngine) -> None:
+        """Feed the cost model what the cached frame's steps measured (the pruning was recorded as it ran); without
+        the speed guard the coefficients stay as they are, so runs are reproducible."""
+        if self.config.speed_guard:
+            engine.costs.record_steps(plan_kind(f.plan), engine.last.step_samples)
 
     def _full_frame(self, f: _Frame, engine: CameraEngine) -> Any:
         """Full inference of a frame that falls back: plain (nothing kept) when the next frame cannot use the

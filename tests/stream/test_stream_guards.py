@@ -401,3 +401,40 @@ def frames_of(n: int) -> list[np.ndarray]:
         frame[20:30, 4 + 2 * k:14 + 2 * k] = 250
         out.append(frame)
     return out
+
+
+def _dense_convs() -> nn.Module:
+    """A fully convolutional model with a (1, 4, H, W) score map, wide enough that a small change is clearly
+    cheaper to recompute than a full frame."""
+    torch.manual_seed(3)
+    layers = []
+    for c_in, c_out in ((3, 64), (64, 64), (64, 64), (64, 64)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Conv2d(64, 4, 1)).eval()
+
+
+def test_a_sampled_audit_detects_an_injected_drift(frames):
+    model = _dense_convs()
+    # a small model at a small size: one tile's cone is a good part of a frame, so the budget is set higher
+    session = StreamSession(model, audit_interval=2, keyframe_interval=64, feature_threshold=0.0, sample_budget=0.8,
+                            max_backoff=0)
+    for frame in frames[:8]:
+        session(frame)
+    sampler = next(iter(session._samplers.values()))
+    assert sampler.ready and sampler.probe is not None  # a full audit held: samples stand in for the next ones
+    honest = [s for s in session.stats if not math.isnan(s.sampled_error)]
+    assert honest and all(s.cause != Cause.AUDIT for s in honest)  # exact propagation: nothing drifts
+    # drift: the cached probe tensor's values go stale everywhere (as if many frames of sub-threshold changes had
+    # been reused), which no change mask reports
+    engine = next(iter(session._engines.values())).engine
+    rows = engine.cache.buffers[sampler.probe.name]
+    rows.add_(torch.randn(rows.shape, generator=torch.Generator().manual_seed(0)) * rows.abs().mean())
+    start = len(session.stats)
+    for frame in frames[8:14]:
+        session(frame)
+    checked = [s for s in session.stats[start:] if not math.isnan(s.sampled_error)]
+    assert checked, "no sampled audit ran"
+    first = checked[0]
+    assert first.sampled_error > 10 * max(s.sampled_error for s in honest) and first.cause == Cause.AUDIT
+    assert first.agreement is not None  # the flagged frame was audited in full (and returned full inference)
+    torch.testing.assert_close(session(frames[14]), _full(model, frames[14]), rtol=1e-3, atol=1e-3)
