@@ -259,7 +259,10 @@ class StreamSession:
         if quality is not None:
             quality.tick()
         cause = f.fallback.cause if f.fallback is not None else None
-        paid = self._backoff.paid(cause, attempt, saving, prediction.full, overhead + engine_seconds, overhead)
+        # a near-tie check is a cost of the cached path (a scheduled audit stands in for a keyframe): the frame counts
+        # as a cached one whose time includes the check's full run
+        paid = self._backoff.paid(None if verify else cause, attempt, saving, prediction.full,
+                                  overhead + engine_seconds, overhead)
         f.times.decide = time.perf_counter() - bookkeeping
         commit_start = time.perf_counter()
         commit = (f, tuple(x.shape), refreshed, paid, engine.costs.full_seconds, oracle)

@@ -85,6 +85,21 @@ def test_speed_guard_switches_to_full_inference_when_the_cached_path_is_slow(fra
     assert math.isnan(session.stats[0].predicted_full)  # nothing measured before the first frame
 
 
+def test_near_tie_checks_are_charged_to_the_cached_path(frames):
+    """A clip where every cached frame is a near tie pays a full frame on top of each cached one: those checks count
+    as misses, so the session backs off to plain frames instead of auditing every frame."""
+    model = _wide()
+    session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0)
+    session._quality.risky = lambda margin: True  # every cached frame's top-1 is a near tie
+    for frame in frames[:16]:
+        session(frame)
+    causes = [s.cause for s in session.stats[1:]]
+    assert Cause.BACKING_OFF in causes, causes
+    near_ties = [s for s in session.stats[1:] if s.audit]
+    assert near_ties and all(s.reason.startswith("audit: near tie") for s in near_ties)
+    assert len(near_ties) <= session.config.backoff_after + 1, causes
+
+
 def test_cost_calibration_takes_medians_of_ratios_per_kind():
     from incrinf.engine import FrameEngine
     from incrinf.engine.costs import RegionKind
