@@ -5,8 +5,9 @@ Run: ``python benchmarks/stream.py [--frames 48] [--threads 1] [--rounds 2] [--c
 (leave-one-out choice of the defaults).
 
 Clips: the set of :mod:`incrinf.testing.clips` (shipped videos at their own size and 224 px high, a synthetic
-pan+zoom, three composed still-camera scenes). Every configuration runs the whole clip on its own, in separate
-passes (``--rounds`` passes, their order rotated): plain inference of the model as given, the same with the model
+pan+zoom, three composed still-camera scenes). Every configuration runs its own stream over the whole clip, the
+configurations in lockstep (frame by frame in turn, the order rotated per frame, so a load change on the shared
+machine falls on all alike; ``--rounds`` passes): plain inference of the model as given, the same with the model
 in channels-last layout ("full CL", the layout the session uses, the baseline), and the session. Reported per
 configuration: median and mean ms per frame (the first frame of every pass excluded: it captures the model and
 profiles its steps), speedups over full CL beside the multiply-add ratio the session's plans give (the noise-free
@@ -125,7 +126,9 @@ def _normaliser(mean: tuple[float, ...], std: tuple[float, ...], channels_last: 
 
 def run_clip(model: torch.nn.Module, clip: Clip, configs: dict[str, dict], rounds: int,
              mean: tuple[float, ...], std: tuple[float, ...]) -> dict[str, Run]:
-    """Plain inference (as given, channels-last) and each session configuration, each in its own passes."""
+    """Plain inference (as given, channels-last) and each session configuration, in lockstep: every configuration
+    runs its own stream over the clip, frame by frame in turn (the order rotated per frame), so a load change on a
+    shared machine falls on all of them alike; ``rounds`` such passes."""
     model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
     plain, plain_cl = _normaliser(mean, std, False), _normaliser(mean, std, True)
     factories: dict[str, Callable[[], Callable]] = {
@@ -138,16 +141,18 @@ def run_clip(model: torch.nn.Module, clip: Clip, configs: dict[str, dict], round
     names = list(factories)
     with torch.no_grad():
         for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                run = factories[name]()
-                outs = []
-                for i, frame in enumerate(clip.frames):
+            streams = {name: factories[name]() for name in names}
+            outs: dict[str, list] = {name: [] for name in names}
+            for i, frame in enumerate(clip.frames):
+                k = (r + i) % len(names)
+                for name in names[k:] + names[:k]:
                     start = time.perf_counter()
-                    outs.append(run(frame))
+                    outs[name].append(streams[name](frame))
                     if i:
                         runs[name].seconds.append(time.perf_counter() - start)
+            for name, run in streams.items():
                 if not runs[name].outputs:
-                    runs[name].outputs = outs
+                    runs[name].outputs = outs[name]
                 if isinstance(run, StreamSession):
                     runs[name].stats.extend(run.stats[1:])
     return runs
