@@ -49,7 +49,7 @@ from incrinf.testing.synthetic import synthetic_camera
 
 DEFAULTS = StreamConfig()
 
-FIXED = ["local_full", "local_cached", "offload_full", "offload_cached"]
+FIXED = ["local_full", "local_cached", "offload_full", "offload_changed_pixels"]
 # Both cached paths match keypoints the same way: ORB + RANSAC, no ECC refinement (the offload uplink's choice).
 LOCAL_OPTIONS = {"matcher_options": {"refine": False}}
 
@@ -128,13 +128,15 @@ def main() -> int:
             proxies[name], sessions[name] = proxy, session
             if probe_session is None:
                 probe_session = session
-        hybrids = [f"hybrid:{s}" for s in probe_session.scheduler.cost.splits][:2]
-        for name in hybrids:
+        splits = list(probe_session.scheduler.cost.splits)[:2]
+        hybrids = [f"hybrid at {s}" for s in splits]
+        for name, split in zip(hybrids, splits):
             proxy = ShapingProxy(port).start()
             proxy.set_link(link[0], args.latency_ms)
             proxies[name] = proxy
-            sessions[name] = OffloadingSession(model, offload=f"http://127.0.0.1:{proxy.port}", policy=name,
-                                               local_slowdown=args.slowdown, local_options=LOCAL_OPTIONS)
+            sessions[name] = OffloadingSession(model, offload=f"http://127.0.0.1:{proxy.port}", policy="hybrid",
+                                               split=split, local_slowdown=args.slowdown,
+                                               local_options=LOCAL_OPTIONS)
         policies += hybrids
         order = [*policies, "auto"]
         outputs = {name: [] for name in order}
@@ -173,7 +175,7 @@ def main() -> int:
         if outs is not None:
             top1 = np.mean([o.argmax().item() == r.argmax().item() for o, r in zip(outs, reference)])
             err = max((o.float() - r).abs().max().item() for o, r in zip(outs, reference))
-            offl = np.mean([s.mode not in ("local_full", "local_cached") for s in sessions[name].stats])
+            offl = np.mean([s.mode.offloads for s in sessions[name].stats])
             extra = f" {100 * top1:6.1f}% {err:9.2e} {100 * offl:6.1f}%"
         return (f"{name:34s} {1e3 * values.mean():8.1f} {1e3 * np.percentile(values, 95):8.1f}   {by_block}"
                 + extra)
@@ -199,10 +201,10 @@ def main() -> int:
     rel = np.abs(predicted - auto) / auto
     print(f"auto prediction error |pred - actual| / actual: median {np.median(rel):.2f}, "
           f"p90 {np.percentile(rel, 90):.2f}")
-    modes = [s.mode for s in stats]
+    modes = [str(s.mode) for s in stats]
     switches = sum(a != b for a, b in zip(modes, modes[1:]))
     print(f"auto: {switches} switches, {sum(s.fallback for s in stats)} fallbacks, "
-          f"{sessions['auto'].probes} background link probes; modes per block:")
+          f"{sessions['auto'].connection.probes} background link probes; modes per block:")
     for v in trace:
         idx = [k for k in range(len(stats)) if link[k] == v]
         counts: dict[str, int] = {}

@@ -8,7 +8,7 @@ Setup (all on this machine, loopback only):
   ``--restarts`` times, evenly spread over the run;
 - the cameras are threads of this process (one :class:`~incrinf.offload.session.OffloadingSession` each, all on
   ONE shared model instance, 1 torch thread each), with mixed policies (``auto``, ``offload_full``,
-  ``offload_cached``, ``hybrid``), a per-frame budget, and a local device emulated ``--slowdown`` times slower
+  ``offload_changed_pixels``, ``hybrid``), a per-frame budget, and a local device emulated ``--slowdown`` times slower
   than the server (sleeps, so the machine's cores stay with the server);
 - every request goes through one :class:`~incrinf.testing.shaping.ShapingProxy` (a link shared by all cameras)
   that replays a looping bandwidth/latency trace;
@@ -64,7 +64,7 @@ from incrinf.stream.session import StreamSession  # noqa: E402
 from incrinf.testing.shaping import ShapingProxy  # noqa: E402
 from incrinf.testing.synthetic import synthetic_camera  # noqa: E402
 
-POLICIES = ("auto", "offload_full", "offload_cached", "hybrid")
+POLICIES = ("auto", "offload_full", "offload_changed_pixels", "hybrid")
 EXACT = ("offload_full", "local_full", "hybrid")  # options whose output equals full inference
 # (seconds, Mbit/s, one-way latency ms), looped: Wi-Fi that comes and goes
 TRACE = [(8.0, 40.0, 2.0), (6.0, 4.0, 10.0), (8.0, 100.0, 1.0), (5.0, 1.5, 25.0), (6.0, 20.0, 5.0)]
@@ -95,7 +95,7 @@ class ServerProcess:
     def __init__(self, args: argparse.Namespace, port: int, token_file: Path, log: Path) -> None:
         self.cmd = [sys.executable, "-c", SERVE, "serve", "--model", args.model, "--input",
                     f"3x{args.size}x{args.size}", "--port", str(port), "--token-file", str(token_file),
-                    "--threads", "1", "--workers", "2", "--profile-repeats", "2"]
+                    "--threads", "1", "--workers", "2", "--timing-repeats", "2"]
         self.env = {k: v for k, v in os.environ.items() if k != "INCRINF_TOKEN"}
         self.log = log
         self.proc: subprocess.Popen | None = None
@@ -230,7 +230,7 @@ def run_camera(index: int, policy: str, url: str, token: str, model: torch.nn.Mo
     session = OffloadingSession(model, offload=url, policy=policy, token=token, input_size=(args.size, args.size),
                                 mean=meta.mean, std=meta.std, budget=args.budget, max_timeout=1.0,
                                 local_slowdown=args.slowdown, backoff_initial=0.1, backoff_cap=2.0,
-                                profile_repeats=2)
+                                timing_repeats=2)
     result.construct_seconds = time.monotonic() - t0
     with session:
         for k in range(args.frames):
@@ -251,15 +251,15 @@ def run_camera(index: int, policy: str, url: str, token: str, model: torch.nn.Mo
                 result.errors.append(f"frame {k}: bad output {type(out).__name__} {getattr(out, 'shape', '')}")
             stats = session.stats[-1]
             result.indices_ok &= stats.index == k
-            result.modes[stats.mode.split(":")[0]] += 1
+            result.modes[stats.mode.policy.value] += 1
             if stats.fallback:
                 result.fallbacks[(stats.error or "").split(":")[0]] += 1
-            if stats.mode.startswith("local"):
+            if not stats.mode.offloads:
                 result.local_why[_local_why(stats)] += 1
             if k % args.check_every == 0:
                 with torch.no_grad():
                     ref = model(normalization.tensor(frame))
-                if stats.mode.startswith(EXACT):
+                if stats.mode.policy.value in EXACT:
                     result.exact_checked += 1
                     scale = ref.abs().max().item()
                     result.exact_mismatches += int((out - ref).abs().max().item() > 1e-3 * scale)

@@ -2,10 +2,10 @@
 
 Entry points: :func:`analyze` (theoretical speedup), :func:`occlusion` (heat maps) and :func:`tune`,
 ``incrinf.captum`` and ``incrinf.monai`` (Captum and MONAI drop-ins), :class:`StreamSession` (camera streams)
-with :class:`StreamConfig`, :class:`OffloadingSession` (streams with an offload server), :func:`runtime_cache`
-(plan cache),
-:func:`capture` (the typed graph), and the submodules ``incrinf.models`` (zoo) and ``incrinf.kernels``.
-Everything beyond the occlusion path loads on first use, so ``import incrinf`` stays light.
+with :class:`StreamConfig`, :class:`OffloadingSession` (streams with an offload server) with
+:class:`OffloadConfig`, :func:`runtime_cache` (plan cache), :func:`capture` (the typed graph), and the
+submodules ``incrinf.models`` (zoo) and ``incrinf.kernels``. Everything beyond the occlusion path loads on first
+use, so ``import incrinf`` stays light.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ _LAZY = {
     "StreamSession": "incrinf.stream.session",
     "StreamConfig": "incrinf.stream.config",
     "OffloadingSession": "incrinf.offload.session",
+    "OffloadConfig": "incrinf.offload.config",
     "QuantizedDepthwiseConv2d": "incrinf.kernels.quantized_module",
     "depthwise_conv2d_int8": "incrinf.kernels.depthwise_int8",
     "explain_dataset": "incrinf.explain.dataset",

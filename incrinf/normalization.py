@@ -13,6 +13,10 @@ import torch
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# EfficientNet-Lite's normalisation (the zoo's pretrained models): the default of the camera-frame sessions,
+# StreamSession and OffloadingSession, and of the offload server's ModelService, so that they agree.
+FRAME_MEAN = (0.5, 0.5, 0.5)
+FRAME_STD = (0.5, 0.5, 0.5)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="larger requests get 413 (default 16 MiB)")
     p.add_argument("--threads", type=positive_int, help="torch threads for inference")
     p.add_argument("--workers", type=positive_int, default=2, help="concurrent inference requests")
-    p.add_argument("--profile-repeats", type=positive_int, default=5, help="timed passes of the start-up profile")
+    p.add_argument("--timing-repeats", "--profile-repeats", dest="timing_repeats", type=positive_int, default=5,
+                   help="timed passes when measuring the model's per-node times at start-up (default 5)")
 
 
 def _warn(message: str) -> None:
@@ -119,9 +120,9 @@ def run(args: argparse.Namespace) -> int:
     meta = models.info(args.model)
     shape = args.input or (3, meta.input_size, meta.input_size)
     model = models.load(args.model, args.weights)
-    print(f"incrinf serve: profiling {args.model} at {tuple(shape)} ...", flush=True)
+    print(f"incrinf serve: timing {args.model} at {tuple(shape)} ...", flush=True)
     service = ModelService(model, shape, name=args.model, mean=meta.mean, std=meta.std,
-                           profile_repeats=args.profile_repeats, max_sessions=args.max_sessions,
+                           timing_repeats=args.timing_repeats, max_sessions=args.max_sessions,
                            session_ttl=args.session_ttl)
     server = OffloadServer(service, config)
 
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: server.request_stop())
     server.start()
     auth = f"bearer token required ({len(config.tokens)} accepted)" if config.tokens else "open: no token"
-    full_ms = service.profile.full_seconds * 1e3
+    full_ms = service.times.full_seconds * 1e3
     print(f"incrinf serve: {args.model} on {server.url} ({auth}; full model {full_ms:.1f} ms, "
           f"{torch.get_num_threads()} threads)", flush=True)
     server.serve_forever()

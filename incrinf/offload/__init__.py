@@ -1,6 +1,7 @@
 """Offloading camera-stream frames to a server: :class:`OffloadingSession` (client side, schedules every frame
-among local, offloaded and hybrid execution), :class:`OffloadServer` / :class:`ModelService` (``incrinf
-serve``). Needs the ``[serve]`` extra for the server (aiohttp)."""
+among local, offloaded and hybrid execution, configured by an :class:`OffloadConfig` with a :class:`Policy`),
+:class:`OffloadServer` / :class:`ModelService` (``incrinf serve``, configured by a :class:`ServerConfig`). Needs
+the ``[serve]`` extra for the server (aiohttp)."""
 
 from incrinf.lazy import lazy_exports
 
@@ -13,6 +14,9 @@ _EXPORTS = {
     "OffloadError": ".client",
     "RateLimited": ".client",
     "ServerConfig": ".config",
+    "OffloadConfig": ".config",
+    "Policy": ".policy",
+    "Option": ".policy",
 }
 
 __all__ = sorted(_EXPORTS)

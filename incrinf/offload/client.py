@@ -27,12 +27,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import numpy as np
 
 from incrinf.offload import wire
-from incrinf.offload.credentials import client_ssl_context, client_token
+from incrinf.offload.credentials import client_ssl_context, client_token, server_address
 
 SESSION_HEADER = "X-Incrinf-Session"
 # Request line, headers and their response counterparts: counted as bytes on the wire.
@@ -251,16 +250,8 @@ class OffloadClient:
     def __init__(self, url: str, token: str | None = None, timeout: float = 2.0,
                  link: LinkEstimator | None = None, *, ca_file: str | os.PathLike | None = None, verify: bool = True,
                  wait_rate_limited: bool = True) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"offload URL must look like http://host:port or https://host:port, got {url!r}")
-        try:
-            port = parts.port
-        except ValueError:
-            raise ValueError(f"offload URL has a bad port: {url!r}") from None
         self.url = url
-        self.tls = parts.scheme == "https"
-        self.host, self.port = parts.hostname, port or (443 if self.tls else 80)
+        self.tls, self.host, self.port = server_address(url)
         self.token = client_token(token)
         self.timeout = timeout
         self.link = link if link is not None else LinkEstimator()

@@ -17,6 +17,7 @@ import ssl
 import stat
 import warnings
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ENV_TOKEN = "INCRINF_TOKEN"
 
@@ -38,6 +39,23 @@ def check_token(token: str) -> str:
         raise ValueError("a token must be printable ASCII without leading/trailing whitespace or control "
                          f"characters ({len(token)} characters given)")
     return token
+
+
+def server_address(url: str) -> tuple[bool, str, int]:
+    """``(tls, host, port)`` of an offload server's URL, ``http://host[:port]`` or ``https://host[:port]``.
+
+    Raises:
+        ValueError: another scheme, no host, or a bad port.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"offload URL must look like http://host:port or https://host:port, got {url!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"offload URL has a bad port: {url!r}") from None
+    tls = parts.scheme == "https"
+    return tls, parts.hostname, port or (443 if tls else 80)
 
 
 def env_token() -> str | None:

@@ -1,29 +1,29 @@
 """Cache-aware scheduling: per frame, local or offloaded or split execution, with or without cache.
 
-Options (CacheInf, ``seeds/000`` and ANCHORS.md):
+Options (:class:`~incrinf.offload.policy.Option`; CacheInf, ``seeds/000`` and ANCHORS.md):
 
 - ``local_full``: the whole model on the client.
 - ``local_cached``: the client's incremental stream session (recomputes the changed fraction ``x``).
 - ``offload_full``: send the frame, the server runs the model.
-- ``offload_cached``: send only the changed tiles + homography; the server rebuilds the frame from its
-  reference copy (uplink bytes ~ ``x`` x frame bytes).
-- ``hybrid:<node>``: the client runs the graph up to a split node, the server the rest.
+- ``offload_changed_pixels``: send only the changed tiles + homography; the server rebuilds the frame from its
+  reference copy and runs the whole model (uplink bytes ~ ``x`` x frame bytes).
+- ``hybrid`` at a split node: the client runs the graph up to the node, the server the rest.
 
 Cost model, per option, in seconds (every term is measured, none is a constant of the code):
 
-- local compute: the client's per-node profile (``NodeProfile``, times the emulated slowdown), times an
-  online correction (EWMA of actual / profiled); cached local compute is CacheInf's
+- local compute: the client's per-node times (:class:`~incrinf.offload.timing.NodeTimes`, times the emulated
+  slowdown), times an online correction (EWMA of actual / timed); cached local compute is CacheInf's
   ``x * T(before cache point) + T(after)``, times its own learned correction;
-- server compute: the server's ``GET /profile`` numbers, corrected by the compute times it reports;
+- server compute: the server's per-node times (``GET /profile``), corrected by the compute times it reports;
 - network: :class:`~incrinf.offload.client.LinkEstimator` (RTT and bandwidth from real transfers) applied to
   the option's payload: frame bytes, ``x`` x frame bytes + boxes, or the split tensor's bytes, plus output;
-- client overheads of offloading (encoding, matching + change mask for ``offload_cached``): EWMA of
+- client overheads of offloading (encoding, matching + change mask for ``offload_changed_pixels``): EWMA of
   measured values;
 - ``x``: the predicted recompute fraction, an EWMA of the fractions recently measured on the chosen side.
 
-Switching into a cached option costs one cache rebuild: its first frame is a full one (full local inference,
-or a full frame upload). Hysteresis (:meth:`Scheduler.decide`): leave the current option only when the
-predicted saving over a look-ahead window of ``lookahead`` frames exceeds the switching cost plus a margin;
+Switching into an option that keeps state costs one rebuild: its first frame is a full one (full local
+inference, or a full frame upload). Hysteresis (:meth:`Scheduler.decide`): leave the current option only when
+the predicted saving over a look-ahead window of ``lookahead`` frames exceeds the switching cost plus a margin;
 if the current option becomes unavailable (server down) the best available one is taken at once.
 """
 
@@ -34,29 +34,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from incrinf.graph import SplitPoint
-from incrinf.offload.profile import NodeProfile
-
-LOCAL_FULL = "local_full"
-LOCAL_CACHED = "local_cached"
-OFFLOAD_FULL = "offload_full"
-OFFLOAD_CACHED = "offload_cached"
-HYBRID = "hybrid"
-BASE_OPTIONS = (LOCAL_FULL, LOCAL_CACHED, OFFLOAD_FULL, OFFLOAD_CACHED)
-
-
-def is_offload(option: str) -> bool:
-    """Whether ``option`` needs the server."""
-    return option in (OFFLOAD_FULL, OFFLOAD_CACHED) or option.startswith(HYBRID)
-
-
-def split_of(option: str) -> str | None:
-    """The split node of a ``hybrid:<node>`` option."""
-    return option.split(":", 1)[1] if option.startswith(HYBRID + ":") else None
-
-
-def full_variant(option: str) -> str:
-    """The option that rebuilds ``option``'s cache (its own name for cache-free options)."""
-    return {LOCAL_CACHED: LOCAL_FULL, OFFLOAD_CACHED: OFFLOAD_FULL}.get(option, option)
+from incrinf.offload.policy import LOCAL_FULL, SINGLE_OPTIONS, Option, Policy, hybrid
+from incrinf.offload.timing import NodeTimes
 
 
 class Ewma:
@@ -107,9 +86,9 @@ class Decision:
         switch_cost: predicted extra seconds of switching into ``option`` (cache rebuild), 0 if staying.
     """
 
-    option: str
+    option: Option
     reason: str
-    predictions: dict[str, float] = field(default_factory=dict)
+    predictions: dict[Option, float] = field(default_factory=dict)
     switch_cost: float = 0.0
 
     @property
@@ -133,14 +112,13 @@ class Payloads:
     header: int = 600
     splits: dict[str, int] = field(default_factory=dict)
 
-    def of(self, option: str, x: float) -> float:
-        if option == OFFLOAD_FULL:
+    def of(self, option: Option, x: float) -> float:
+        if option.policy is Policy.OFFLOAD_FULL:
             return self.frame + self.output + self.header
-        if option == OFFLOAD_CACHED:
+        if option.policy is Policy.OFFLOAD_CHANGED_PIXELS:
             return x * self.frame + self.output + self.header + 64  # + boxes and the homography
-        split = split_of(option)
-        if split is not None:
-            return self.splits[split] + self.output + self.header
+        if option.policy is Policy.HYBRID:
+            return self.splits[option.split] + self.output + self.header
         return 0.0
 
 
@@ -148,15 +126,15 @@ class CostModel:
     """Predicts each option's time from profiles, link estimates and online corrections.
 
     Args:
-        local: the client's node profile (already scaled by any emulated slowdown).
-        server: the server's node profile (from ``GET /profile``), or None without a server.
+        local: the client's per-node times (already scaled by any emulated slowdown).
+        server: the server's per-node times (from ``GET /profile``), or None without a server.
         payloads: bytes per option.
         splits: the hybrid split points considered.
         cache_point: index of the first node after which local caching stops paying (CacheInf's cache point:
             the first global node); ``x`` scales only the nodes up to it.
     """
 
-    def __init__(self, local: NodeProfile, server: NodeProfile | None, payloads: Payloads,
+    def __init__(self, local: NodeTimes, server: NodeTimes | None, payloads: Payloads,
                  splits: Iterable[SplitPoint] = (), cache_point: int | None = None) -> None:
         self.local = local
         self.server = server
@@ -170,37 +148,37 @@ class CostModel:
         self.local_scale = Ewma(1.0, 0.3, 0.2, 5.0)
         self.cached_scale = Ewma(1.0, 0.3, 0.2, 10.0)
         self.server_scale = Ewma(1.0, 0.3, 0.05, 20.0)
-        self.overhead = {OFFLOAD_FULL: Ewma(0.0005, 0.3, 0.0), OFFLOAD_CACHED: Ewma(0.0, 0.3, 0.0),
-                         HYBRID: Ewma(0.0005, 0.3, 0.0), LOCAL_CACHED: Ewma(0.0, 0.3, 0.0)}
+        # per policy: every hybrid split shares one overhead (encoding the tensor)
+        self.overhead = {Policy.OFFLOAD_FULL: Ewma(0.0005, 0.3, 0.0),
+                         Policy.OFFLOAD_CHANGED_PIXELS: Ewma(0.0, 0.3, 0.0),
+                         Policy.HYBRID: Ewma(0.0005, 0.3, 0.0), Policy.LOCAL_CACHED: Ewma(0.0, 0.3, 0.0)}
 
-    def options(self) -> list[str]:
-        out = list(BASE_OPTIONS)
-        out += [f"{HYBRID}:{name}" for name in self.splits]
-        return out
+    def options(self) -> list[Option]:
+        return [*SINGLE_OPTIONS, *(hybrid(name) for name in self.splits)]
 
     def local_cached_model(self, x: float) -> float:
         """Uncorrected local cached compute for change fraction ``x``."""
         return min(1.0, max(0.0, x)) * self.before + self.after
 
-    def predict(self, option: str, x: float, link) -> Prediction:
+    def predict(self, option: Option, x: float, link) -> Prediction:
         """Predicted time of ``option`` with change fraction ``x`` on ``link`` (a ``LinkEstimator``)."""
         from incrinf.offload.client import HTTP_OVERHEAD_BYTES
 
-        if option == LOCAL_FULL:
+        policy = option.policy
+        if policy is Policy.LOCAL_FULL:
             return Prediction(self.local.full_seconds * self.local_scale.value, 0.0, 0.0, 0.0)
-        if option == LOCAL_CACHED:
+        if policy is Policy.LOCAL_CACHED:
             local = self.local_cached_model(x) * self.local_scale.value * self.cached_scale.value
-            return Prediction(local, 0.0, 0.0, self.overhead[LOCAL_CACHED].value)
+            return Prediction(local, 0.0, 0.0, self.overhead[policy].value)
         if self.server is None:
-            raise ValueError(f"option {option} needs a server profile")
+            raise ValueError(f"option {option} needs the server's node times")
         network = link.predict(self.payloads.of(option, x) + HTTP_OVERHEAD_BYTES)
-        split = split_of(option)
-        if split is not None:
-            index = self.splits[split].index
+        if policy is Policy.HYBRID:
+            index = self.splits[option.split].index
             return Prediction(self.local.prefix(index) * self.local_scale.value, network,
-                              self.server.suffix(index) * self.server_scale.value, self.overhead[HYBRID].value)
+                              self.server.suffix(index) * self.server_scale.value, self.overhead[policy].value)
         return Prediction(0.0, network, self.server.full_seconds * self.server_scale.value,
-                          self.overhead[option].value)
+                          self.overhead[policy].value)
 
     # --- learning ---------------------------------------------------------------------------------------
 
@@ -212,18 +190,17 @@ class CostModel:
         if modelled > 0:
             self.cached_scale.add(seconds / modelled)
 
-    def observe_server(self, seconds: float, option: str) -> None:
+    def observe_server(self, seconds: float, option: Option) -> None:
         if self.server is None or seconds <= 0:
             return
-        split = split_of(option)
+        split = option.split
         modelled = self.server.suffix(self.splits[split].index) if split else self.server.full_seconds
         if modelled > 0:
             self.server_scale.add(seconds / modelled)
 
-    def observe_overhead(self, option: str, seconds: float) -> None:
-        key = HYBRID if option.startswith(HYBRID) else option
-        if key in self.overhead:
-            self.overhead[key].add(seconds)
+    def observe_overhead(self, option: Option, seconds: float) -> None:
+        if option.policy in self.overhead:
+            self.overhead[option.policy].add(seconds)
 
 
 class Scheduler:
@@ -231,57 +208,65 @@ class Scheduler:
 
     Args:
         cost: the cost model.
-        policy: ``"auto"``, one option name (``"local_full"``, ``"local_cached"``, ``"offload_full"``,
-            ``"offload_cached"``, ``"hybrid:<node>"``), or ``"hybrid"`` (the best split each frame).
+        policy: a :class:`~incrinf.offload.policy.Policy` (or its name): ``auto`` chooses among every option,
+            ``hybrid`` among the split nodes (or only ``split``), any other policy pins its option.
+        split: the pinned split node of ``hybrid`` (one of the cost model's splits), or None.
         lookahead: frames over which a switch must pay off.
         margin: extra relative saving required to switch (fraction of the current option's time).
         x_alpha: EWMA weight of the change-fraction predictor.
         x_prior: predicted change fraction before any measurement.
     """
 
-    def __init__(self, cost: CostModel, policy: str = "auto", lookahead: int = 10, margin: float = 0.1,
-                 x_alpha: float = 0.3, x_prior: float = 0.5) -> None:
-        options = cost.options()
-        if policy not in ("auto", HYBRID) and policy not in options:
-            raise ValueError(f"unknown policy {policy!r}; choose auto, hybrid or one of {options}")
+    def __init__(self, cost: CostModel, policy: Policy | str = Policy.AUTO, lookahead: int = 10, margin: float = 0.1,
+                 x_alpha: float = 0.3, x_prior: float = 0.5, split: str | None = None) -> None:
+        self.policy = Policy.of(policy)
+        if split is not None and (self.policy is not Policy.HYBRID or split not in cost.splits):
+            raise ValueError(f"split {split!r} is not one of the hybrid split nodes {list(cost.splits)}")
+        self.split = split
         self.cost = cost
-        self.policy = policy
         self.lookahead = lookahead
         self.margin = margin
-        self.x = {LOCAL_CACHED: Ewma(x_prior, x_alpha, 0.0, 1.0), OFFLOAD_CACHED: Ewma(x_prior, x_alpha, 0.0, 1.0)}
-        self.current: str | None = None
-        self.warm: set[str] = set()  # cached options whose cache holds the previous frame
+        # the recompute fraction predicted for each policy that keeps state
+        self.x = {p: Ewma(x_prior, x_alpha, 0.0, 1.0) for p in Policy if p.keeps_state}
+        self.current: Option | None = None
+        self.warm: set[Option] = set()  # options that keep state and hold the previous frame
 
-    def predicted_x(self, option: str) -> float:
-        return self.x[option].value if option in self.x else 1.0
+    @property
+    def deciding(self) -> bool:
+        """Whether more than one option is a candidate (``auto``, or ``hybrid`` without a pinned split)."""
+        return self.policy is Policy.AUTO or (self.policy is Policy.HYBRID and self.split is None)
 
-    def predictions(self, link, server_up: bool, offload_limit: float = math.inf) -> dict[str, float]:
+    def predicted_x(self, option: Option) -> float:
+        return self.x[option.policy].value if option.keeps_state else 1.0
+
+    def predictions(self, link, server_up: bool, offload_limit: float = math.inf) -> dict[Option, float]:
         """Predicted seconds of every available option; offload options predicted to take longer than
         ``offload_limit`` (the request timeout: they would time out) are left out."""
         out = {}
         for option in self._candidates(server_up):
             seconds = self.cost.predict(option, self.predicted_x(option), link).total
-            if not (is_offload(option) and seconds > offload_limit):
+            if not (option.offloads and seconds > offload_limit):
                 out[option] = seconds
         return out
 
-    def _candidates(self, server_up: bool) -> list[str]:
-        options = self.cost.options()
-        if self.policy == HYBRID:
-            options = [o for o in options if o.startswith(HYBRID + ":")]
-        elif self.policy != "auto":
-            options = [self.policy]
+    def _candidates(self, server_up: bool) -> list[Option]:
+        if self.policy is Policy.AUTO:
+            options = self.cost.options()
+        elif self.policy is Policy.HYBRID:
+            options = [hybrid(self.split)] if self.split else [hybrid(name) for name in self.cost.splits]
+        else:
+            options = [Option(self.policy)]
         if not server_up or self.cost.server is None:
-            options = [o for o in options if not is_offload(o)]
+            options = [o for o in options if not o.offloads]
         return options
 
-    def switch_cost(self, option: str, predictions: dict[str, float], link) -> float:
-        """Extra seconds of entering ``option`` now: a cache rebuild when its cache is cold."""
-        if option in self.warm or full_variant(option) == option:
+    def switch_cost(self, option: Option, predictions: dict[Option, float], link) -> float:
+        """Extra seconds of entering ``option`` now: a rebuild when it keeps state and that state is cold."""
+        if option in self.warm or not option.keeps_state:
             return 0.0
-        full = predictions.get(full_variant(option))
+        full = predictions.get(option.rebuild)
         if full is None:
-            full = self.cost.predict(full_variant(option), 1.0, link).total
+            full = self.cost.predict(option.rebuild, 1.0, link).total
         return max(0.0, full - predictions[option])
 
     def decide(self, link, server_up: bool, offload_limit: float = math.inf) -> Decision:
@@ -296,9 +281,9 @@ class Scheduler:
         if not predictions:  # pinned to an offload option while the server is down or too slow
             predictions = {LOCAL_FULL: self.cost.predict(LOCAL_FULL, 1.0, link).total}
             why = "server down" if server_up is False else "predicted to exceed the timeout"
-            return Decision(LOCAL_FULL, f"{self.policy} unavailable ({why}): local fallback", predictions)
-        if self.policy not in ("auto", HYBRID):
-            return Decision(self.policy, "pinned by policy", predictions)
+            return Decision(LOCAL_FULL, f"{self.policy.value} unavailable ({why}): local fallback", predictions)
+        if not self.deciding:
+            return Decision(next(iter(predictions)), "pinned by policy", predictions)
         w = self.lookahead
         costs = {o: self.switch_cost(o, predictions, link) if o != self.current else 0.0 for o in predictions}
         best = min(predictions, key=lambda o: w * predictions[o] + costs[o])
@@ -316,11 +301,11 @@ class Scheduler:
         return Decision(self.current, f"hold (hysteresis): {best} saves only {stay - move:.4f}s over {w} frames",
                         predictions)
 
-    def committed(self, option: str, warm_after: bool) -> None:
-        """Record the option that actually ran; ``warm_after``: its cache now holds this frame."""
+    def committed(self, option: Option, warm_after: bool) -> None:
+        """Record the option that actually ran; ``warm_after``: its state now holds this frame."""
         self.current = option
-        self.warm = {option} if warm_after and full_variant(option) != option else set()
+        self.warm = {option} if warm_after and option.keeps_state else set()
 
-    def observe_x(self, option: str, x: float) -> None:
-        if option in self.x:
-            self.x[option].add(x)
+    def observe_x(self, option: Option, x: float) -> None:
+        if option.keeps_state:
+            self.x[option.policy].add(x)

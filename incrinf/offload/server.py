@@ -47,6 +47,7 @@ import hmac
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -57,13 +58,13 @@ import torch.nn as nn
 
 from incrinf.extras import require
 from incrinf.graph import captured_graph, split_points
-from incrinf.normalization import IMAGENET_MEAN, IMAGENET_STD, Normalization
+from incrinf.normalization import FRAME_MEAN, FRAME_STD, Normalization
 from incrinf.offload import wire
 from incrinf.offload.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 from incrinf.offload.credentials import server_ssl_context
 from incrinf.offload.limits import RateLimiter, retry_after_header
-from incrinf.offload.profile import NodeProfile, SplitRunner, model_digest, profile_graph
 from incrinf.offload.store import SessionNotFound, SessionStore, TooManySessions
+from incrinf.offload.timing import NodeTimes, SplitRunner, model_digest, time_nodes
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "CacheConflict", "ModelService", "OffloadServer", "SessionNotFound",
            "SessionStore", "TooManySessions"]
@@ -106,16 +107,21 @@ class ModelService:
         input_shape: ``(C, H, W)``: the one input shape this server accepts.
         name: model name reported to clients.
         mean: per-channel normalisation mean applied to uint8 frames
-            (:class:`~incrinf.normalization.Normalization`).
+            (:class:`~incrinf.normalization.Normalization`); default: the camera-stream sessions'
+            (:data:`~incrinf.normalization.FRAME_MEAN`).
         std: per-channel normalisation std.
-        profile_repeats: timed passes of the start-up profile.
+        timing_repeats: timed passes when measuring the per-node times at start-up.
         max_sessions: most per-client caches kept.
         session_ttl: seconds before an unused cache is dropped.
     """
 
     def __init__(self, model: nn.Module, input_shape: tuple[int, ...], *, name: str = "model",
-                 mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
-                 profile_repeats: int = 5, max_sessions: int = 256, session_ttl: float = 600.0) -> None:
+                 mean: tuple[float, ...] = FRAME_MEAN, std: tuple[float, ...] = FRAME_STD,
+                 timing_repeats: int = 5, max_sessions: int = 256, session_ttl: float = 600.0,
+                 profile_repeats: int | None = None) -> None:
+        if profile_repeats is not None:
+            warnings.warn("profile_repeats is now called timing_repeats", DeprecationWarning, stacklevel=2)
+            timing_repeats = profile_repeats
         self.model = model.eval()
         self.name = name
         self.graph = captured_graph(model, input_shape)  # shared with every other user of this model
@@ -129,8 +135,8 @@ class ModelService:
         param = next(iter(model.parameters()), None)
         self.dtype = param.dtype if param is not None else torch.float32
         with torch.no_grad():
-            self.profile: NodeProfile = profile_graph(self.graph, torch.zeros(self.input_shape, dtype=self.dtype),
-                                                      repeats=profile_repeats)
+            self.times: NodeTimes = time_nodes(self.graph, torch.zeros(self.input_shape, dtype=self.dtype),
+                                               repeats=timing_repeats)
         self.sessions = SessionStore(max_sessions, session_ttl)
 
     @property
@@ -145,7 +151,7 @@ class ModelService:
     def profile_json(self) -> dict:
         return {
             **self.identity(), "mean": list(self.mean), "std": list(self.std),
-            "threads": torch.get_num_threads(), "profile": self.profile.to_json(),
+            "threads": torch.get_num_threads(), "profile": self.times.to_json(),
             "splits": [{"name": s.name, "index": s.index, "shape": list(s.shape), "nbytes": s.nbytes}
                        for s in split_points(self.graph)],
         }

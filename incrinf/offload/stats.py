@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from incrinf.offload.policy import Option
 from incrinf.stream.stats import FrameLog
 
 __all__ = ["FrameLog", "OffloadFrameStats"]
@@ -16,7 +17,9 @@ class OffloadFrameStats:
 
     Attributes:
         index: frame number (0-based).
-        mode: the option that produced the output (``local_full`` after a failed offload).
+        mode: the :class:`~incrinf.offload.policy.Option` that produced the output (``local_full`` after a
+            failed offload); ``mode.policy`` is a :class:`~incrinf.offload.policy.Policy`, ``mode.split`` the
+            split node of a hybrid frame.
         chosen: the option the scheduler chose.
         reason: why it was chosen (and why it fell back, if it did).
         predictions: predicted seconds of every option considered.
@@ -29,14 +32,15 @@ class OffloadFrameStats:
         bytes_up: request bytes (0 for local).
         bytes_down: response bytes.
         server_seconds: server compute time reported.
-        full_upload: an offload_cached frame that had to send the whole frame (cache rebuild).
+        full_upload: an ``offload_changed_pixels`` frame that had to send the whole frame (the server's
+            reference rebuilt).
     """
 
     index: int
-    mode: str
-    chosen: str
+    mode: Option
+    chosen: Option
     reason: str
-    predictions: dict[str, float]
+    predictions: dict[Option, float]
     predicted_seconds: float
     seconds: float
     fallback: bool = False

@@ -1,5 +1,5 @@
-"""Client half of the cached offload protocol: the server's reference frame mirrored on the client, the
-homography to it, the change mask and the tiles of changed pixels that go up (see :mod:`incrinf.offload.wire`)."""
+"""Client half of ``offload_changed_pixels``: the server's reference frame mirrored on the client, the homography
+to it, the change mask and the tiles of changed pixels that go up (see :mod:`incrinf.offload.wire`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from incrinf.stream.matching import HomographyEstimator
 
 @dataclass
 class Update:
-    """What the client sends for one offload_cached frame.
+    """What the client sends for one offload_changed_pixels frame.
 
     Attributes:
         full: send the whole frame (first frame, failed matching, too much change, keyframe).
@@ -36,8 +36,8 @@ class Update:
     tiles: np.ndarray | None = None
 
 
-class CachedUplink:
-    """Client half of the cached offload protocol: the server's reference frame mirrored, the homography
+class ChangedPixelsUplink:
+    """Client half of ``offload_changed_pixels``: the server's reference frame mirrored, the homography
     estimator, the change mask and the tile packing (see :mod:`incrinf.offload.wire`).
 
     Args:

@@ -45,7 +45,7 @@ with torch.no_grad():
 
 @pytest.fixture(scope="module")
 def server():
-    service = ModelService(_model(), (3, SIZE, SIZE), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(_model(), (3, SIZE, SIZE), mean=MEAN, std=STD, timing_repeats=1)
     srv = OffloadServer(service, token=TOKEN, max_request_bytes=64_000, requests_per_second=0).start()
     yield srv
     srv.stop()

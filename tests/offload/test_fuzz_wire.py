@@ -105,7 +105,7 @@ def _model() -> nn.Module:
 
 @pytest.fixture(scope="module")
 def service() -> ModelService:
-    return ModelService(_model(), (3, SIZE, SIZE), mean=MEAN, std=STD, profile_repeats=1)
+    return ModelService(_model(), (3, SIZE, SIZE), mean=MEAN, std=STD, timing_repeats=1)
 
 
 FRAMES = [f for f, _ in synthetic_camera(sample_image(), 2, size=(SIZE, SIZE), motion="pan")]

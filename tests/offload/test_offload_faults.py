@@ -34,7 +34,7 @@ def camera(size: int, n: int) -> tuple[list[np.ndarray], list[torch.Tensor]]:
 
 def session_for(url: str, size: int, policy: str, **kwargs) -> OffloadingSession:
     options = dict(input_size=(size, size), mean=MEAN, std=STD, backoff_initial=0.02, backoff_cap=0.1,
-                   profile_repeats=1, max_timeout=1.0)
+                   timing_repeats=1, max_timeout=1.0)
     options.update(kwargs)
     return OffloadingSession(tiny_classifier(), offload=url, policy=policy, **options)
 
@@ -50,11 +50,11 @@ def assert_in_order(outputs: list[torch.Tensor], refs: list[torch.Tensor]) -> No
 @pytest.mark.parametrize("policy, size, extra", [
     ("offload_full", 64, {}),
     # threshold 0: every changed pixel is sent, so the server's reconstruction is exact.
-    ("offload_cached", 96, {"pixel_threshold": 0.0, "max_ratio": 1.0}),
+    ("offload_changed_pixels", 96, {"pixel_threshold": 0.0, "max_ratio": 1.0}),
 ])
 def test_server_killed_and_restarted(policy, size, extra):
     frames, refs = camera(size, N_FRAMES)
-    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, timing_repeats=1)
     server = OffloadServer(service).start()
     port = server.port
     session = session_for(server.url, size, policy, **extra)
@@ -74,7 +74,7 @@ def test_server_killed_and_restarted(policy, size, extra):
     assert_in_order(outputs, refs)
     stats = session.stats
     assert [s.index for s in stats] == list(range(N_FRAMES))
-    offloaded = np.array([s.mode == policy for s in stats])
+    offloaded = np.array([s.mode.policy == policy for s in stats])
     assert offloaded[:KILL_AT].all()
     assert not offloaded[KILL_AT:RESTART_AT].any()
     assert stats[KILL_AT].fallback and "ServerUnavailable" in stats[KILL_AT].error
@@ -83,7 +83,7 @@ def test_server_killed_and_restarted(policy, size, extra):
     resumed = RESTART_AT + int(np.argmax(offloaded[RESTART_AT:]))
     assert offloaded[resumed:].all() and resumed < N_FRAMES - 10
     assert stamps[resumed] - stamps[RESTART_AT - 1] < 2.0
-    if policy == "offload_cached":
+    if policy == "offload_changed_pixels":
         after = stats[resumed:]
         assert after[0].full_upload  # the new server has no cache: one rebuild
         assert sum(not s.full_upload for s in after) > 0.5 * len(after)  # then deltas again
@@ -92,7 +92,7 @@ def test_server_killed_and_restarted(policy, size, extra):
 def test_slow_server_frames_finish_locally_within_budget():
     size, budget = 64, 0.12
     frames, refs = camera(size, 12)
-    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, timing_repeats=1)
     with OffloadServer(service) as server, ShapingProxy(server.port) as proxy:
         session = session_for(f"http://127.0.0.1:{proxy.port}", size, "offload_full", budget=budget)
         outputs = [session(frames[i]) for i in range(4)]
@@ -101,17 +101,17 @@ def test_slow_server_frames_finish_locally_within_budget():
         session.close()
     assert_in_order(outputs, refs)
     slow = session.stats[4:]
-    assert all(s.mode == "local_full" for s in slow)
+    assert all(s.mode.policy == "local_full" for s in slow)
     assert any(s.fallback and "Timeout" in s.error for s in slow)
     # Within the budget, give or take the scheduling noise of a loaded machine; far below the 2 s answer.
     assert max(s.seconds for s in slow) < budget + 0.4
-    assert all(s.mode == "offload_full" for s in session.stats[:4])
+    assert all(s.mode.policy == "offload_full" for s in session.stats[:4])
 
 
 def test_cut_connections_are_reopened_transparently():
     size = 64
     frames, refs = camera(size, 10)
-    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, timing_repeats=1)
     with OffloadServer(service) as server, ShapingProxy(server.port) as proxy:
         session = session_for(f"http://127.0.0.1:{proxy.port}", size, "offload_full")
         outputs = []
@@ -121,7 +121,7 @@ def test_cut_connections_are_reopened_transparently():
             outputs.append(session(frame))
         session.close()
     assert_in_order(outputs, refs)
-    assert all(s.mode == "offload_full" and not s.fallback for s in session.stats)
+    assert all(s.mode.policy == "offload_full" and not s.fallback for s in session.stats)
     assert proxy.connections >= 4  # one reconnect per cut
 
 
@@ -130,7 +130,7 @@ def test_auto_uses_the_server_when_it_is_much_faster():
     offloads; every option it may pick is exact here."""
     size = 64
     frames, refs = camera(size, 30)
-    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, timing_repeats=1)
     with OffloadServer(service) as server:
         session = session_for(server.url, size, "auto", local_slowdown=200.0, lookahead=5, pixel_threshold=0.0,
                               max_ratio=1.0, local_session=lambda: FakeLocalSession([]))
@@ -139,7 +139,7 @@ def test_auto_uses_the_server_when_it_is_much_faster():
     assert_in_order(outputs, refs)
     summary = [(s.mode, round(s.seconds * 1e3, 1), {k: round(v * 1e3, 1) for k, v in s.predictions.items()})
                for s in session.stats]
-    assert sum(s.mode.startswith("offload") for s in session.stats[10:]) >= 15, summary
+    assert sum(s.mode.offloads for s in session.stats[10:]) >= 15, summary
     for s in session.stats:
         assert s.predictions and s.predicted_seconds == s.predictions[s.chosen]
 
@@ -165,7 +165,7 @@ def test_local_session_is_reset_when_other_options_ran():
     size = 64
     frames, refs = camera(size, 6)
     log: list[str] = []
-    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, timing_repeats=1)
     with OffloadServer(service) as server:
         cached = session_for(server.url, size, "local_cached", local_session=lambda: FakeLocalSession(log))
         full = session_for(server.url, size, "offload_full", local_session=lambda: FakeLocalSession(log))
@@ -186,16 +186,16 @@ def test_local_only_session_and_stream_settings():
     size = 64
     frames, refs = camera(size, 5)
     session = OffloadingSession(tiny_classifier(), None, input_size=(size, size), mean=MEAN, std=STD,
-                                profile_repeats=1, feature_threshold=0.0)
-    assert session.client is None
+                                timing_repeats=1, feature_threshold=0.0)
+    assert session.connection is None
     outputs = [session(f) for f in frames]
-    assert all(s.mode in ("local_full", "local_cached") for s in session.stats)
-    assert all(set(s.predictions) <= {"local_full", "local_cached"} for s in session.stats)
+    assert all(s.mode.policy in ("local_full", "local_cached") for s in session.stats)
+    assert all({o.policy for o in s.predictions} <= {"local_full", "local_cached"} for s in session.stats)
     torch.testing.assert_close(outputs[0].float(), refs[0], rtol=1e-4, atol=1e-5)  # first frame: full inference
-    with pytest.raises(TypeError, match="unknown stream setting.*preprocess"):
+    with pytest.raises(TypeError, match="unknown offload setting.*preprocess"):
         OffloadingSession(tiny_classifier(), None, preprocess=lambda f: f)
-    with pytest.raises(ValueError, match="needs an offload URL"):
-        OffloadingSession(tiny_classifier(), None, "offload_full", input_size=(size, size), profile_repeats=1)
+    with pytest.raises(ValueError, match="needs a server"):
+        OffloadingSession(tiny_classifier(), None, "offload_full", input_size=(size, size), timing_repeats=1)
     with pytest.raises(ValueError, match="frame must be"):
         session(np.zeros((size, size, 3), np.float32))
     session.close()
@@ -206,7 +206,7 @@ def test_auto_follows_the_link_measured_online():
     when it gets slow again the next offloaded frame shows it and auto goes back to local."""
     size = 64
     frames, refs = camera(size, 60)
-    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, timing_repeats=1)
     with OffloadServer(service) as server, ShapingProxy(server.port) as proxy:
         proxy.set_link(0.1, 5.0)  # a 12 kB frame takes ~1 s
         session = session_for(f"http://127.0.0.1:{proxy.port}", size, "auto", local_slowdown=100.0, lookahead=5,
@@ -220,8 +220,8 @@ def test_auto_follows_the_link_measured_online():
             outputs.append(session(frame))
         session.close()
     assert_in_order(outputs, refs)
-    modes = [s.mode for s in session.stats]
+    modes = [s.mode.policy for s in session.stats]
     assert all(not m.startswith("offload") for m in modes[2:20]), modes
     assert sum(m.startswith("offload") for m in modes[20:40]) >= 12, modes
     assert all(not m.startswith("offload") for m in modes[45:]), modes
-    assert session.probes >= 2
+    assert session.connection.probes >= 2

@@ -44,7 +44,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def service() -> ModelService:
-    return ModelService(tiny_classifier(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, profile_repeats=1,
+    return ModelService(tiny_classifier(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, timing_repeats=1,
                         session_ttl=30.0)
 
 
@@ -189,10 +189,10 @@ def test_clients_read_the_token_from_the_environment(service, frames, monkeypatc
         np.testing.assert_allclose(client.infer_full(frames[0]).output, reference(frames[0]), rtol=1e-5, atol=1e-6)
         assert TOKEN not in repr(client)
         session = OffloadingSession(tiny_classifier(), offload=server.url, policy="offload_full", mean=MEAN, std=STD,
-                                    profile_repeats=1)
+                                    timing_repeats=1)
         with session:
             outputs = [session(f) for f in frames[:3]]
-        assert [s.mode for s in session.stats] == ["offload_full"] * 3
+        assert [s.mode.policy for s in session.stats] == ["offload_full"] * 3
         for out, frame in zip(outputs, frames):
             np.testing.assert_allclose(out.numpy(), reference(frame), rtol=1e-5, atol=1e-6)
 
@@ -281,12 +281,12 @@ def test_tls_401_without_or_with_a_wrong_token(tls_server, certificate, frames):
 
 
 def test_offloading_session_over_tls(tls_server, certificate, frames):
-    session = OffloadingSession(tiny_classifier(), offload=tls_server.url, policy="offload_cached", token=OTHER,
-                                ca_file=certificate[0], mean=MEAN, std=STD, profile_repeats=1, pixel_threshold=0.0,
+    session = OffloadingSession(tiny_classifier(), offload=tls_server.url, policy="offload_changed_pixels", token=OTHER,
+                                ca_file=certificate[0], mean=MEAN, std=STD, timing_repeats=1, pixel_threshold=0.0,
                                 max_ratio=1.0)
     with session:
         outputs = [session(f) for f in frames[:6]]
-    assert [s.mode for s in session.stats] == ["offload_cached"] * 6
+    assert [s.mode.policy for s in session.stats] == ["offload_changed_pixels"] * 6
     assert sum(not s.full_upload for s in session.stats) >= 4  # deltas over TLS
     for out, frame in zip(outputs, frames):
         np.testing.assert_allclose(out.numpy(), reference(frame), rtol=1e-4, atol=1e-5)
@@ -354,7 +354,7 @@ def test_offloading_session_backs_off_under_rate_limit_and_loses_no_frame(servic
     rate, burst = 5.0, 2
     with OffloadServer(service, token=TOKEN, requests_per_second=rate, burst=burst) as server:
         session = OffloadingSession(tiny_classifier(), offload=server.url, policy="offload_full", token=TOKEN,
-                                    mean=MEAN, std=STD, profile_repeats=1, backoff_initial=0.01, backoff_cap=0.05,
+                                    mean=MEAN, std=STD, timing_repeats=1, backoff_initial=0.01, backoff_cap=0.05,
                                     keep_stats=None)
         outputs = []
         t0 = time.monotonic()
@@ -371,13 +371,13 @@ def test_offloading_session_backs_off_under_rate_limit_and_loses_no_frame(servic
     def refused(s) -> bool:
         return s.fallback and "RateLimited" in s.error
 
-    attempts = [s for s in stats if s.mode == "offload_full" or s.fallback]  # the frames that sent a request
-    assert any(map(refused, attempts)) and any(s.mode == "offload_full" for s in attempts[1:])
+    attempts = [s for s in stats if s.mode.policy == "offload_full" or s.fallback]  # the frames that sent a request
+    assert any(map(refused, attempts)) and any(s.mode.policy == "offload_full" for s in attempts[1:])
     # Retry-After honoured: after a refusal the next request waits until the bucket has a token again, so it is
     # admitted; and nothing goes out while waiting (those frames run locally, "server down")
     assert not any(refused(a) and refused(b) for a, b in zip(attempts, attempts[1:]))
-    assert sum(s.mode == "offload_full" for s in stats) <= burst + rate * elapsed + 1
-    assert all("unavailable" in s.reason for s in stats if s.mode == "local_full" and not s.fallback)
+    assert sum(s.mode.policy == "offload_full" for s in stats) <= burst + rate * elapsed + 1
+    assert all("unavailable" in s.reason for s in stats if s.mode.policy == "local_full" and not s.fallback)
 
 
 def test_sessions_per_token_429_and_health_reports_limits(service):
@@ -402,10 +402,10 @@ def test_timeouts_do_not_leak_server_sessions_into_the_cap(frames):
     credential's session cap and lock the camera out for a TTL (seen in the soak benchmark)."""
     from incrinf.testing.shaping import ShapingProxy
 
-    service = ModelService(tiny_classifier(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(tiny_classifier(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, timing_repeats=1)
     with OffloadServer(service, token=TOKEN, sessions_per_token=2) as server, ShapingProxy(server.port) as proxy:
         session = OffloadingSession(tiny_classifier(), offload=f"http://127.0.0.1:{proxy.port}",
-                                    policy="offload_cached", token=TOKEN, mean=MEAN, std=STD, profile_repeats=1,
+                                    policy="offload_changed_pixels", token=TOKEN, mean=MEAN, std=STD, timing_repeats=1,
                                     max_timeout=0.3, backoff_initial=0.01, backoff_cap=0.02, pixel_threshold=0.0,
                                     max_ratio=1.0)
         for i in range(4):
@@ -417,12 +417,12 @@ def test_timeouts_do_not_leak_server_sessions_into_the_cap(frames):
             for k in range(200):  # until it offloads again (back-off, then a health check)
                 time.sleep(0.01)
                 session(frames[5 + k % 6])
-                if session.stats[-1].mode == "offload_cached":
+                if session.stats[-1].mode.policy == "offload_changed_pixels":
                     break
         stats = session.stats
         assert sum(s.fallback and "ServerUnavailable" in s.error for s in stats) == 3
         assert not any("RateLimited" in (s.error or "") for s in stats)
-        assert stats[-1].mode == "offload_cached"
+        assert stats[-1].mode.policy == "offload_changed_pixels"
         assert service.sessions.count() == 1
         session.close()
         assert service.sessions.count() == 0  # closed on the server too

@@ -20,7 +20,7 @@ from incrinf.normalization import Normalization
 from incrinf.offload import wire
 from incrinf.offload.client import OffloadClient, ReferenceMismatch, RemoteError, ServerUnavailable, SessionLost
 from incrinf.offload.server import ModelService, OffloadServer, SessionNotFound, SessionStore
-from incrinf.offload.session import CachedUplink
+from incrinf.offload.session import ChangedPixelsUplink
 from incrinf.stream.config import StreamConfig
 from incrinf.testing.shaping import ShapingProxy
 from incrinf.testing.synthetic import synthetic_camera
@@ -58,7 +58,7 @@ def tiny_model() -> nn.Module:
 
 @pytest.fixture(scope="module")
 def service() -> ModelService:
-    return ModelService(tiny_model(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, profile_repeats=2)
+    return ModelService(tiny_model(), (3, SIZE, SIZE), name="tiny", mean=MEAN, std=STD, timing_repeats=2)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_codec_fuzz_only_raises_payload_error(noise, cut):
 
 
 def test_apply_update_equals_client_mirror(frames):
-    uplink = CachedUplink(StreamConfig(pixel_threshold=0.0, max_ratio=1.0))
+    uplink = ChangedPixelsUplink(StreamConfig(pixel_threshold=0.0, max_ratio=1.0))
     server_copy = None
     deltas = 0
     for i, frame in enumerate(frames):
@@ -212,7 +212,7 @@ def test_suffix_at_every_split_matches_full(server, service, frames):
 def test_cached_stream_reconstructs_and_matches_reference(server, frames):
     client = OffloadClient(server.url, TOKEN)
     session = client.open_session()
-    uplink = CachedUplink(StreamConfig(pixel_threshold=10.0))
+    uplink = ChangedPixelsUplink(StreamConfig(pixel_threshold=10.0))
     deltas = 0
     for i, frame in enumerate(frames):
         update = uplink.prepare(frame, i)

@@ -22,7 +22,7 @@ TOKEN = "shared-gpu-server"
 SIZE = 64
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 # exact options only: each output must equal full inference (the cached ones send every changed pixel)
-POLICIES = ["offload_full", "offload_cached", "hybrid", "local_full", "offload_full", "offload_cached"]
+POLICIES = ["offload_full", "offload_changed_pixels", "hybrid", "local_full", "offload_full", "offload_changed_pixels"]
 
 
 class _Net(nn.Module):
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_cameras_in_threads_share_one_model_and_server():
     torch.manual_seed(0)
     model = _Net().eval()
-    service = ModelService(model, (3, SIZE, SIZE), mean=MEAN, std=STD, profile_repeats=1)
+    service = ModelService(model, (3, SIZE, SIZE), mean=MEAN, std=STD, timing_repeats=1)
     cameras = [[f for f, _ in synthetic_camera(sample_image(), 10, size=(SIZE, SIZE), motion="pan", seed=i)]
                for i in range(len(POLICIES))]
     with torch.no_grad():
@@ -56,10 +56,10 @@ def test_cameras_in_threads_share_one_model_and_server():
     def camera(index: int, url: str) -> tuple[list[torch.Tensor], list[str]]:
         start.wait()  # every session is constructed (traced, profiled, calibrated) at the same moment
         session = OffloadingSession(model, offload=url, policy=POLICIES[index], token=TOKEN, mean=MEAN, std=STD,
-                                    profile_repeats=1, pixel_threshold=0.0, max_ratio=1.0)
+                                    timing_repeats=1, pixel_threshold=0.0, max_ratio=1.0)
         with session:
             outputs = [session(frame) for frame in cameras[index]]
-        return outputs, [s.mode for s in session.stats]
+        return outputs, [s.mode.policy for s in session.stats]
 
     with OffloadServer(service, token=TOKEN) as server, ThreadPoolExecutor(len(POLICIES)) as pool:
         jobs = [pool.submit(camera, i, server.url) for i in range(len(POLICIES))]
@@ -90,7 +90,7 @@ def test_sessions_keep_their_stats_bounded():
     model = _Net().eval()
     frames = [f for f, _ in synthetic_camera(sample_image(), 30, size=(SIZE, SIZE), motion="pan")]
     session = OffloadingSession(model, policy="local_cached", input_size=(SIZE, SIZE), mean=MEAN, std=STD,
-                                profile_repeats=1, keep_stats=8)
+                                timing_repeats=1, keep_stats=8)
     backend = session.local_cached
     assert isinstance(backend, StreamSessionBackend)
     backend._KEEP_STATS = 4  # the adapter trims the inner StreamSession's records too

@@ -108,7 +108,7 @@ def test_stream_session_any_frame(session, frame):
 @pytest.fixture(scope="module")
 def offloading() -> OffloadingSession:
     return OffloadingSession(MODEL, policy="local_cached", input_size=(SIZE, SIZE), mean=(0.5,) * 3, std=(0.5,) * 3,
-                             profile_repeats=1)
+                             timing_repeats=1)
 
 
 @FUZZ

@@ -1,7 +1,7 @@
 """Per-node timing of a captured graph and split execution (prefix on one machine, suffix on another).
 
 The scheduler's cost model needs, on each end, how long every node of the model takes (CacheInf profiles
-every operator on robot and server). :func:`profile_graph` runs the captured graph node by node with a
+every operator on robot and server). :func:`time_nodes` runs the captured graph node by node with a
 ``torch.fx`` Interpreter and takes each node's median over a few repeats; the per-node times are then
 rescaled so they add up to the measured time of one plain forward pass (the interpreter's per-node overhead
 is not part of the model's cost).
@@ -26,7 +26,7 @@ from incrinf.graph.execute import extract, run_nodes
 
 
 @dataclass
-class NodeProfile:
+class NodeTimes:
     """Per-node times of one graph on one machine.
 
     Attributes:
@@ -49,21 +49,21 @@ class NodeProfile:
         """Seconds of nodes after ``index``."""
         return float(self.seconds[index + 1:].sum())
 
-    def scaled(self, factor: float) -> NodeProfile:
-        """The same profile on a device ``factor`` times slower."""
-        return NodeProfile(self.names, self.seconds * factor, self.full_seconds * factor, self.raw_seconds * factor)
+    def scaled(self, factor: float) -> NodeTimes:
+        """The same times on a device ``factor`` times slower."""
+        return NodeTimes(self.names, self.seconds * factor, self.full_seconds * factor, self.raw_seconds * factor)
 
     def to_json(self) -> dict:
         return {"names": self.names, "seconds": self.seconds.tolist(), "full_seconds": self.full_seconds,
                 "raw_seconds": self.raw_seconds.tolist()}
 
     @classmethod
-    def from_json(cls, data: dict) -> NodeProfile:
+    def from_json(cls, data: dict) -> NodeTimes:
         names = [str(n) for n in data["names"]]
         seconds = np.asarray(data["seconds"], dtype=np.float64)
         raw = np.asarray(data.get("raw_seconds", data["seconds"]), dtype=np.float64)
         if seconds.shape != (len(names),) or raw.shape != seconds.shape or not np.all(np.isfinite(seconds)):
-            raise ValueError("malformed profile: names and seconds disagree")
+            raise ValueError("malformed node times: names and seconds disagree")
         return cls(names, seconds, float(data["full_seconds"]), raw)
 
 
@@ -124,7 +124,7 @@ class SplitRunner:
 
 
 @torch.no_grad()
-def profile_graph(graph: Graph, example: torch.Tensor, repeats: int = 5, warmup: int = 1) -> NodeProfile:
+def time_nodes(graph: Graph, example: torch.Tensor, repeats: int = 5, warmup: int = 1) -> NodeTimes:
     """Time every node of ``graph`` on this machine.
 
     Args:
@@ -134,7 +134,7 @@ def profile_graph(graph: Graph, example: torch.Tensor, repeats: int = 5, warmup:
         warmup: untimed passes first.
 
     Returns:
-        The :class:`NodeProfile`.
+        The :class:`NodeTimes`.
     """
     samples = np.zeros((repeats, len(graph.nodes)))
     index = {n.name: i for i, n in enumerate(graph.nodes)}
@@ -156,7 +156,7 @@ def profile_graph(graph: Graph, example: torch.Tensor, repeats: int = 5, warmup:
     raw = np.median(samples, axis=0)
     full_seconds = statistics.median(full)
     scale = full_seconds / raw.sum() if raw.sum() > 0 else 1.0
-    return NodeProfile([n.name for n in graph.nodes], raw * scale, full_seconds, raw)
+    return NodeTimes([n.name for n in graph.nodes], raw * scale, full_seconds, raw)
 
 
 def model_digest(model: torch.nn.Module) -> str:
