@@ -34,14 +34,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from incrinf.engine.boxes import merge_values
 from incrinf.engine.costs import FrameCosts
 from incrinf.engine.program import Program, Step
 from incrinf.engine.stores import FrameCache, take
 from incrinf.engine.windows import WindowSpec, padded_crop
 from incrinf.geometry import Box, Boxes
-from incrinf.kernels.gather import from_rows, to_rows
 
 
 @dataclass
@@ -380,15 +379,7 @@ def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, 
             inputs = {first: source.values}
         else:  # a merge: every input is cached and committed
             inputs = {name: take(cache.map(name), out) for name in step.inputs}
-        if step.inplace:  # the input may be a view of a cache or another step's values
-            inputs[first] = inputs[first].clone()
-        if step.linear is not None:
-            rows = F.linear(to_rows(inputs[first]), *step.linear)
-            values = from_rows(rows, 1, out.size)
-        elif step.op is not None:
-            values = step.op(inputs[first])
-        else:
-            values = program.ops.invoke(step.head, inputs, like=inputs[first])
+        values = merge_values(program, step, inputs, out)
     for fn in step.functions:
         values = fn(values)
     out.values = values
