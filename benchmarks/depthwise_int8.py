@@ -1,21 +1,40 @@
-"""Int8 depthwise convolution: incrinf's channel-innermost kernel vs the reference loop order and LiteRT.
+"""Int8 depthwise convolution: incrinf's tiled kernel vs LiteRT (reference, optimized, XNNPACK), and exactness.
 
-Run: ``python benchmarks/depthwise_int8.py`` (about a minute). For every depthwise layer of MobileNetV2
-(torchvision, random weights) and EfficientNet-Lite0 at a 224x224 input, batch 1, with random int8
-data and per-channel quantization, it times (median of ``--repeats`` warm calls, methods taking
-turns call by call so that load changes hit them alike, at 1 and 2 threads):
+Run: ``python benchmarks/depthwise_int8.py`` (a few minutes; ``--sweep 0`` skips the random sweep).
 
-- ``ours``: :func:`incrinf.kernels.depthwise_conv2d_int8_packed` (weights packed once per layer, as
-  LiteRT does in ``allocate_tensors``; the functional API's extra per-call cost is printed first);
-- ``ref-order``: the same arithmetic in TFLite's reference loop order (channel outer), numba;
-- ``REF``: LiteRT ``BUILTIN_REF`` (TFLite's reference kernels; single-threaded whatever num_threads);
-- ``opt``: LiteRT optimized builtin kernels without delegates (``BUILTIN_WITHOUT_DEFAULT_DELEGATES``);
-- ``xnnpack``: LiteRT's default (``AUTO``: the XNNPACK delegate).
+Speed: for every depthwise layer of MobileNetV2 (torchvision, random weights) and EfficientNet-Lite0 at a
+224x224 input, batch 1, with random int8 data and per-channel quantization, it times at 1 and 2 threads
+(median of ``--repeats`` calls; methods timed together take turns call by call, so load changes hit them
+alike). ``ours`` and ``xnnpack`` are timed warm (they alternate, each with its data in cache, as a layer's
+input is right after the layer before it wrote it) and, with one thread, cold (an 8 MB array is read before
+every call, which evicts the data and the code path from the core's caches). ``REF`` and ``opt`` take turns in a pass of
+their own with a fifth of the calls: they are slow anchors, and their 10-100x longer calls would evict the
+others' caches. The methods:
 
-Numba's OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): on a shared machine
-the default spin-then-sleep barrier makes a 2-thread call wait for a scheduler slice (~10 ms).
-Every layer uses TFLite SAME padding (MobileNetV2's symmetric stride-2 padding differs by one pixel;
-the shapes and work are the same), and ``ours`` is checked bit-exact against ``REF`` on each layer.
+- ``ours``: :func:`incrinf.kernels.depthwise_conv2d_int8_packed` (weights packed once per layer, as LiteRT
+  does in ``allocate_tensors``; the per-call cost on a tiny layer is printed first);
+- ``REF``: LiteRT ``BUILTIN_REF`` (TFLite's reference kernels, the bit-exact oracle; one thread whatever
+  num_threads says);
+- ``opt``: LiteRT's optimized builtin kernels without delegates (``BUILTIN_WITHOUT_DEFAULT_DELEGATES``);
+- ``xnnpack``: LiteRT's default (``AUTO``: the XNNPACK delegate; float32 requantization, not bit-exact);
+- ``ref-order`` (with ``--ref-order``): the same arithmetic as ours in TFLite's loop order, numba.
+
+Next to the times it prints each layer's multiply-adds (noise-free work) and ours' time per output; with one
+thread, also the median CPU time of the calling thread (``time.thread_time``), which leaves out the time the
+OS gives to other processes on a shared machine. Per model, the speed-up of 2 threads over 1 is printed twice:
+in wall time, and as the CPU time of all threads allows it on idle cores (the work of a call, which the load
+changes little, times the busiest thread's share of the rows; see :func:`print_thread_scaling`). Every timed
+layer's output is checked against ``REF`` at every thread count.
+
+Exactness: all 16 EfficientNet-Lite0 depthwise layers with their real weights (BatchNorm folded, calibrated on
+three photos) and ``--sweep`` random configurations (kernels 1-7, strides and dilations 1-3, depth
+multipliers 1-3, SAME/VALID, fused activations, every multiplier regime, batch 1-3), each at every thread
+count, against ``BUILTIN_REF``: the number of mismatching outputs is printed (it must be 0).
+
+Numba's OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): on a shared machine the
+default spin-then-sleep barrier makes a 2-thread call wait for a scheduler slice (~10 ms). Every layer uses
+TFLite SAME padding (MobileNetV2's symmetric stride-2 padding differs by one pixel; the shapes and work are
+the same).
 """
 
 from __future__ import annotations
@@ -41,11 +60,14 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`: use the package next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from incrinf.kernels import depthwise_int8 as dw
+from incrinf.kernels.depthwise_kernels import SLICES_PER_THREAD
 from incrinf.kernels.quantize import per_channel_multipliers
+from incrinf.testing.depthwise_cases import make_problem, random_case
+from incrinf.testing.quantized_layers import efficientnet_lite0_depthwise_layers, tflite_reference_output
 from incrinf.testing.tflite_oracle import TfliteRunner, build_depthwise_model
 
 MODELS = ("mobilenet_v2", "efficientnet_lite0")
-METHODS = ("ours", "ref-order", "REF", "opt", "xnnpack")
+LITERT = (("REF", True), ("opt", "builtin"), ("xnnpack", False))
 
 
 @dataclass(frozen=True)
@@ -60,11 +82,27 @@ class Layer:
     stride: tuple[int, int]
     depth_multiplier: int
 
+    def out_hw(self) -> tuple[int, int]:
+        """TFLite SAME output size."""
+        return (-(-self.height // self.stride[0]), -(-self.width // self.stride[1]))
+
+    def outputs(self) -> int:
+        oh, ow = self.out_hw()
+        return oh * ow * self.channels * self.depth_multiplier
+
+    def macs(self) -> int:
+        """Multiply-adds, every tap counted (the padding's taps included, as the kernels compute them)."""
+        return self.outputs() * self.kernel[0] * self.kernel[1]
+
 
 @dataclass
 class Timing:
     layer: Layer
-    seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (method, threads) -> median
+    # (method, threads) -> median seconds; methods "ours", "xnnpack", "ours cold", "xnnpack cold", "ours alone",
+    # "REF", "opt"
+    seconds: dict[tuple[str, int], float] = field(default_factory=dict)
+    cpu: dict[tuple[str, int], float] = field(default_factory=dict)  # the same, CPU time of the calling thread
+    work: dict[tuple[str, int], float] = field(default_factory=dict)  # the same, CPU time of all threads
 
 
 def depthwise_layers(model_name: str, size: int = 224) -> list[Layer]:
@@ -85,9 +123,7 @@ def depthwise_layers(model_name: str, size: int = 224) -> list[Layer]:
         def record(module, inputs, _output):
             _, c, h, w = inputs[0].shape  # EfficientNet's static ZeroPad2d runs inside forward: unpadded
             layers.append(
-                Layer(
-                    name, h, w, c, tuple(module.kernel_size), tuple(module.stride), module.out_channels // c
-                )
+                Layer(name, h, w, c, tuple(module.kernel_size), tuple(module.stride), module.out_channels // c)
             )
 
         return record
@@ -104,30 +140,45 @@ def depthwise_layers(model_name: str, size: int = 224) -> list[Layer]:
     return layers
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm up (and compile)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Median wall seconds, CPU seconds of the calling thread and CPU seconds of the process per function,
+    timing the functions in turn each round so load changes hit all alike; ``before`` (untimed) runs before
+    every timed call.
 
-
-def _interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds per function, timing them in turn each round so load changes hit all alike."""
+    The calling thread's CPU time (``time.thread_time``) leaves out the time the OS gives to other processes,
+    which on a shared machine is most of the noise; with one thread every method here computes in the calling
+    thread, so it is their whole cost. The process's CPU time (``time.process_time``) adds the other threads':
+    with several threads it is the work a call spreads over them.
+    """
     for fn in fns.values():
         fn()  # warm up (and compile)
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    samples: dict[str, tuple[list[float], list[float], list[float]]] = {name: ([], [], []) for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            if before is not None:
+                before()
+            start, start_cpu, start_work = time.perf_counter(), time.thread_time(), time.process_time()
             fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            wall, cpu, work = samples[name]
+            work.append(time.process_time() - start_work)
+            cpu.append(time.thread_time() - start_cpu)
+            wall.append(time.perf_counter() - start)
+    return tuple(  # type: ignore[return-value]
+        {name: statistics.median(s[i]) for name, s in samples.items()} for i in range(3)
+    )
 
 
-def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], seed: int = 0) -> Timing:
+_EVICTION_BUFFER = np.ones(8 << 20, np.int8)  # larger than a core's L2 (2 MiB on recent Xeons)
+
+
+def evict_caches() -> None:
+    """Read 8 MiB, pushing the last call's data and code path out of the core's caches."""
+    _EVICTION_BUFFER.sum()
+
+
+def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], ref_order: bool, seed: int = 0) -> Timing:
     rng = np.random.default_rng(seed)
     c, oc = layer.channels, layer.channels * layer.depth_multiplier
     x = rng.integers(-128, 128, (1, layer.height, layer.width, c), dtype=np.int8)
@@ -154,43 +205,61 @@ def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], seed: int =
     def ours():
         return dw.depthwise_conv2d_int8_packed(x, packed, output_offset=out_zp, **geometry)
 
-    def ref_order():
+    def reference_order():
         return dw.depthwise_conv2d_int8_reference_order(x, packed, output_offset=out_zp, **geometry)
 
     timing = Timing(layer)
     for t in threads:
         numba.set_num_threads(t)
-        runners = {
-            method: TfliteRunner(model, reference=resolver, num_threads=t)
-            for method, resolver in (("REF", True), ("opt", "builtin"), ("xnnpack", False))
-        }
+        runners = {method: TfliteRunner(model, reference=kind, num_threads=t) for method, kind in LITERT}
         for runner in runners.values():
             runner.set_input(x)
-        fns = {"ours": ours, "ref-order": ref_order, **{m: r.invoke for m, r in runners.items()}}
-        for method, seconds in _interleaved_medians(fns, repeats).items():
-            timing.seconds[method, t] = seconds
+        versus = {"ours": ours, "xnnpack": runners["xnnpack"].invoke}
+        passes = [
+            (versus, repeats, None, ""),
+            # Ours alone, for its CPU work: XNNPACK's pool threads spin after each of its calls, and the process's
+            # CPU time would charge that spinning to the next call of ours.
+            ({"ours": ours}, repeats, None, " alone"),
+            # Cold, one thread only: a second thread sleeping while the eviction runs would be timed waking up.
+            *([(versus, repeats, evict_caches, " cold")] if t == 1 else []),
+            (
+                {"REF": runners["REF"].invoke, "opt": runners["opt"].invoke}
+                | ({"ref-order": reference_order} if ref_order else {}),
+                max(3, repeats // 5),
+                None,
+                "",
+            ),
+        ]
+        for fns, n, before, suffix in passes:
+            wall, cpu, work = interleaved_medians(fns, n, before)
+            for method in fns:
+                timing.seconds[method + suffix, t] = wall[method]
+                timing.cpu[method + suffix, t] = cpu[method]
+                timing.work[method + suffix, t] = work[method]
         mismatches = int((runners["REF"].output() != ours()).sum())
         if mismatches:
-            raise AssertionError(f"{layer.name}: {mismatches} mismatches against BUILTIN_REF")
+            raise AssertionError(f"{layer.name}, {t} threads: {mismatches} mismatches against BUILTIN_REF")
     return timing
 
 
-def call_overheads_us(repeats: int) -> tuple[float, float]:
+def call_overhead_us(repeats: int) -> tuple[float, float]:
     """Microseconds per call on a tiny layer (1x4x4x32, 3x3): packed call, and functional minus packed."""
     x = np.zeros((1, 4, 4, 32), np.int8)
     w = np.zeros((1, 3, 3, 32), np.int8)
     args = dict(output_multiplier=2**30, output_shift=0)
     packed = dw.pack_depthwise_int8(w, None, input_offset=0, **args)
-    medians = _interleaved_medians(
+    medians, _, _ = interleaved_medians(
         {
-            "functional": lambda: dw.depthwise_conv2d_int8(
-                x, w, None, input_offset=0, output_offset=0, **args
-            ),
+            "functional": lambda: dw.depthwise_conv2d_int8(x, w, None, input_offset=0, output_offset=0, **args),
             "packed": lambda: dw.depthwise_conv2d_int8_packed(x, packed, output_offset=0),
         },
         repeats * 20,
     )
     return medians["packed"] * 1e6, (medians["functional"] - medians["packed"]) * 1e6
+
+
+def load() -> str:
+    return "load average " + " / ".join(f"{v:.2f}" for v in os.getloadavg()) + " (1 / 5 / 15 min)"
 
 
 def print_machine() -> None:
@@ -202,9 +271,13 @@ def print_machine() -> None:
         pass
     from importlib.metadata import version
 
+    import llvmlite.binding as llvm
+
+    flags = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vnni") if llvm.get_host_cpu_features().get(f)]
     print(f"platform : {platform.platform()} ({platform.machine()})")
-    print(f"cpu      : {cpu}, {os.cpu_count()} logical cpus, load average {os.getloadavg()[0]:.2f}")
-    print(f"threads  : OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    print(f"cpu      : {cpu} ({llvm.get_host_cpu_name()}: {', '.join(flags)}), {os.cpu_count()} logical cpus")
+    print(f"load     : {load()}")
+    print(f"threads  : OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, numba max {numba.config.NUMBA_NUM_THREADS}")
     print(
         f"python   : {sys.version.split()[0]}, numpy {np.__version__}, numba {numba.__version__}"
         f" (threading layer {numba.threading_layer()}), ai-edge-litert {version('ai-edge-litert')}"
@@ -212,52 +285,167 @@ def print_machine() -> None:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:8.3f}"
+    return f"{seconds * 1e3:.3f}"
 
 
-def print_table(model: str, timings: list[Timing], threads: int) -> None:
-    print(f"\n### {model}, {threads} thread{'s' if threads > 1 else ''} (median ms; ratios = other / ours)")
+def print_table(model: str, timings: list[Timing], threads: int, anchors: list[str]) -> None:
+    """One row per layer and a total: warm and cold times of ours and XNNPACK, the anchors, and ratios."""
+    cpu = threads == 1  # with one thread, the calling thread's CPU time is each method's whole cost
+    print(f"\n### {model}, {threads} thread{'s' if threads > 1 else ''} (median ms)")
     header = (
-        "| layer | HxWxC k s | ours | ref-order | REF | opt | xnnpack |"
-        " ref-order/ours | REF/ours | opt/ours | xnnpack/ours |"
+        "| layer | HxWxC k s | MMAC | ours | xnnpack | ours/xnnpack | "
+        + ("ours cold | xnnpack cold | ours/xnnpack cold | " if cpu else "")
+        + " | ".join(anchors)
+        + " | "
+        + " | ".join(f"{m}/ours" for m in anchors)
+        + " | ours ns/output |"
+        + (" CPU ours | CPU xnnpack | CPU ours/xnnpack |" if cpu else "")
     )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
-    totals = dict.fromkeys(METHODS, 0.0)
+    columns = ["ours", "xnnpack", *(["ours cold", "xnnpack cold"] if cpu else []), *anchors]
+    totals = dict.fromkeys(columns, 0.0)
+    cpu_totals = {"ours": 0.0, "xnnpack": 0.0}
+    macs = outputs = 0
 
-    def row(name: str, shape: str, sec: dict[str, float]) -> str:
-        ours = sec["ours"]
-        cells = [_ms(sec[m]) for m in METHODS]
-        ratios = [f"{sec[m] / ours:6.2f}x" for m in METHODS[1:]]
-        return f"| {name} | {shape} | " + " | ".join(cells + ratios) + " |"
+    def row(name: str, shape: str, mmac: float, sec: dict[str, float], n_out: int, cpu_sec: dict[str, float]) -> str:
+        cells = [_ms(sec["ours"]), _ms(sec["xnnpack"]), f"{sec['ours'] / sec['xnnpack']:.2f}x"]
+        if cpu:
+            cells += [_ms(sec["ours cold"]), _ms(sec["xnnpack cold"]), f"{sec['ours cold'] / sec['xnnpack cold']:.2f}x"]
+        cells += [
+            *(_ms(sec[m]) for m in anchors),
+            *(f"{sec[m] / sec['ours']:.1f}x" for m in anchors),
+            f"{sec['ours'] / n_out * 1e9:.2f}",
+        ]
+        if cpu:
+            cells += [_ms(cpu_sec["ours"]), _ms(cpu_sec["xnnpack"]), f"{cpu_sec['ours'] / cpu_sec['xnnpack']:.2f}x"]
+        return f"| {name} | {shape} | {mmac:.2f} | " + " | ".join(cells) + " |"
 
     for t in timings:
-        sec = {m: t.seconds[m, threads] for m in METHODS}
-        for m in METHODS:
+        sec = {m: t.seconds[m, threads] for m in columns}
+        cpu_sec = {m: t.cpu[m, threads] for m in cpu_totals}
+        for m in columns:
             totals[m] += sec[m]
+        for m in cpu_totals:
+            cpu_totals[m] += cpu_sec[m]
         lay = t.layer
+        macs += lay.macs()
+        outputs += lay.outputs()
         shape = f"{lay.height}x{lay.width}x{lay.channels} {lay.kernel[0]}x{lay.kernel[1]} s{lay.stride[0]}"
-        print(row(lay.name, shape, sec))
-    print(row("**total**", f"{len(timings)} layers", totals))
+        print(row(lay.name, shape, lay.macs() / 1e6, sec, lay.outputs(), cpu_sec))
+    print(row("**total**", f"{len(timings)} layers", macs / 1e6, totals, outputs, cpu_totals))
+
+
+def largest_share(layer: Layer, threads: int) -> float:
+    """The largest fraction of a layer's output rows one thread computes, from the kernel's slicing.
+
+    The kernel cuts the rows into ``min(SLICES_PER_THREAD * threads, rows)`` slices that idle threads take in
+    turn; with rows of equal cost the busiest thread gets ``ceil(slices / threads)`` of the largest slices.
+    """
+    rows = layer.out_hw()[0]
+    if threads == 1:
+        return 1.0
+    n_slices = min(SLICES_PER_THREAD * threads, rows)
+    sizes = sorted(((s + 1) * rows // n_slices - s * rows // n_slices for s in range(n_slices)), reverse=True)
+    loads = [0] * threads
+    for size in sizes:  # idle threads take the next slice: the least loaded one gets it
+        loads[loads.index(min(loads))] += size
+    return max(loads) / rows
+
+
+def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
+    """Wall-time speed-up over the first thread count, and the speed-up the CPU time allows on idle cores.
+
+    On a shared machine with more runnable threads than cores, a second thread of a call waits for a core and
+    the wall time says little. The CPU time of all threads per call (the work) does not depend much on the load:
+    with ``t`` threads on idle cores a call takes at least the work times the busiest thread's share of the
+    rows (:func:`largest_share`), so ``work(1) / (work(t) * share)`` is the speed-up the kernel allows there.
+    Ours' work comes from a pass of its own; XNNPACK's threads spin while they wait, which counts as its work
+    (its share is taken as ``1 / t``).
+    """
+    if len(threads) < 2:
+        return
+    base = threads[0]
+    for method, key in (("ours", "ours alone"), ("xnnpack", "xnnpack")):
+        total = {t: sum(x.seconds[method, t] for x in timings) for t in threads}
+        work = {t: sum(x.work[key, t] for x in timings) for t in threads}
+        critical = {
+            t: sum(x.work[key, t] * (largest_share(x.layer, t) if method == "ours" else 1 / t) for x in timings)
+            for t in threads
+        }
+        scaling = ", ".join(
+            f"{t} threads {total[base] / total[t]:.2f}x wall; CPU work {work[t] / work[base]:.2f}x of {base} "
+            f"thread's, so {critical[base] / critical[t]:.2f}x on idle cores"
+            for t in threads[1:]
+        )
+        print(f"{model}: {method} speed-up over {base} thread: {scaling}")
+
+
+def check_real_weights(threads: tuple[int, ...]) -> None:
+    """EfficientNet-Lite0's 16 depthwise layers, real weights and activations, at every thread count."""
+    total = mismatches = 0
+    for layer in efficientnet_lite0_depthwise_layers():
+        q = layer.module
+        x_q = q.quantize_input(layer.x).numpy()
+        expected = tflite_reference_output(q, x_q)
+        for t in threads:
+            mismatches += int((q.forward_int8(x_q, threads=t) != expected).sum())
+            total += expected.size
+    print(
+        f"real weights: EfficientNet-Lite0's 16 depthwise layers, 3 photos, threads {threads}:"
+        f" {mismatches} mismatches of {total:,} outputs against BUILTIN_REF"
+    )
+
+
+def sweep(n_cases: int, threads: tuple[int, ...], seed: int = 1) -> None:
+    """``n_cases`` random configurations against BUILTIN_REF, each at every thread count."""
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    total = mismatches = failed = 0
+    for _ in range(n_cases):
+        problem = make_problem(random_case(rng))
+        expected = problem.tflite()
+        kwargs = problem.kernel_kwargs()
+        case_bad = 0
+        for t in threads:
+            got = dw.depthwise_conv2d_int8(problem.x, problem.w, problem.bias, threads=t, **kwargs)
+            case_bad += int((got != expected).sum())
+            total += expected.size
+        mismatches += case_bad
+        if case_bad:
+            failed += 1
+            print(f"  MISMATCH: {problem.case}")
+    print(
+        f"random sweep: {n_cases:,} configurations (seed {seed}), threads {threads}: {mismatches} mismatches"
+        f" of {total:,} outputs ({failed} configurations with any), {time.perf_counter() - start:.0f} s"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (median)")
+    parser.add_argument("--repeats", type=int, default=50, help="timed calls per measurement (median)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {MODELS}")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--sweep", type=int, default=5000, help="random configurations checked against REF")
+    parser.add_argument("--ref-order", action="store_true", help="also time TFLite's loop order (numba)")
     args = parser.parse_args(argv)
     threads = tuple(int(t) for t in args.threads.split(","))
-    packed_us, extra_us = call_overheads_us(args.repeats)  # also starts numba's threading layer
+    packed_us, extra_us = call_overhead_us(args.repeats)  # also compiles and starts numba's threading layer
     print_machine()
-    print(
-        f"per-call cost on a tiny layer: packed {packed_us:.1f} us; the functional API adds {extra_us:.1f} us"
-        " (validation + packing)"
-    )
+    print(f"per-call cost on a tiny layer: packed {packed_us:.1f} us; the functional API adds {extra_us:.1f} us")
+    anchors = ["REF", "opt", *(["ref-order"] if args.ref_order else [])]
     for model in args.models.split(","):
-        timings = [time_layer(layer, args.repeats, threads) for layer in depthwise_layers(model)]
+        timings = [time_layer(layer, args.repeats, threads, args.ref_order) for layer in depthwise_layers(model)]
         for t in threads:
-            print_table(model, timings, t)
+            print_table(model, timings, t, anchors)
+        print_thread_scaling(model, timings, threads)
+        print(f"({load()}; every output equal to BUILTIN_REF's at every thread count)")
+    all_threads = tuple(range(1, numba.config.NUMBA_NUM_THREADS + 1))
+    print()
+    check_real_weights(all_threads)
+    if args.sweep:
+        sweep(args.sweep, all_threads)
+    print(load())
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ the windows covering an element of ``initial output - occluded output`` for ``ta
 every element its feature's output difference. Inputs of 1, 2 or 3 spatial axes ((N, C, L), (N, C, H, W),
 (N, C, D, H, W)) run incrementally; whatever cannot (a plain function, several input tensors, extra forward
 arguments, an untraceable model, a model that aggregates the batch) is computed by Captum itself, with a warning.
+
+``attribute`` carries Captum's usage-logging decorator, so Captum's wrappers work around the drop-ins as around
+Captum's own classes (``NoiseTunnel`` calls ``attribute.__wrapped__``); the attributions are plain tensors of the
+inputs' shape, which ``captum.attr.visualization.visualize_image_attr`` draws after a move of the channel axis.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from incrinf.extras import require
 from incrinf.graph import captured_graph
 
 _attr = require("captum.attr", "captum", "the Captum drop-ins")
+# Captum decorates every ``attribute`` with ``log_usage`` (a functools.wraps wrapper); its wrappers rely on that:
+# ``NoiseTunnel`` calls ``attribution_method.attribute.__wrapped__`` to skip the inner logging
+_log_usage = require("captum.log", "captum", "the Captum drop-ins").log_usage
 
 
 class Occlusion(_attr.Occlusion):
@@ -45,6 +52,7 @@ class Occlusion(_attr.Occlusion):
         super().__init__(forward_func)
         self.last_stats: list[dict] = []
 
+    @_log_usage()
     def attribute(  # type: ignore[override]
         self,
         inputs: torch.Tensor | tuple[torch.Tensor, ...],
@@ -130,6 +138,7 @@ class FeatureAblation(_attr.FeatureAblation):
         super().__init__(forward_func)
         self.last_stats: list[dict] = []
 
+    @_log_usage()
     def attribute(  # type: ignore[override]
         self,
         inputs: torch.Tensor | tuple[torch.Tensor, ...],

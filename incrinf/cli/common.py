@@ -71,29 +71,21 @@ def input_shape(text: str) -> tuple[int, ...]:
 
 def read_rgb(path: str) -> np.ndarray:
     """An image file as HxWx3 uint8 RGB (grey is replicated, alpha dropped, the first frame of an animated GIF or
-    a multi-page TIFF taken; other dtypes are scaled to 0-255 by the image's maximum).
+    a multi-page TIFF taken; more than 8 bits are scaled to 0-255 by the image's maximum).
 
     Raises:
-        FileNotFoundError: no such file. ValueError: unreadable or not an image (the message names the file).
+        FileNotFoundError: no such file. ValueError: ``cannot read image <path>: <why>`` (a folder, no
+            permission, empty, not an image, damaged or cut short).
     """
-    import skimage.io
+    from incrinf.explain.dataset.inputs import decode_rgb
 
-    if not Path(path).is_file():
+    file = Path(path)
+    if not file.exists():
         raise FileNotFoundError(f"image not found: {path}")
+    if file.is_dir():
+        raise ValueError(f"cannot read image {path}: it is a folder")
     try:
-        image = np.asarray(skimage.io.imread(path))
-    except Exception as exc:
-        raise ValueError(f"cannot read image {path}: {exc}") from None
-    if image.ndim == 4 and image.shape[0] >= 1 and image.shape[3] in (1, 2, 3, 4):
-        image = image[0]  # frames first (GIF, multi-page TIFF)
-    if image.ndim == 3 and image.shape[2] in (1, 2):
-        image = image[..., 0]  # grey, or grey + alpha
-    if image.ndim == 2:
-        image = np.stack([image] * 3, axis=-1)
-    if image.ndim != 3 or image.shape[2] not in (3, 4) or min(image.shape[:2]) < 1 or image.dtype.kind not in "biuf":
-        raise ValueError(f"{path} is not an RGB image (shape {image.shape}, dtype {image.dtype})")
-    image = image[..., :3]
-    if image.dtype != np.uint8:
-        values = np.nan_to_num(image.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0).clip(min=0.0)
-        image = (255 * (values / max(float(values.max()), 1e-12))).round().astype(np.uint8)
-    return np.ascontiguousarray(image)
+        data = file.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read image {path}: {exc.strerror or exc}") from None
+    return decode_rgb(data, path)

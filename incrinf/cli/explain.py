@@ -26,6 +26,19 @@ def baseline_value(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected a number or one of {', '.join(MODES)}, got {text!r}") from None
 
 
+def colour_map(text: str) -> str:
+    """argparse type: a matplotlib colour map name."""
+    import difflib
+
+    from matplotlib import colormaps
+
+    if text not in colormaps:
+        close = difflib.get_close_matches(text, list(colormaps), n=5, cutoff=0.5)
+        raise argparse.ArgumentTypeError(f"unknown colour map {text!r}" + (f"; did you mean {', '.join(close)}?"
+                                                                            if close else ""))
+    return text
+
+
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``explain`` subcommand."""
     p = subparsers.add_parser("explain", help="occlusion heat map by incremental inference")
@@ -44,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int)
     p.add_argument("--out", default="heatmap.png", help="picture to write, or the folder of a dataset run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--cmap", type=colour_map, default="RdBu_r",
+                   help="matplotlib colour map of the picture (default RdBu_r: red where occluding lowered the "
+                        "score, blue where it raised it, white at zero)")
+    p.add_argument("--no-centre", action="store_true",
+                   help="colour limits from the map's minimum to maximum, not symmetric about zero (for a "
+                        "sequential colour map such as viridis)")
     volumes = p.add_argument_group("volumes (NIfTI)")
     volumes.add_argument("--volume-index", type=int, default=0, help="which volume of a 4-D (x, y, z, t) file")
     volumes.add_argument("--resize", type=volume_size, metavar="DxHxW",
@@ -96,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
                               baseline=args.baseline, batch_size=args.batch_size if args.batch_size else "auto",
                               output=args.output, progress=not args.quiet, **options)
     elapsed = time.perf_counter() - start
-    out = result.save(args.out, image=models.unnormalize(x, name), title=f"{name}: class {result.target}")
+    out = result.save(args.out, image=models.unnormalize(x, name), title=f"{name}: class {result.target}",
+                      cmap=args.cmap, centre=None if args.no_centre else 0.0)
     s = result.stats
     print(f"explained class {result.target} with {s['positions']} positions in {elapsed:.1f} s "
           f"({s['batches']} batches of {s['batch_size']}); theoretical speedup {s['theoretical_speedup']:.2f}x, "

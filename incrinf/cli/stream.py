@@ -81,9 +81,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from tqdm import tqdm
 
     from incrinf import models
+    from incrinf.progress import progress_bar
     from incrinf.stream.session import StreamSession
     from incrinf.stream.video import bundled_video_path, read_frames
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     rows, outputs = [], []
     # the session and the reference run in separate passes over the clip, as each would run on its own (run
     # frame by frame in turn they evict each other's caches, which slows the session by about a third)
-    bar = tqdm(frames, total=args.max_frames, unit="frame", disable=args.quiet, desc=f"{path.name} (session)")
+    bar = progress_bar(frames, total=args.max_frames, unit="frame", disable=args.quiet, desc=f"{path.name} (session)")
     with torch.no_grad():
         for frame in bar:
             outputs.append(session(frame))
@@ -115,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
             })
             bar.set_postfix(mode=stats.mode, changed=f"{stats.recompute_fraction:.0%}")
         reference = read_frames(path, max_frames=args.max_frames, size=args.size)
-        for row, out, frame in zip(rows, outputs, tqdm(reference, total=len(rows), unit="frame", disable=args.quiet,
-                                                        desc=f"{path.name} (full inference)")):
+        for row, out, frame in zip(rows, outputs, progress_bar(reference, total=len(rows), unit="frame",
+                                                               disable=args.quiet,
+                                                               desc=f"{path.name} (full inference)")):
             start = time.perf_counter()
             ref = model(meta.normalization.tensor(frame))
             row["full_seconds"] = round(time.perf_counter() - start, 5)

@@ -96,7 +96,8 @@ def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
                        progress=not args.quiet, tau=args.tau, feature_threshold=args.feature_threshold,
                        measure_quality=args.measure_quality, spatial_dims=3)
     elapsed = time.perf_counter() - start
-    out = result.save(args.out, image=volume, title=f"{name} on {Path(path).name}: class {result.target}")
+    out = result.save(args.out, image=volume, title=f"{name} on {Path(path).name}: class {result.target}",
+                      cmap=args.cmap, centre=None if args.no_centre else 0.0)
     s = result.stats
     shape = "x".join(map(str, volume.shape[1:]))
     print(f"explained class {result.target} of a {shape} volume with {s['positions']} positions in {elapsed:.1f} s "

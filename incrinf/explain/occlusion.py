@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from incrinf.analysis import grid_shape, occlusion_grid
 from incrinf.explain import targets
-from incrinf.explain.pictures import save_heatmap
+from incrinf.explain.pictures import DEFAULT_CMAP, save_heatmap
 from incrinf.explain.runner import OcclusionRunner, RunStats, estimate_batch_size, feature_boxes
 from incrinf.graph import NodeKind
 from incrinf.validation import (
@@ -92,7 +92,7 @@ class OcclusionResult:
         return out if self.every_class else out[0]
 
     def save(self, path: str | Path, image: np.ndarray | torch.Tensor | None = None, title: str | None = None,
-             class_index: int | None = None) -> Path:
+             class_index: int | None = None, cmap: str = DEFAULT_CMAP, centre: float | None = 0.0) -> Path:
         """Write a PNG of the heat map with a colour bar: over the image (2-D), as a curve under the signal
         (1-D), or over a montage of slices (3-D).
 
@@ -102,6 +102,10 @@ class OcclusionResult:
                 1-D (C, L); 3-D (C, D, H, W) or (D, H, W).
             title: optional figure title.
             class_index: with ``target="all"``, the class whose map to draw (default: the predicted class).
+            cmap: a matplotlib colour map (default: diverging, red where occluding lowered the score, blue where
+                it raised it, white at zero).
+            centre: the value at the colour map's middle, limits symmetric about it; ``None``: the map spans the
+                heat map's minimum to maximum (for a sequential map such as ``"viridis"``).
 
         Returns:
             The path written.
@@ -115,7 +119,7 @@ class OcclusionResult:
             pixel = pixel.mean(axis=0)
         what = "features" if self.features is not None else \
             f"occlusion {'x'.join(map(str, self.patch))}, stride {'x'.join(map(str, self.stride))}"
-        return save_heatmap(pixel, path, image, title or what, label)
+        return save_heatmap(pixel, path, image, title or what, label, cmap=cmap, centre=centre)
 
 
 def occlusion(

@@ -1,5 +1,9 @@
 """Heat-map pictures: a 1-D signal with its heat curve, a 2-D image with the heat map over it, and a montage of a
-3-D volume's slices with the heat map over each."""
+3-D volume's slices with the heat map over each.
+
+An occlusion map is signed (a positive value: occluding there lowered the score; negative: it raised it), so the
+default colour map is a diverging one whose neutral middle sits at zero with limits symmetric about it: equal
+magnitudes of either sign get equally strong colours, and zero is white, never a colour of its own."""
 
 from __future__ import annotations
 
@@ -10,11 +14,13 @@ import torch
 
 # Slices a volume's montage shows (evenly spread along its first spatial axis).
 MONTAGE_SLICES = 6
+# Red where occluding lowered the score, blue where it raised it, white at zero (matplotlib's reversed RdBu).
+DEFAULT_CMAP = "RdBu_r"
 
 
 def save_heatmap(pixel: np.ndarray, path: str | Path, image: np.ndarray | torch.Tensor | None, title: str,
-                 label: str) -> Path:
-    """Write a PNG of an attribution map over its input.
+                 label: str, cmap: str = DEFAULT_CMAP, centre: float | None = 0.0) -> Path:
+    """Write a PNG of an attribution map over its input (the figure of :func:`heatmap_figure`).
 
     Args:
         pixel: (*spatial) attribution per element (1-3 axes).
@@ -23,80 +29,125 @@ def save_heatmap(pixel: np.ndarray, path: str | Path, image: np.ndarray | torch.
             (L,); for 3-D (C, D, H, W) or (D, H, W) (channels are averaged for display).
         title: figure title.
         label: colour-bar label.
+        cmap: a matplotlib colour map name (default: diverging red-white-blue).
+        centre: the value at the colour map's middle, with limits symmetric about it; ``None``: the map spans
+            the data's minimum to maximum (for a sequential map).
 
     Returns:
         The path written.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    fig = heatmap_figure(pixel, image, title, label, cmap, centre)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def heatmap_figure(pixel: np.ndarray, image: np.ndarray | torch.Tensor | None, title: str, label: str,
+                   cmap: str = DEFAULT_CMAP, centre: float | None = 0.0):
+    """The ``matplotlib.figure.Figure`` :func:`save_heatmap` writes (arguments as there). A plain ``Figure``,
+    not one of pyplot's: drawing neither switches the caller's backend nor keeps the figure alive."""
+    from matplotlib.figure import Figure
+
+    colours = colour_scale(pixel, cmap, centre)
     d = pixel.ndim
     if d == 1:
-        fig = _signal(plt, pixel, image, label)
+        fig = _signal(Figure(figsize=(8, 3.5)), pixel, image, label, colours)
     elif d == 2:
-        fig = _image(plt, pixel, image, label)
+        fig = _image(Figure(figsize=(6, 5)), pixel, image, label, colours)
     elif d == 3:
-        fig = _montage(plt, pixel, image, label)
+        fig = _montage(pixel, image, label, colours)
     else:
         raise ValueError(f"cannot draw a heat map with {d} spatial axes")
     fig.suptitle(title)
     if d != 3:  # the montage lays itself out (constrained, with one colour bar for every slice)
         fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
-def _signal(plt, pixel: np.ndarray, image, label: str):
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+def colour_scale(pixel: np.ndarray, cmap: str = DEFAULT_CMAP, centre: float | None = 0.0) -> dict:
+    """``imshow`` keywords (``cmap``, ``vmin``, ``vmax``) for ``pixel``: limits symmetric about ``centre``, or the
+    data's range when ``centre`` is None. Raises ValueError naming the valid choices for an unknown map."""
+    from matplotlib import colormaps
+
+    if cmap not in colormaps:
+        raise ValueError(f"unknown colour map {cmap!r}; matplotlib's include {', '.join(_SUGGESTED)} "
+                         f"(all: matplotlib.colormaps)")
+    finite = pixel[np.isfinite(pixel)]
+    low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+    if centre is not None:
+        reach = max(abs(high - centre), abs(low - centre)) or 1.0  # an all-centre map: any symmetric range
+        low, high = centre - reach, centre + reach
+    elif low == high:
+        low, high = low - 0.5, high + 0.5
+    return {"cmap": cmap, "vmin": low, "vmax": high}
+
+
+# Named in the error for an unknown colour map: diverging maps first (for signed maps), then sequential ones.
+_SUGGESTED = ("RdBu_r", "coolwarm", "bwr", "seismic", "PiYG", "viridis", "magma", "inferno", "jet")
+
+
+def _signal(fig, pixel: np.ndarray, image, label: str, colours: dict):
+    from matplotlib import colormaps
+    from matplotlib.collections import LineCollection
+    from matplotlib.colors import Normalize
+
+    ax = fig.subplots()
     if image is not None:
         signal = _numpy(image)
         for row in signal.reshape(-1, signal.shape[-1]):
             ax.plot(row, color="0.6", linewidth=0.8)
         ax.set_ylabel("signal")
         ax = ax.twinx()
-    ax.plot(pixel, color="tab:red")
-    ax.fill_between(np.arange(len(pixel)), pixel, color="tab:red", alpha=0.2)
+    # the curve in the colour map's colour for its value: positive and negative stretches read as in 2-D and 3-D
+    scale = colormaps[colours["cmap"]]
+    norm = Normalize(colours["vmin"], colours["vmax"])
+    xs = np.arange(len(pixel))
+    points = np.stack([xs, pixel], axis=1).reshape(-1, 1, 2)
+    segments = np.concatenate([points[:-1], points[1:]], axis=1)
+    curve = LineCollection(segments, cmap=scale, norm=norm, linewidth=1.6)
+    curve.set_array((pixel[:-1] + pixel[1:]) / 2)
+    ax.add_collection(curve)
+    ax.bar(xs, pixel, width=1.0, color=scale(norm(pixel)), alpha=0.35)
+    ax.set_xlim(-0.5, len(pixel) - 0.5)
+    fig.colorbar(curve, ax=ax, label=label)
     ax.set_ylabel(label)
     ax.set_xlabel("position")
     return fig
 
 
-def _image(plt, pixel: np.ndarray, image, label: str):
-    fig, ax = plt.subplots(figsize=(6, 5))
+def _image(fig, pixel: np.ndarray, image, label: str, colours: dict):
+    ax = fig.subplots()
     if image is not None:
         display = as_display(image)
         ax.imshow(display, cmap="gray" if display.ndim == 2 else None)
-        shown = ax.imshow(pixel, cmap="jet", alpha=0.5)
+        shown = ax.imshow(pixel, alpha=0.5, **colours)
     else:
-        shown = ax.imshow(pixel, cmap="jet")
+        shown = ax.imshow(pixel, **colours)
     fig.colorbar(shown, ax=ax, label=label)
     ax.set_axis_off()
     return fig
 
 
-def _montage(plt, pixel: np.ndarray, image, label: str):
+def _montage(pixel: np.ndarray, image, label: str, colours: dict):
+    from matplotlib.figure import Figure
+
     depth = pixel.shape[0]
     picks = np.unique(np.linspace(0, depth - 1, min(MONTAGE_SLICES, depth)).round().astype(int))
     volume = None
     if image is not None:
         volume = _numpy(image)
         volume = volume.reshape(-1, *volume.shape[-3:]).mean(axis=0)
-    low, high = float(pixel.min()), float(pixel.max())
-    fig, axes = plt.subplots(1, len(picks), figsize=(2.6 * len(picks) + 1.2, 3.2), squeeze=False,
-                             layout="constrained")
+    fig = Figure(figsize=(2.6 * len(picks) + 1.2, 3.2), layout="constrained")
+    axes = fig.subplots(1, len(picks), squeeze=False)
     shown = None
     for ax, z in zip(axes[0], picks):
         # origin "lower": the file's second axis (y, anterior in RAS volumes) points up
         if volume is not None:
             ax.imshow(volume[z], cmap="gray", origin="lower")
-            shown = ax.imshow(pixel[z], cmap="jet", alpha=0.45, vmin=low, vmax=high, origin="lower")
+            shown = ax.imshow(pixel[z], alpha=0.45, origin="lower", **colours)
         else:
-            shown = ax.imshow(pixel[z], cmap="jet", vmin=low, vmax=high, origin="lower")
+            shown = ax.imshow(pixel[z], origin="lower", **colours)
         ax.set_title(f"slice {z}")
         ax.set_axis_off()
     fig.colorbar(shown, ax=axes[0].tolist(), label=label, shrink=0.8)

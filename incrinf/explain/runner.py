@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
 
 from incrinf.engine import BatchEngine, batch_plan
 from incrinf.engine.windows import box_rows
@@ -25,6 +24,7 @@ from incrinf.geometry import Boxes, Propagation, RegionKind, full_flops, increme
 from incrinf.graph import Graph, captured_graph
 from incrinf.kernels.dispatch import free_device_memory, peak_device_memory, reset_peak_device_memory
 from incrinf.kernels.gather import from_rows, to_rows
+from incrinf.progress import progress_bar
 
 # Packed batches beyond this many positions stop paying on a CPU and only cost memory.
 CPU_BATCH_CAP = 64
@@ -245,7 +245,7 @@ class OcclusionRunner:
         dev = self.image.device
         resident = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
         reset_peak_device_memory(dev)
-        bar = tqdm(total=n, desc=desc, unit="pos", disable=not progress, leave=False)
+        bar = progress_bar(total=n, desc=desc, unit="pos", disable=not progress, leave=False)
         for batch in batches:
             corners, extent = batch.plan_key
             plan = batch_plan(self.graph, corners, extent, self.tau, dev)

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
 
+from incrinf.progress import progress_bar
 from incrinf.validation import check_feature_threshold, check_image, check_patch, check_stride, check_tau
 
 PROFILE_FORMAT = "incrinf-tuning-profile"
@@ -400,7 +400,7 @@ def tune(
     graph = captured_graph(model.eval(), shape[1:])
     start = time.perf_counter()
     ssim_rows, speed_rows = [], []
-    bar = tqdm(total=len(images) * len(runs), desc="tuning", disable=not progress, leave=False)
+    bar = progress_bar(total=len(images) * len(runs), desc="tuning", disable=not progress, leave=False)
     common = {"patch": patch_hw, "stride": stride_hw, "baseline": baseline, "output": output,
               "batch_size": batch_size, "max_memory": max_memory, "progress": False}
     for image in images:

@@ -258,9 +258,16 @@ class QuantizedDepthwiseConv2d(nn.Module):
         )
 
     def forward_int8(
-        self, x_q: torch.Tensor | np.ndarray, region: tuple[int, int, int, int] | None = None
+        self,
+        x_q: torch.Tensor | np.ndarray,
+        region: tuple[int, int, int, int] | None = None,
+        threads: int | None = None,
     ) -> torch.Tensor | np.ndarray:
-        """Integer path: int8 NHWC ``(N, H, W, C)`` in, int8 NHWC ``(N, OH, OW, C*M)`` out (same type)."""
+        """Integer path: int8 NHWC ``(N, H, W, C)`` in, int8 NHWC ``(N, OH, OW, C*M)`` out (same type).
+
+        ``region`` is a half-open output box ``(y0, y1, x0, x1)``; ``threads`` the kernel's numba threads
+        (default ``numba.get_num_threads()``; every count gives the same result).
+        """
         return depthwise_conv2d_int8_packed(
             x_q,
             self._packed,
@@ -271,6 +278,7 @@ class QuantizedDepthwiseConv2d(nn.Module):
             act_min=self.act_min,
             act_max=self.act_max,
             region=region,
+            threads=threads,
         )
 
     def forward(self, x: torch.Tensor, region: tuple[int, int, int, int] | None = None) -> torch.Tensor:

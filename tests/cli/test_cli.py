@@ -53,3 +53,22 @@ def test_explain_unreadable_image(tmp_path, capsys) -> None:
         cli.main(["explain", str(bad), "--out", str(tmp_path / "x.png")])
     with pytest.raises(SystemExit, match="not found"):
         cli.main(["explain", str(tmp_path / "missing.jpg")])
+
+
+def test_explain_unknown_colour_map_names_close_ones(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["explain", "--cmap", "virdis", "--quiet"])
+    err = capsys.readouterr().err
+    assert "unknown colour map 'virdis'" in err and "viridis" in err
+
+
+def test_explain_writes_the_picture_in_the_chosen_colour_map(tmp_path, monkeypatch) -> None:
+    import incrinf.explain.occlusion as occlusion_module
+
+    drawn = []
+    monkeypatch.setattr(occlusion_module, "save_heatmap", lambda *args, **kwargs: drawn.append(kwargs) or args[1])
+    args = ["explain", "--model", "squeezenet1_1", "--patch", "64", "--stride", "64", "--quiet", "--out",
+            str(tmp_path / "h.png")]
+    assert cli.main(args) == 0
+    assert cli.main([*args, "--cmap", "viridis", "--no-centre"]) == 0
+    assert drawn == [{"cmap": "RdBu_r", "centre": 0.0}, {"cmap": "viridis", "centre": None}]

@@ -15,7 +15,6 @@ import skimage.data
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
-from PIL.Image import DecompressionBombError
 
 from incrinf.cli import main
 from incrinf.cli.common import read_rgb
@@ -95,8 +94,6 @@ def test_decode_rgb_corrupt_images(data, fmt):
         image = decode_rgb(damaged, name=f"bad.{fmt.lower()}")
     except ValueError as exc:
         assert f"bad.{fmt.lower()}" in str(exc)
-    except DecompressionBombError:  # known, reported: see test_decode_rgb_refuses_a_huge_claimed_size
-        pass
     else:
         _check_image(image)
     assert decode_rgb(IMAGES[fmt]).shape == PHOTO.shape
@@ -116,11 +113,8 @@ def test_read_rgb_refuses_a_huge_claimed_size(tmp_path):
         read_rgb(str(path))
 
 
-@pytest.mark.xfail(strict=True, raises=DecompressionBombError,
-                   reason="decode_rgb (incrinf/explain/dataset/inputs.py) lets PIL's DecompressionBombError, which is "
-                   "no OSError, escape instead of a ValueError (reported to the lead; remove this mark with the fix)")
 def test_decode_rgb_refuses_a_huge_claimed_size():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot read image bomb.gif: its claimed size exceeds the limit"):
         decode_rgb(_bomb(), "bomb.gif")
 
 

@@ -206,7 +206,7 @@ def _drive(executor: Executor, folder: RunFolder, items: Sequence[InputItem], to
            spec: ExplainSpec, mask_check: _MaskCheck, labels: Sequence[str] | None,
            records: dict[str, dict[str, Any]], progress: bool, callback: Callable | None) -> None:
     """Stream the inputs to do through ``executor``, writing each outcome as it arrives."""
-    from tqdm.auto import tqdm
+    from incrinf.progress import progress_bar
 
     signatures: dict[int, dict[str, int] | None] = {}
 
@@ -219,8 +219,8 @@ def _drive(executor: Executor, folder: RunFolder, items: Sequence[InputItem], to
             except OSError as exc:
                 yield Task(index, item.id, item.rel, None, f"cannot read {item.path}: {exc.strerror or exc}")
 
-    bar = tqdm(total=len(items), initial=len(items) - len(todo), desc="inputs", unit="input", position=0,
-               disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=len(items), initial=len(items) - len(todo), desc="inputs", unit="input", position=0,
+                       disable=not progress, dynamic_ncols=True)
     done: set[int] = set()
     failed = 0
     name = spec.model.name or type(spec.model.module).__name__

@@ -21,6 +21,8 @@ import numpy as np
 # Suffixes a directory walk takes (case-insensitive). Files named directly or matched by a glob are taken
 # whatever their suffix: the user asked for them, so one that is not an image becomes an error row.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm")
+# The formats decode_rgb reads (Pillow's common ones), named in its error for a file that is none of them.
+READABLE = "PNG, JPEG, BMP, GIF, TIFF, WebP, PPM/PGM"
 _GLOB_MAGIC = re.compile(r"[*?[]")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _ID_STEM_CHARS = 80  # keeps ids (and so file names) well under the usual 255-byte limit
@@ -190,18 +192,24 @@ def find_masks(items: Iterable[InputItem], masks: str | os.PathLike | None) -> d
 
 
 def decode_rgb(data: bytes, name: str = "image") -> np.ndarray:
-    """Decode image file bytes to HxWx3 uint8 RGB, as ``incrinf explain`` reads a single image.
+    """Decode image file bytes to HxWx3 uint8 RGB; ``incrinf explain`` reads its single image with it too.
 
-    Grey is replicated, alpha dropped, palettes expanded, and images of more than 8 bits scaled by their
-    maximum to 0..255.
+    Grey is replicated, alpha dropped, palettes expanded, the first frame of an animated GIF or multi-page TIFF
+    taken, and images of more than 8 bits scaled by their maximum to 0..255.
 
     Raises:
-        ValueError: not an image, truncated or corrupt, or not a single 2-D picture.
+        ValueError: ``cannot read image <name>: <why>``: empty, not an image, damaged or cut short, a claimed size
+            past Pillow's safety limit, or not a single 2-D picture.
     """
     import io
 
     from PIL import Image, UnidentifiedImageError
 
+    def unreadable(why: str) -> ValueError:
+        return ValueError(f"cannot read image {name}: {why}")
+
+    if not data:
+        raise unreadable("the file is empty")
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.load()  # decodes everything now: a truncated file fails here, not later
@@ -209,15 +217,19 @@ def decode_rgb(data: bytes, name: str = "image") -> np.ndarray:
                 img = img.convert("RGBA" if "A" in img.mode or img.mode == "P" else "RGB")
             array = np.array(img)  # a writable copy (torch warns on read-only arrays)
     except UnidentifiedImageError:
-        raise ValueError(f"{name} is not an image file (unknown format)") from None
-    except (OSError, SyntaxError, ValueError) as exc:  # PIL reports corrupt data as OSError/SyntaxError
-        raise ValueError(f"cannot decode {name}: {exc}") from None
+        raise unreadable(f"its contents are not an image in a format incrinf reads ({READABLE}); the file "
+                         f"starts with {data[:12]!r}") from None
+    except Image.DecompressionBombError as exc:  # not an OSError: a header claiming billions of pixels
+        raise unreadable(f"its claimed size exceeds the limit Pillow decodes safely, so it is damaged or "
+                         f"hostile ({exc})") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:  # PIL reports corrupt data in several ways
+        raise unreadable(f"the file is damaged or cut short ({exc})") from None
     if array.ndim == 2:
         array = np.stack([array] * 3, axis=-1)
-    if array.ndim != 3 or array.shape[2] not in (3, 4):
-        raise ValueError(f"{name} is not an RGB image (shape {array.shape})")
+    if array.ndim != 3 or array.shape[2] not in (3, 4) or min(array.shape[:2]) < 1:
+        raise unreadable(f"not a 2-D colour or grey picture (decoded shape {array.shape})")
     array = array[..., :3]
-    if array.dtype != np.uint8:
-        scale = max(float(array.max()), 1e-12)
-        array = (255 * (array.astype(np.float64) / scale)).astype(np.uint8)
+    if array.dtype != np.uint8:  # 16-bit or float: scaled by the maximum (NaN, infinities and negatives as 0)
+        values = np.nan_to_num(array.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0).clip(min=0.0)
+        array = (255 * (values / max(float(values.max()), 1e-12))).round().astype(np.uint8)
     return np.ascontiguousarray(array)

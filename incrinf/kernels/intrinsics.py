@@ -1,0 +1,195 @@
+"""Numba intrinsics the int8 kernels need and numba does not offer (raw-address loads, scoped alias metadata,
+int32 pairs as int64, an atomic counter, the thread count, a vector-width hint).
+
+- :func:`address_of` and :func:`load_int8` let a kernel read through an *indirection buffer* of addresses, as
+  XNNPACK does: a tap outside the image points at a zero row instead of being tested for bounds, so the
+  channel loop has no branch. ``load_int8(address, j)`` is a plain ``getelementptr`` + ``load`` on a loop-invariant
+  base, which LLVM's loop vectorizer turns into contiguous vector loads.
+- :func:`store_scratch` writes a kernel's int32 scratch (its accumulators). LLVM cannot tell where an address
+  made from an integer points, so a loop that reads through addresses and writes accumulators would get a
+  run-time overlap test per address (two dozen per pixel for a 5x5 filter). The two carry scoped alias
+  metadata instead: reads through addresses are tagged ``!noalias`` with the scratch scope that the scratch
+  writes are tagged ``!alias.scope`` with, which states the fact (the input and the zero row are never a
+  kernel's scratch) to LLVM.
+- :func:`load_pair` / :func:`store_pair` read and write elements ``2k, 2k+1`` of an int32 array as one int64, so a
+  loop can treat pairs of int32 lanes as int64 lanes. They do what ``array.view(np.int64)`` does without
+  creating a second array object, which numba's parallel alias analysis would count as an alias (dropping the
+  ``noalias`` flags that let LLVM vectorize the kernel's loops).
+- :func:`fetch_add` (an atomic add returning the old value) lets the threads of a parallel loop take work
+  items one at a time; :func:`current_num_threads` is the thread count that ``numba.set_num_threads`` set for
+  the calling thread. Both call into numba's threading layer directly, as numba's own parallel launcher does:
+  ``numba.get_num_threads()`` in compiled code would stop numba from caching the kernel, and from Python it
+  costs tens of microseconds when the caches are cold.
+- :func:`prefer_wide_vectors` marks the function being compiled with ``"prefer-vector-width"="512"``. LLVM tunes
+  AVX-512 CPUs (Skylake-SP onwards) to 256-bit vectors by default; the int8 kernels are integer code that runs
+  faster with 512-bit vectors (16 int32 lanes). On CPUs without AVX-512, and on other architectures, the hint
+  changes nothing. llvmlite validates attribute names against a fixed list that lacks string attributes, so
+  the hint is added to the underlying set directly; if that ever fails, the hint is skipped (a slower kernel,
+  never a different result).
+"""
+
+from __future__ import annotations
+
+from incrinf.extras import require
+
+numba = require("numba", "int8", "the int8 kernels")
+llvm_ir = require("llvmlite.ir", "int8", "the int8 kernels")
+types = numba.types
+intrinsic = numba.extending.intrinsic
+cgutils = numba.core.cgutils
+
+__all__ = [
+    "address_of",
+    "current_num_threads",
+    "fetch_add",
+    "load_int8",
+    "load_pair",
+    "prefer_wide_vectors",
+    "store_pair",
+    "store_scratch",
+]
+
+_VECTOR_WIDTH_ATTRIBUTE = '"prefer-vector-width"="512"'
+_ALIAS_DOMAIN = "incrinf.kernels.simd"
+_SCRATCH_SCOPE = "incrinf.kernels.simd.scratch"
+
+
+def _scratch_scopes(module):
+    """The metadata list ``!{scratch scope}`` (named scopes: the same scope in every function and module)."""
+    domain = module.add_metadata([llvm_ir.MetaDataString(module, _ALIAS_DOMAIN)])
+    scope = module.add_metadata([llvm_ir.MetaDataString(module, _SCRATCH_SCOPE), domain])
+    return module.add_metadata([scope])
+
+
+@intrinsic
+def address_of(typingctx, array):
+    """The address of ``array``'s first element, as an int64 (``array`` must stay alive while it is used)."""
+    if not isinstance(array, types.Array):
+        return None
+    sig = types.int64(array)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.ptrtoint(data, llvm_ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def load_int8(typingctx, address, index):
+    """The int8 at ``address + index`` (``address`` from :func:`address_of` plus an offset)."""
+    if not (isinstance(address, types.Integer) and isinstance(index, types.Integer)):
+        return None
+    sig = types.int8(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        base = builder.inttoptr(args[0], llvm_ir.PointerType(llvm_ir.IntType(8)))
+        value = builder.load(builder.gep(base, [args[1]], inbounds=True))
+        value.set_metadata("noalias", _scratch_scopes(builder.module))
+        return value
+
+    return sig, codegen
+
+
+@intrinsic
+def store_scratch(typingctx, array, index, value):
+    """``array[index] = value`` for a 1-D int32 scratch array that :func:`load_int8` addresses never point into."""
+    if not (_is_int32_vector(array) and isinstance(index, types.Integer) and isinstance(value, types.Integer)):
+        return None
+    sig = types.none(array, types.uint64, types.int32)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        store = builder.store(args[2], builder.gep(data, [args[1]], inbounds=True))
+        store.set_metadata("alias.scope", _scratch_scopes(builder.module))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _pair_pointer(context, builder, array_type, array, index):
+    data = context.make_array(array_type)(context, builder, array).data
+    pairs = builder.bitcast(data, llvm_ir.PointerType(llvm_ir.IntType(64)))
+    return builder.gep(pairs, [index], inbounds=True)
+
+
+def _is_int32_vector(array) -> bool:
+    return isinstance(array, types.Array) and array.dtype == types.int32 and array.ndim == 1
+
+
+@intrinsic
+def load_pair(typingctx, array, index):
+    """Elements ``2*index`` (low 32 bits) and ``2*index + 1`` (high 32 bits) of a 1-D int32 array, as an int64."""
+    if not (_is_int32_vector(array) and isinstance(index, types.Integer)):
+        return None
+    sig = types.int64(array, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        value = builder.load(_pair_pointer(context, builder, signature.args[0], args[0], args[1]))
+        value.align = 4  # the array is only known to be int32-aligned
+        return value
+
+    return sig, codegen
+
+
+@intrinsic
+def store_pair(typingctx, array, index, value):
+    """Store ``value``'s low and high 32 bits into elements ``2*index`` and ``2*index + 1`` of a 1-D int32 array."""
+    if not (_is_int32_vector(array) and isinstance(index, types.Integer) and isinstance(value, types.Integer)):
+        return None
+    sig = types.none(array, types.uint64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        store = builder.store(args[2], _pair_pointer(context, builder, signature.args[0], args[0], args[1]))
+        store.align = 4
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def fetch_add(typingctx, array, index, value):
+    """Atomically add ``value`` to ``array[index]`` (a 1-D int64 array) and return the value it had before."""
+    if not (
+        isinstance(array, types.Array)
+        and array.dtype == types.int64
+        and array.ndim == 1
+        and isinstance(index, types.Integer)
+        and isinstance(value, types.Integer)
+    ):
+        return None
+    sig = types.int64(array, types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", builder.gep(data, [args[1]], inbounds=True), args[2], "monotonic")
+
+    return sig, codegen
+
+
+@intrinsic
+def current_num_threads(typingctx):
+    """The number of threads parallel loops use now (``numba.get_num_threads()``), from compiled code."""
+    sig = types.intp()
+
+    def codegen(context, builder, signature, args):
+        intp = llvm_ir.IntType(types.intp.bitwidth)
+        fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(intp, []), "get_num_threads")
+        return builder.call(fn, [])
+
+    return sig, codegen
+
+
+@intrinsic
+def prefer_wide_vectors(typingctx):
+    """Ask LLVM for 512-bit vectors in the function being compiled (see the module docstring)."""
+    sig = types.none()
+
+    def codegen(context, builder, signature, args):
+        try:
+            set.add(builder.function.attributes, _VECTOR_WIDTH_ATTRIBUTE)
+        except Exception:  # llvmlite's attribute set changed shape: go without the hint
+            pass
+        return context.get_dummy_value()
+
+    return sig, codegen
