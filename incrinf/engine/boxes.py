@@ -120,6 +120,19 @@ def _nbytes(region: Boxes | None) -> int:
     return values.numel() * values.element_size() if isinstance(values, torch.Tensor) else 0
 
 
+def merge_values(program: Program, step: Step, inputs: dict[str, torch.Tensor], out: Boxes) -> torch.Tensor:
+    """A step without a window over the boxes ``out``, from its inputs' values there ((N, C, *size) each, by
+    input name); the first input may be a view of a cache: an in-place step gets a copy."""
+    first = step.inputs[0]
+    if step.inplace:
+        inputs[first] = inputs[first].clone()
+    if step.linear is not None:
+        return from_rows(F.linear(to_rows(inputs[first]), *step.linear), out.n, out.size)
+    if step.op is not None:
+        return step.op(inputs[first])
+    return program.ops.invoke(step.head, inputs, like=inputs[first])
+
+
 def _run_step(program: Program, store: Store, step: Step, regions: dict[str, Boxes], tau: float,
               quantum: int) -> Boxes | None:
     if step.window is not None:
@@ -139,16 +152,7 @@ def _run_step(program: Program, store: Store, step: Step, regions: dict[str, Box
             return None
         out = union(present, step.dims)
         inputs = {name: store.aligned(name, r, out, step.out) for name, r in zip(step.inputs, ins)}
-        first = step.inputs[0]
-        if step.inplace:  # the input may be a view of a cache or another step's values
-            inputs[first] = inputs[first].clone()
-        if step.linear is not None:
-            rows = F.linear(to_rows(inputs[first]), *step.linear)
-            values = from_rows(rows, out.n, out.size)
-        elif step.op is not None:
-            values = step.op(inputs[first])
-        else:
-            values = program.ops.invoke(step.head, inputs, like=inputs[first])
+        values = merge_values(program, step, inputs, out)
     for fn in step.functions:
         values = fn(values)
     out.values = values
