@@ -1,24 +1,36 @@
 """Camera streams: plain per-frame inference vs :class:`incrinf.stream.StreamSession`, clip by clip.
 
-Run: ``python benchmarks/stream.py [--frames 48] [--threads 1] [--clips NAME,...]`` (classifier table),
-``--loo`` (leave-one-out choice of the defaults), ``--dense`` (dense models).
+Run: ``python benchmarks/stream.py [--frames 48] [--threads 1] [--rounds 2] [--clips NAME,...]`` (classifier table),
+``--dense`` (dense models), ``--no-reuse`` (models in which every change reaches the whole output), ``--loo``
+(leave-one-out choice of the defaults).
 
 Clips: the set of :mod:`incrinf.testing.clips` (shipped videos at their own size and 224 px high, a synthetic
-pan+zoom, two composed still-camera scenes). Every configuration runs the whole clip on its own, in a separate
-pass (``--rounds`` passes, their order rotated): plain inference of the model as given, the same with the model
-in channels-last layout ("full CL", the layout the session uses), and the session. Reported per configuration:
-median and mean ms per frame (the first frame of every pass excluded: it captures the model), speedups over full
-CL, agreement with full inference (top-1 for the classifier; for dense outputs the mean and the worst frame's
-share of positions whose argmax agrees) and the share of audit frames (the quality guard's).
+pan+zoom, three composed still-camera scenes). Every configuration runs its own stream over the whole clip, the
+configurations in lockstep (frame by frame in turn, the order rotated per frame, so a load change on the shared
+machine falls on all alike; ``--rounds`` passes): plain inference of the model as given, the same with the model
+in channels-last layout ("full CL", the layout the session uses, the baseline), and the session. Reported per
+configuration: median and mean ms per frame (the first frame of every pass excluded: it captures the model and
+profiles its steps), speedups over full CL beside the multiply-add ratio the session's plans give (the noise-free
+side of the same ratio), agreement with full inference (top-1 for a classifier; for dense outputs the mean and the
+worst frame's share of positions whose argmax agrees), the share of full audits and of sampled audits, the audit
+cost per frame and the per-frame overhead (matching, mask, plan, commit, decision) as a share of a full frame.
+
+Regret: one more pass with ``oracle_sample``: on every third frame that had a plan the session runs both the cached
+path and full inference and times both; the regret is the time its choice lost against the faster of the two,
+averaged over those frames, and "wrong" counts the frames the guard sent the slower way.
 
 ``--loo``: every candidate setting of the grid below runs on every clip; for each clip the candidate that does
 best on the *other* clips (every other clip at >= 99% agreement and >= 0.95x mean and median speed of full CL,
 then the highest geometric-mean speedup) is reported on the held-out clip. The defaults are the candidate chosen
 on all clips.
 
-``--dense``: MTCNN's PNet with its real weights (taken once from the facenet-pytorch wheel with ``pip download
---no-deps``, skipped with a message when that fails) and torchvision's ``fcn_resnet50`` (random init, as the
-library builds it: no weights can be fetched) on still and moving clips at their own resolution.
+``--dense``: MTCNN's PNet with its real weights at the clips' own resolution (the weights taken once from the
+facenet-pytorch wheel with ``pip download --no-deps``, skipped with a message when that fails) and torchvision's
+``fcn_resnet50`` (random init, as the library builds it: no weights can be fetched) on still and moving clips.
+
+``--no-reuse``: torchvision's ``efficientnet_b0`` (squeeze-excitation in every block) and
+``lraspp_mobilenet_v3_large`` (a global-pooling branch in its head), random init: the plan shows before the first
+cached frame that no change can pay for the cache.
 """
 
 from __future__ import annotations
@@ -47,25 +59,30 @@ except ImportError:  # a checkout without `pip install -e .`
 from incrinf.stream.agreement import OutputKind, compare, output_kind, primary_tensor
 from incrinf.stream.config import StreamConfig
 from incrinf.stream.session import StreamSession
+from incrinf.stream.stats import Cause, FrameStats
 from incrinf.testing.clips import CLIP_NAMES, Camera, Clip, Subject, load_clip
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402
 
-# Candidates for the defaults (--loo): the defaults of StreamConfig and one step either way on each guard-related
-# knob, one knob at a time.
+# Candidates for the defaults (--loo): the defaults of StreamConfig and one step either way on each knob that a
+# clip could favour, one knob at a time.
 GRID = {
     "defaults": {},
-    "threshold 6": {"threshold": 6.0},
-    "threshold 15": {"threshold": 15.0},
+    "pixel thr. 6": {"pixel_threshold": 6.0},
+    "pixel thr. 15": {"pixel_threshold": 15.0},
     "feature thr. 0.2": {"feature_threshold": 0.2},
     "feature thr. 0.5": {"feature_threshold": 0.5},
-    "near_tie 0.5": {"near_tie": 0.5},
-    "near_tie 2": {"near_tie": 2.0},
+    "still_fraction 0.25": {"still_fraction": 0.25},
+    "still_response 0.8": {"still_response": 0.8},
+    "sample tol. 3": {"sample_tolerance": 3.0},
+    "full audits only": {"sampled_audits": False},
     "audits 2..16": {"audit_interval": 2, "keyframe_interval": 16},
     "audits 8..64": {"audit_interval": 8, "keyframe_interval": 64},
 }
 PNET_WHEEL = "facenet-pytorch==2.6.0"
+ORACLE_SHARE = 1 / 3
+_PARTS = ("match", "mask", "plan", "commit", "decide")
 
 
 @dataclass
@@ -74,7 +91,8 @@ class Run:
 
     seconds: list[float] = field(default_factory=list)  # first frame of every pass excluded
     outputs: list = field(default_factory=list)  # of the first pass
-    session: StreamSession | None = None
+    stats: list[FrameStats] = field(default_factory=list)  # of every pass, first frames excluded
+    full_flops: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -87,7 +105,11 @@ class Row:
     mean_x: float
     agreement: float  # top-1 share, or mean position share for maps
     worst: float  # the worst frame's agreement (maps), else = agreement
-    audits: float  # share of audit frames
+    audits: float  # share of full audit frames
+    sampled: float  # share of sampled audit frames
+    macs: float  # multiply-add ratio: full frames' over the session's, per frame on average
+    audit_ms: float  # audit time per frame
+    parts_ms: dict[str, float]  # overhead per frame by part
     how: str
 
 
@@ -104,30 +126,35 @@ def _normaliser(mean: tuple[float, ...], std: tuple[float, ...], channels_last: 
 
 def run_clip(model: torch.nn.Module, clip: Clip, configs: dict[str, dict], rounds: int,
              mean: tuple[float, ...], std: tuple[float, ...]) -> dict[str, Run]:
-    """Plain inference (as given, channels-last) and each session configuration, each in its own passes."""
+    """Plain inference (as given, channels-last) and each session configuration, in lockstep: every configuration
+    runs its own stream over the clip, frame by frame in turn (the order rotated per frame), so a load change on a
+    shared machine falls on all of them alike; ``rounds`` such passes."""
     model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
     plain, plain_cl = _normaliser(mean, std, False), _normaliser(mean, std, True)
     factories: dict[str, Callable[[], Callable]] = {
         "full": lambda: lambda frame: model(plain(frame)),
         "full CL": lambda: lambda frame: model_cl(plain_cl(frame)),
-        **{name: (lambda o=options: StreamSession(model, mean=mean, std=std, **o))
+        **{name: (lambda o=options: StreamSession(model, mean=mean, std=std, keep_stats=None, **o))
            for name, options in configs.items()},
     }
     runs = {name: Run() for name in factories}
     names = list(factories)
     with torch.no_grad():
         for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                run = factories[name]()
-                outs = []
-                for i, frame in enumerate(clip.frames):
+            streams = {name: factories[name]() for name in names}
+            outs: dict[str, list] = {name: [] for name in names}
+            for i, frame in enumerate(clip.frames):
+                k = (r + i) % len(names)
+                for name in names[k:] + names[:k]:
                     start = time.perf_counter()
-                    outs.append(run(frame))
+                    outs[name].append(streams[name](frame))
                     if i:
                         runs[name].seconds.append(time.perf_counter() - start)
+            for name, run in streams.items():
                 if not runs[name].outputs:
-                    runs[name].outputs = outs
-                    runs[name].session = run if isinstance(run, StreamSession) else None
+                    runs[name].outputs = outs[name]
+                if isinstance(run, StreamSession):
+                    runs[name].stats.extend(run.stats[1:])
     return runs
 
 
@@ -139,28 +166,74 @@ def summarise(runs: dict[str, Run]) -> dict[str, Row]:
     for name, run in runs.items():
         median, mean = statistics.median(run.seconds), statistics.mean(run.seconds)
         scores = [compare(o, r, 0.99).agreement for o, r in zip(run.outputs, ref)]
-        how, audits = "all full", 0.0
-        if run.session is not None:
-            stats = run.session.stats
+        how, audits, sampled, macs, audit_ms, parts = "all full", 0.0, 0.0, 1.0, 0.0, {}
+        stats = run.stats
+        if stats:
             causes = collections.Counter(s.cause.name.lower().replace("_", " ") for s in stats)
             how = ", ".join(f"{n} {c}" for c, n in causes.most_common())
             audits = sum(s.audit for s in stats) / len(stats)
+            sampled = sum(not math.isnan(s.sampled_error) for s in stats) / len(stats)
+            # per frame: full inference's multiply-adds over the session's (audits count a full frame)
+            macs = len(stats) / sum(1.0 / s.flops_ratio if math.isfinite(s.flops_ratio) else 0.0 for s in stats)
+            audit_ms = statistics.mean(s.times.audit for s in stats) * 1e3
+            parts = {p: statistics.mean(getattr(s.times, p) for s in stats) * 1e3 for p in _PARTS}
         rows[name] = Row(median * 1e3, mean * 1e3, cl_median / median, cl_mean / mean, statistics.mean(scores),
-                         min(scores), audits, how)
+                         min(scores), audits, sampled, macs, audit_ms, parts, how)
     return rows
 
 
-def print_rows(clip: Clip, rows: dict[str, Row], kind: OutputKind) -> None:
-    what = "top-1" if kind == OutputKind.LABEL else "pixels (mean / worst frame)"
-    print(f"  {'':16} {'median ms':>9} {'mean ms':>8} {'median x':>8} {'mean x':>7} {what:>27} {'audits':>6}  frames")
+def regret(model: torch.nn.Module, clip: Clip, options: dict, mean: tuple, std: tuple) -> tuple[float, int, int, float]:
+    """``(mean regret in ms, frames sent the slower way, frames measured, mean full frame ms)`` of the speed guard,
+    from a pass where every third planned frame runs both ways."""
+    session = StreamSession(model, mean=mean, std=std, keep_stats=None, oracle_sample=ORACLE_SHARE, **options)
+    with torch.no_grad():
+        for frame in clip.frames:
+            session(frame)
+    lost, wrong, full = [], 0, []
+    for s in session.stats[1:]:
+        if math.isnan(s.oracle_cached):
+            continue
+        chose_cached = s.cause == Cause.CACHED
+        chosen = s.oracle_cached if chose_cached else s.oracle_full
+        best = min(s.oracle_cached, s.oracle_full)
+        lost.append(chosen - best)
+        wrong += chosen > best
+        full.append(s.oracle_full)
+    if not lost:
+        return math.nan, 0, 0, math.nan
+    return statistics.mean(lost) * 1e3, wrong, len(lost), statistics.mean(full) * 1e3
+
+
+def print_rows(rows: dict[str, Row], kind: OutputKind) -> None:
+    what = "top-1" if kind == OutputKind.LABEL else "pixels (mean / worst)"
+    print(f"  {'':16} {'median ms':>9} {'mean ms':>8} {'median x':>8} {'mean x':>7} {'MACs x':>7} {what:>21} "
+          f"{'audits':>6} {'sampled':>7}  frames")
     for name, row in rows.items():
         agree = f"{row.agreement:.1%}" if kind == OutputKind.LABEL else f"{row.agreement:.2%} / {row.worst:.2%}"
         print(f"  {name:16} {row.median_ms:9.1f} {row.mean_ms:8.1f} {row.median_x:8.2f} {row.mean_x:7.2f} "
-              f"{agree:>27} {row.audits:6.0%}  {row.how}")
+              f"{row.macs:7.1f} {agree:>21} {row.audits:6.0%} {row.sampled:7.0%}  {row.how}")
+
+
+def print_costs(rows: dict[str, Row], lost: tuple[float, int, int, float]) -> None:
+    """The session's audit cost and overhead per frame (shares of a full CL frame) and the guard's regret."""
+    full = rows["full CL"].median_ms
+    for name, row in rows.items():
+        if not row.parts_ms:
+            continue
+        overhead = sum(row.parts_ms.values())
+        parts = ", ".join(f"{p} {v:.2f}" for p, v in row.parts_ms.items())
+        print(f"  {name}: audits {row.audit_ms:.1f} ms/frame ({row.audit_ms / full:.1%} of a full frame); overhead "
+              f"{overhead:.1f} ms/frame ({overhead / full:.1%}): {parts}")
+    mean_lost, wrong, n, full_ms = lost
+    if n:
+        print(f"  speed guard vs an oracle timing both paths on {n} frames: regret {mean_lost:.1f} ms/frame "
+              f"({mean_lost / full_ms:.1%} of a full frame), {wrong} sent the slower way")
+    else:
+        print("  speed guard vs an oracle: no frame had a plan (all ran full)")
 
 
 def goals(clip: Clip, row: Row) -> str:
-    """Which of the issue's goals the session's row meets on this clip (classifier)."""
+    """Which goals the session's row meets on this clip (classifier)."""
     met = [row.median_x >= 0.95 and row.mean_x >= 0.95, row.agreement >= 0.99]
     text = f"speed>=0.95x {'yes' if met[0] else 'NO'}, top-1>=99% {'yes' if met[1] else 'NO'}"
     if clip.camera == Camera.STILL and clip.subject == Subject.SMALL:
@@ -171,39 +244,47 @@ def goals(clip: Clip, row: Row) -> str:
 def classifier(args: argparse.Namespace) -> None:
     model = models.load("efficientnet_lite0")
     meta = models.info("efficientnet_lite0")
-    defaults = StreamConfig()
     print(f"EfficientNet-Lite0 (ImageNet weights), {args.frames} frames per clip, {args.rounds} pass(es) per "
-          f"configuration; session defaults: {_settings(defaults)}")
+          f"configuration; session defaults: {_settings(StreamConfig())}")
     table = []
     for name in args.clips:
         clip = load_clip(name, args.frames)
         print(f"\n{clip.name}: {clip.description}; load {_load()}")
         rows = summarise(run_clip(model, clip, {"session": {}}, args.rounds, meta.mean, meta.std))
-        print_rows(clip, rows, OutputKind.LABEL)
+        print_rows(rows, OutputKind.LABEL)
+        lost = regret(model, clip, {}, meta.mean, meta.std) if args.regret else (math.nan, 0, 0, math.nan)
+        print_costs(rows, lost)
         print(f"  goals: {goals(clip, rows['session'])}")
-        table.append((clip, rows))
-    print("\n| clip | full ms | full CL ms | session ms (median / mean) | speedup vs CL (median / mean) | top-1 | "
-          "audits |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for clip, rows in table:
+        table.append((clip, rows, lost))
+    print(f"\nload at the end: {_load()}")
+    print("\n| clip | full CL ms | session ms (median / mean) | speedup vs CL (median / mean) | MACs ratio | top-1 | "
+          "audits (full / sampled) | audit, overhead ms/frame | regret ms/frame (wrong) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for clip, rows, lost in table:
         s = rows["session"]
         print(f"| {clip.name} {clip.size[0]}x{clip.size[1]} ({clip.camera.value}, {clip.subject.value} subject) | "
-              f"{rows['full'].median_ms:.1f} | {rows['full CL'].median_ms:.1f} | {s.median_ms:.1f} / {s.mean_ms:.1f} "
-              f"| {s.median_x:.2f}x / {s.mean_x:.2f}x | {s.agreement:.1%} | {s.audits:.0%} |")
+              f"{rows['full CL'].median_ms:.1f} | {s.median_ms:.1f} / {s.mean_ms:.1f} | {s.median_x:.2f}x / "
+              f"{s.mean_x:.2f}x | {s.macs:.1f} | {s.agreement:.1%} | {s.audits:.0%} / {s.sampled:.0%} | "
+              f"{s.audit_ms:.1f}, {sum(s.parts_ms.values()):.1f} | {_regret_cell(lost)} |")
+
+
+def _regret_cell(lost: tuple[float, int, int, float]) -> str:
+    mean_lost, wrong, n, _ = lost
+    return f"{mean_lost:.1f} ({wrong}/{n})" if n else "n/a"
 
 
 def leave_one_out(args: argparse.Namespace) -> None:
     model = models.load("efficientnet_lite0")
     meta = models.info("efficientnet_lite0")
     print(f"leave-one-out over {len(args.clips)} clips, {len(GRID)} candidates, {args.frames} frames, "
-          f"EfficientNet-Lite0")
+          f"EfficientNet-Lite0, {args.rounds} pass(es)")
     results: dict[str, dict[str, Row]] = {}
     for name in args.clips:
         clip = load_clip(name, args.frames)
         rows = summarise(run_clip(model, clip, GRID, args.rounds, meta.mean, meta.std))
         results[name] = rows
         print(f"\n{name} (load {_load()})")
-        print_rows(clip, rows, OutputKind.LABEL)
+        print_rows(rows, OutputKind.LABEL)
     print("\nheld-out clip: candidate chosen on the other clips -> its figures on the held-out clip")
     print("| held-out clip | chosen on the others | median x | mean x | top-1 | audits |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -211,7 +292,7 @@ def leave_one_out(args: argparse.Namespace) -> None:
         chosen = _choose({k: v for k, v in results.items() if k != name})
         row = results[name][chosen]
         print(f"| {name} | {chosen} | {row.median_x:.2f} | {row.mean_x:.2f} | {row.agreement:.1%} | {row.audits:.0%} |")
-    print(f"\nchosen on all clips (the defaults): {_choose(results)}")
+    print(f"\nchosen on all clips (the defaults): {_choose(results)}; load at the end {_load()}")
 
 
 def _choose(results: dict[str, dict[str, Row]]) -> str:
@@ -230,35 +311,61 @@ def _choose(results: dict[str, dict[str, Row]]) -> str:
     return max(GRID, key=lambda name: (min(r[name].agreement for r in results.values()), speed(name)))
 
 
+def _dense_case(title: str, model: torch.nn.Module, mean: tuple, std: tuple, clip: Clip, args) -> None:
+    runs = run_clip(model, clip, {"session": {}}, args.rounds, mean, std)
+    rows = summarise(runs)
+    ref = primary_tensor(runs["full"].outputs[0])
+    labels = ref.argmax(1) if ref.shape[1] > 1 else ref[:, 0] > 0
+    majority = float(torch.bincount(labels.flatten().long()).max()) / labels.numel()
+    print(f"\n{title} on {clip.name} {clip.size[0]}x{clip.size[1]} ({clip.camera.value} camera), "
+          f"{len(clip.frames)} frames; output {tuple(ref.shape)}, largest class {majority:.0%} of positions; "
+          f"load {_load()}")
+    print_rows(rows, output_kind(ref))
+    lost = regret(model, clip, {}, mean, std) if args.regret else (math.nan, 0, 0, math.nan)
+    print_costs(rows, lost)
+    s = rows["session"]
+    print(f"| {title}, {clip.name} {clip.size[0]}x{clip.size[1]} ({clip.camera.value}) | {len(clip.frames)} | "
+          f"{rows['full CL'].median_ms:.1f} | {s.median_ms:.1f} / {s.mean_ms:.1f} | {s.median_x:.2f}x / "
+          f"{s.mean_x:.2f}x | {s.macs:.1f} | {s.agreement:.2%} / {s.worst:.2%} | {s.audits:.0%} / {s.sampled:.0%} | "
+          f"{s.audit_ms:.1f}, {sum(s.parts_ms.values()):.1f} | {_regret_cell(lost)} |")
+
+
 def dense(args: argparse.Namespace) -> None:
     import torchvision
 
     from incrinf.testing.pnet import MEAN, STD, load_pnet
 
-    cases: list[tuple[str, torch.nn.Module, tuple, tuple, list[str], int]] = []
     wheel = _pnet_wheel(Path(args.cache))
     if wheel is not None:
-        cases.append(("PNet (MTCNN weights)", load_pnet(wheel), MEAN, STD,
-                      ["carphone", "hall", "yard", "bikes", "bigbuckbunny"], args.frames))
+        pnet = load_pnet(wheel)
+        for name in ("carphone", "hall", "yard", "walkers", "bikes", "bigbuckbunny"):
+            if _wanted(args, name):
+                _dense_case("PNet (MTCNN weights)", pnet, MEAN, STD, load_clip(name, args.frames), args)
     torch.manual_seed(0)
     fcn = torchvision.models.segmentation.fcn_resnet50(weights=None, weights_backbone=None).eval()
     imagenet = (models.info("resnet50").mean, models.info("resnet50").std)
-    cases.append(("fcn_resnet50 (random init)", fcn, *imagenet, ["hall"], args.dense_frames))
-    cases.append(("fcn_resnet50 (random init)", fcn, *imagenet, ["bikes"], args.moving_dense_frames))
-    for title, model, mean, std, clips, n_frames in cases:
-        for name in clips:
-            if args.clips != list(CLIP_NAMES) and name not in args.clips:
-                continue
-            clip = load_clip(name, n_frames)
-            runs = run_clip(model, clip, {"session": {}}, args.rounds, mean, std)
-            rows = summarise(runs)
-            ref = primary_tensor(runs["full"].outputs[0])
-            labels = ref.argmax(1) if ref.shape[1] > 1 else ref[:, 0] > 0
-            majority = float(torch.bincount(labels.flatten().long()).max()) / labels.numel()
-            print(f"\n{title} on {clip.name} {clip.size[0]}x{clip.size[1]} ({clip.camera.value} camera), "
-                  f"{n_frames} frames; output {tuple(ref.shape)}, largest class {majority:.0%} of positions; "
-                  f"load {_load()}")
-            print_rows(clip, rows, output_kind(ref))
+    for name, n_frames in (("walkers", args.dense_frames), ("hall", args.dense_frames),
+                           ("bikes", args.moving_dense_frames)):
+        if _wanted(args, name):
+            _dense_case("fcn_resnet50 (random init)", fcn, *imagenet, load_clip(name, n_frames), args)
+
+
+def no_reuse(args: argparse.Namespace) -> None:
+    import torchvision
+
+    torch.manual_seed(0)
+    effnet = torchvision.models.efficientnet_b0(weights=None).eval()
+    lraspp = torchvision.models.segmentation.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None).eval()
+    imagenet = (models.info("resnet50").mean, models.info("resnet50").std)
+    for title, model in (("efficientnet_b0 (squeeze-excitation, random init)", effnet),
+                         ("lraspp_mobilenet_v3_large (global-pooling branch, random init)", lraspp)):
+        for name in ("carphone", "hall", "walkers", "bikes@224"):
+            if _wanted(args, name):
+                _dense_case(title, model, *imagenet, load_clip(name, args.frames), args)
+
+
+def _wanted(args: argparse.Namespace, name: str) -> bool:
+    return args.clips == list(CLIP_NAMES) or name in args.clips
 
 
 def _pnet_wheel(cache: Path) -> Path | None:
@@ -277,10 +384,10 @@ def _pnet_wheel(cache: Path) -> Path | None:
 
 
 def _settings(config: StreamConfig) -> str:
-    return (f"threshold {config.threshold:g}, feature threshold {config.still_feature_threshold:g} (still), target "
-            f"agreement {config.target_agreement:g}, audits every {config.audit_interval}..{config.keyframe_interval} "
-            f"frames, near_tie {config.near_tie:g}, speed guard {config.speed_guard}, quality guard "
-            f"{config.quality_guard}")
+    return (f"pixel threshold {config.pixel_threshold:g}, feature threshold {config.still_feature_threshold:g} "
+            f"(still), target agreement {config.target_agreement:g}, audits every "
+            f"{config.audit_interval}..{config.keyframe_interval} frames (sampled: {config.sampled_audits}), "
+            f"near_tie {config.near_tie:g}, speed guard {config.speed_guard}, quality guard {config.quality_guard}")
 
 
 def _load() -> str:
@@ -293,9 +400,11 @@ def main() -> None:
     parser.add_argument("--clips", type=lambda s: s.split(","), default=list(CLIP_NAMES),
                         help=f"comma-separated clip names (default: all of {', '.join(CLIP_NAMES)})")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--rounds", type=int, default=1, help="passes over each clip per configuration")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over each clip per configuration")
     parser.add_argument("--loo", action="store_true", help="leave-one-out choice of the defaults")
     parser.add_argument("--dense", action="store_true", help="dense models (PNet, fcn_resnet50)")
+    parser.add_argument("--no-reuse", action="store_true", help="models whose every change reaches the output")
+    parser.add_argument("--no-regret", dest="regret", action="store_false", help="skip the oracle pass")
     parser.add_argument("--dense-frames", type=int, default=40, help="frames of fcn_resnet50's still-camera runs")
     parser.add_argument("--moving-dense-frames", type=int, default=8, help="frames of fcn_resnet50 on bikes")
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "incrinf" / "wheels"),
@@ -311,6 +420,8 @@ def main() -> None:
         leave_one_out(args)
     elif args.dense:
         dense(args)
+    elif args.no_reuse:
+        no_reuse(args)
     else:
         classifier(args)
 

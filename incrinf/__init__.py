@@ -13,10 +13,11 @@ from __future__ import annotations
 from incrinf.analysis import AnalysisReport, analyze
 from incrinf.cache import LookupStatus, RuntimeCache, make_key, runtime_cache
 from incrinf.errors import CaptureError, MissingExtraError
-from incrinf.explain.approx import occlusion
 from incrinf.explain.drilldown import DrillDown
-from incrinf.explain.occlusion import OcclusionResult
-from incrinf.explain.tuning import TuningProfile, tune
+from incrinf.explain.occlusion import occlusion
+from incrinf.explain.result import OcclusionResult, OcclusionStats
+from incrinf.explain.tuning import tune
+from incrinf.explain.tuning_profile import TuningProfile
 from incrinf.graph import Graph, NodeKind, capture
 from incrinf.lazy import lazy_exports
 
@@ -48,6 +49,7 @@ __all__ = [
     "MissingExtraError",
     "NodeKind",
     "OcclusionResult",
+    "OcclusionStats",
     "RuntimeCache",
     "TuningProfile",
     "analyze",

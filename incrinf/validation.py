@@ -143,3 +143,67 @@ def check_feature_mask(mask: Any, image: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"feature_mask must have the input's spatial shape {want}, optionally behind a channel axis "
                          f"of 1 or {c} (and a batch axis of 1); got shape {shape}")
     return mask.to(device=image.device, dtype=torch.int64)
+
+
+# --- camera frames --------------------------------------------------------------------------------------------
+
+def check_frame_array(frame: Any) -> np.ndarray:
+    """A camera frame as an (H, W, 3) uint8 RGB array (returned as is)."""
+    if not isinstance(frame, np.ndarray):
+        raise TypeError(f"frame must be an (H, W, 3) uint8 numpy array, got {type(frame).__name__}")
+    if frame.dtype != np.uint8:
+        raise TypeError(f"frame arrays must be uint8 RGB (H, W, 3), got dtype {frame.dtype}; pass floats as an "
+                        "already normalised torch tensor")
+    if frame.ndim != 3:
+        raise ValueError(f"frame must have shape (H, W, 3), got {frame.ndim} dimensions {frame.shape}")
+    if frame.shape[2] != 3:
+        raise ValueError(f"frame must have 3 channels (RGB), got {frame.shape[2]} in shape {frame.shape}")
+    if min(frame.shape[:2]) < 1:
+        raise ValueError(f"frame is empty: shape {frame.shape}")
+    return frame
+
+
+def check_frame_tensor(x: Any, what: str = "frame", min_side: int = 8) -> torch.Tensor:
+    """A preprocessed camera frame, (3, H, W) or (1, 3, H, W) float and finite, as (1, 3, H, W)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{what} must be a floating-point tensor (normalised), got {x.dtype}")
+    if x.dim() == 3:
+        x = x.unsqueeze(0)
+    if x.dim() != 4 or x.shape[0] != 1:
+        raise ValueError(f"{what} must have shape (3, H, W) or (1, 3, H, W), got {tuple(x.shape)}")
+    if x.shape[1] != 3:
+        raise ValueError(f"{what} must have 3 channels, got {x.shape[1]} in shape {tuple(x.shape)}")
+    if min(x.shape[-2:]) < min_side:
+        raise ValueError(f"{what} is too small: {tuple(x.shape)}")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{what} contains NaN or infinite values")
+    return x
+
+
+def check_frame_size(size: Any, name: str = "input_size", min_side: int = 8) -> tuple[int, int] | None:
+    """An (height, width) of at least ``min_side`` each, or None."""
+    if size is None:
+        return None
+    try:
+        h, w = (int(v) for v in size)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be (height, width), got {size!r}") from None
+    if h < min_side or w < min_side:
+        raise ValueError(f"{name} must be at least {min_side}x{min_side}, got {size!r}")
+    return h, w
+
+
+def check_homography(matrix: Any) -> np.ndarray | None:
+    """A finite, invertible (3, 3) homography normalised to ``[2, 2] == 1`` (float64), or None."""
+    if matrix is None:
+        return None
+    m = np.asarray(matrix, dtype=np.float64)
+    if m.shape != (3, 3) or not np.all(np.isfinite(m)) or abs(m[2, 2]) < 1e-12:
+        raise ValueError(f"homography must be a finite (3, 3) matrix with [2, 2] != 0, got shape {m.shape}")
+    try:
+        np.linalg.inv(m)
+    except np.linalg.LinAlgError:
+        raise ValueError("homography is singular") from None
+    return m / m[2, 2]

@@ -68,7 +68,7 @@ def _work(model: nn.Module, index: int, photo: np.ndarray, start: threading.Barr
     panned = np.ascontiguousarray(photo[y:y + FRAME, x + 4:x + 4 + FRAME])
     pan = np.array([[1.0, 0.0, -4.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     # unguarded: the speed guard's choice depends on timings, which threads sharing cores change
-    session = StreamSession(model, threshold=5.0, speed_guard=False, quality_guard=False)
+    session = StreamSession(model, pixel_threshold=5.0, speed_guard=False, quality_guard=False)
     outputs = [session(base), session(base, homography=np.eye(3)), session(changed, homography=np.eye(3)),
                session(panned, homography=pan), session(base)]
     image = torch.from_numpy(base[::2, ::2].astype(np.float32) / 127.5 - 1.0).permute(2, 0, 1).contiguous()

@@ -4,9 +4,12 @@ parser, turning them into :func:`incrinf.occlusion` keyword arguments, and descr
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from incrinf.cli.common import number
+
+if TYPE_CHECKING:
+    from incrinf.explain.result import OcclusionStats
 
 
 def add_explain_options(parser: argparse.ArgumentParser) -> None:
@@ -28,13 +31,13 @@ def add_explain_options(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_explain_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for :func:`incrinf.explain.approx.occlusion` from the parsed options.
+    """Keyword arguments for :func:`incrinf.occlusion` from the parsed options.
 
     Raises:
         ValueError: inconsistent options (the CLI prints it as an error).
     """
     from incrinf.explain.drilldown import DrillDown
-    from incrinf.explain.tuning import TuningProfile
+    from incrinf.explain.tuning_profile import TuningProfile
 
     kwargs: dict[str, Any] = {"tau": getattr(args, "tau", 1.0)}
     if getattr(args, "feature_threshold", 0.0):
@@ -56,27 +59,27 @@ def apply_explain_options(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def describe_approximation(stats: dict[str, Any]) -> str:
+def describe_approximation(stats: OcclusionStats) -> str:
     """One or two lines on what was approximated and the error measured (for ``incrinf explain``)."""
-    if not stats.get("approximate"):
+    setting, error, drill = stats.setting, stats.error, stats.drill_down
+    if not stats.approximate:
         return "exact heat map (tau = 1, no pruning, no drill-down)"
-    knobs = [f"tau {stats['tau']:g}"] if stats["tau"] < 1 else []
-    if stats.get("feature_threshold"):
-        knobs.append(f"feature threshold {stats['feature_threshold']:g}")
+    knobs = [f"tau {setting.tau:g}"] if setting.tau < 1 else []
+    if setting.feature_threshold:
+        knobs.append(f"feature threshold {setting.feature_threshold:g}")
     parts = [", ".join(knobs) or "drill-down"]
-    if stats.get("setting_source") == "profile":
-        parts[0] += (f" (from the profile for SSIM {stats['target_ssim']:g}, which held "
-                     f"{stats['predicted_ssim']:.3f} when tuned)")
-    if stats.get("stage_one_stride"):
-        s1 = stats["stage_one_stride"]
-        parts.append(f"drill-down: stage one stride {s1[0]}, {stats['stage_one_positions']} + "
-                     f"{stats['stage_two_positions']} positions instead of {stats['fine_positions']} "
-                     f"({stats['query_speedup']:.2f}x fewer queries)")
-    if "max_abs_error" in stats:  # measure_quality; a grid too small for SSIM has only the errors
-        ssim = f"measured SSIM {stats['ssim']:.3f} vs the exact map, " if "ssim" in stats else "vs the exact map: "
-        parts.append(f"{ssim}max |error| {stats['max_abs_error']:.3g}")
-    elif "sampled_cells" in stats:
-        estimate = f" (estimated SSIM {stats['estimated_ssim']:.3f})" if "estimated_ssim" in stats else ""
-        parts.append(f"error on {stats['sampled_cells']} cells recomputed exactly: "
-                     f"max {stats['sampled_max_abs_error']:.3g}, mean {stats['sampled_mean_abs_error']:.3g}{estimate}")
+    if setting.source == "profile":
+        parts[0] += (f" (from the profile for SSIM {setting.target_ssim:g}, which held "
+                     f"{setting.predicted_ssim:.3f} when tuned)")
+    if drill is not None:
+        parts.append(f"drill-down: stage one stride {drill.stage_one_stride[0]}, {drill.stage_one_positions} + "
+                     f"{drill.stage_two_positions} positions instead of {drill.fine_positions} "
+                     f"({drill.query_speedup:.2f}x fewer queries)")
+    if error.method == "measured":  # measure_quality; a grid too small for SSIM has only the errors
+        ssim = f"measured SSIM {error.ssim:.3f} vs the exact map, " if error.ssim is not None else "vs the exact map: "
+        parts.append(f"{ssim}max |error| {error.max_abs_error:.3g}")
+    elif error.method == "sampled":
+        estimate = f" (estimated SSIM {error.ssim:.3f})" if error.ssim is not None else ""
+        parts.append(f"error on {error.cells} cells recomputed exactly: "
+                     f"max {error.max_abs_error:.3g}, mean {error.mean_abs_error:.3g}{estimate}")
     return "approximate: " + "; ".join(parts)

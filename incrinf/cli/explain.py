@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--feature-mask", metavar="FILE",
                    help="occlude features instead of sliding windows: a segment image or .npy of ids (images, the "
                         "image's size) or a label volume (NIfTI or .npy, the volume's shape); one value per feature")
-    p.add_argument("--output", choices=["logit", "prob"], default="prob")
+    p.add_argument("--output", choices=["logit", "prob"], default="logit")
     p.add_argument("--batch-size", type=positive_int)
     p.add_argument("--out", default="heatmap.png", help="picture to write, or the folder of a dataset run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -95,7 +95,7 @@ def _read_image(path: str | None) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     from incrinf import models
     from incrinf.cli.dataset import is_dataset_run, run_dataset
-    from incrinf.explain import approx
+    from incrinf.explain.occlusion import occlusion
 
     volumes = [path for path in args.image or [] if is_volume_path(path)]
     if volumes:
@@ -126,18 +126,18 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"incrinf explain: {exc}") from None
         options["feature_mask"] = fit_image_mask(labels, image.shape[:2], x.shape[-1])
     start = time.perf_counter()
-    result = approx.occlusion(model, x, target=args.target, patch=args.patch or 16, stride=args.stride or 4,
-                              baseline=args.baseline, batch_size=args.batch_size if args.batch_size else "auto",
-                              output=args.output, progress=not args.quiet, **options)
+    result = occlusion(model, x, target=args.target, patch=args.patch or 16, stride=args.stride or 4,
+                       baseline=args.baseline, batch_size=args.batch_size if args.batch_size else "auto",
+                       output=args.output, progress=not args.quiet, **options)
     elapsed = time.perf_counter() - start
     out = result.save(args.out, image=models.unnormalize(x, name), title=f"{name}: class {result.target}",
                       cmap=args.cmap, centre=None if args.no_centre else 0.0)
     s = result.stats
     if result.features is not None or result.every_class:
         return print_summary(result, elapsed, out, "heat map")
-    print(f"explained class {result.target} with {s['positions']} positions in {elapsed:.1f} s "
-          f"({s['batches']} batches of {s['batch_size']}); theoretical speedup {s['theoretical_speedup']:.2f}x, "
-          f"realized FLOP ratio {s['realized_flop_ratio']:.2f}x")
+    print(f"explained class {result.target} with {s.positions} positions in {elapsed:.1f} s "
+          f"({s.batches} batches of {s.batch_size}); theoretical speedup {s.theoretical_speedup:.2f}x, "
+          f"realized FLOP ratio {s.realized_flop_ratio:.2f}x")
     y, x_ = np.unravel_index(np.argmax(result.heatmap), result.heatmap.shape)
     py, px = result.positions[y * result.heatmap.shape[1] + x_]
     print(f"largest drop {result.heatmap.max():.3f} at window y={py}..{py + result.patch[0]}, "

@@ -128,10 +128,10 @@ def resize_labels(mask: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
 def summary_line(result: Any, elapsed: float) -> str:
     """What a run explained, how fast, and its theoretical speedup."""
     s = result.stats
-    what = f"{len(result.features)} features" if result.features is not None else f"{s['positions']} positions"
+    what = f"{len(result.features)} features" if result.features is not None else f"{s.positions} positions"
     target = "every class" if result.every_class else f"class {result.target}"
-    return (f"explained {target} with {what} in {elapsed:.1f} s ({s['batches']} batches of {s['batch_size']}); "
-            f"theoretical speedup {s['theoretical_speedup']:.2f}x, realized FLOP ratio {s['realized_flop_ratio']:.2f}x")
+    return (f"explained {target} with {what} in {elapsed:.1f} s ({s.batches} batches of {s.batch_size}); "
+            f"theoretical speedup {s.theoretical_speedup:.2f}x, realized FLOP ratio {s.realized_flop_ratio:.2f}x")
 
 
 def print_summary(result: Any, elapsed: float, out: Any, picture: str) -> int:

@@ -46,8 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("video", nargs="?", help="video file (default: the bundled carphone_pristine.mp4)")
     p.add_argument("--model", default="efficientnet_lite0", help="zoo model (default: efficientnet_lite0)")
     p.add_argument("--weights", help="state-dict file for a torchvision architecture")
-    p.add_argument("--threshold", type=non_negative, default=_DEFAULTS.threshold,
-                   help=f"change threshold per cell in 0-255 pixel levels (default {_DEFAULTS.threshold:g})")
+    p.add_argument("--pixel-threshold", type=non_negative, default=_DEFAULTS.pixel_threshold,
+                   help="change-mask threshold: mean absolute difference per cell in 0-255 pixel levels (default "
+                        f"{_DEFAULTS.pixel_threshold:g})")
     p.add_argument("--cell", type=positive_int, default=_DEFAULTS.cell,
                    help=f"change-mask cell side in pixels (default {_DEFAULTS.cell})")
     p.add_argument("--max-ratio", type=float, default=_DEFAULTS.max_ratio,
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     frames = read_frames(path, max_frames=args.max_frames, size=args.size)  # fails here on a bad file
     model = models.load(args.model, args.weights)
     meta = models.info(args.model)
-    config = StreamConfig(threshold=args.threshold, cell=args.cell, max_ratio=args.max_ratio,
+    config = StreamConfig(pixel_threshold=args.pixel_threshold, cell=args.cell, max_ratio=args.max_ratio,
                           keyframe_interval=args.keyframe_interval, feature_threshold=args.feature_threshold,
                           target_agreement=args.target_agreement, target_error=args.target_error or None,
                           audit_interval=args.audit_interval, speed_guard=not args.no_speed_guard,

@@ -73,7 +73,7 @@ def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
     """The ``explain`` subcommand for the volume file ``path``."""
     from incrinf import models
     from incrinf.cli.approx_options import describe_approximation
-    from incrinf.explain.approx import occlusion
+    from incrinf.explain.occlusion import occlusion
 
     for option in ("target_ssim", "profile", "drill_down", "target_speedup"):
         if getattr(args, option, None) is not None:
@@ -116,9 +116,9 @@ def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
 
         return print_summary(result, elapsed, out, "montage")
     shape = "x".join(map(str, volume.shape[1:]))
-    print(f"explained class {result.target} of a {shape} volume with {s['positions']} positions in {elapsed:.1f} s "
-          f"({s['batches']} batches of {s['batch_size']}); theoretical speedup {s['theoretical_speedup']:.2f}x, "
-          f"realized FLOP ratio {s['realized_flop_ratio']:.2f}x")
+    print(f"explained class {result.target} of a {shape} volume with {s.positions} positions in {elapsed:.1f} s "
+          f"({s.batches} batches of {s.batch_size}); theoretical speedup {s.theoretical_speedup:.2f}x, "
+          f"realized FLOP ratio {s.realized_flop_ratio:.2f}x")
     cell = np.unravel_index(np.argmax(result.heatmap), result.heatmap.shape)
     corner = result.positions[np.ravel_multi_index(cell, result.heatmap.shape)]
     window = ", ".join(f"{axis}={c}..{c + p}" for axis, c, p in zip("zyx", corner, result.patch))

@@ -12,12 +12,19 @@ step:
   merged map instead;
 - merges and pointwise steps work on the union of their inputs' changed positions, reading the positions an
   input did not change from its merged map; 1x1 convolutions run as matrix products over those rows;
-- a cached tensor's new values are committed (with value-based pruning), and at a cut point that mostly
-  changed the rest of the model runs as one generated module.
+- a cached tensor's new values are committed (with value-based pruning), and at a cut point the rest of the
+  model may run as one generated module.
+
+:func:`plan_blocks` works out the same masks before anything runs (what each step will compute, densely or in
+blocks, and at which cut point the dense rest is cheapest by the cost coefficients of
+:class:`~incrinf.engine.costs.FrameCosts`); the walk then follows the plan's masks instead of growing them again,
+until a commit prunes positions (a feature threshold), from which on it grows what is left.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from incrinf.engine.costs import FrameCosts
 from incrinf.engine.program import Program, Step
 from incrinf.engine.stores import FrameCache
 from incrinf.engine.windows import WindowSpec, block_table, padded_map
@@ -61,7 +69,8 @@ class Positions:
 
     ``mask`` (h, w) bool and ``flat`` sorted flat positions; ``values`` is a (1, C, n, 1) row map, or the whole
     (1, C, h, w) map when ``dense``. ``n == 0``: nothing changed (values is None). ``whole``: the operator ran
-    over the whole map (its cost), whichever positions changed.
+    over the whole map (its cost), whichever positions changed. ``planned``: the positions are the plan's (no
+    pruning changed them, nor any input's).
     """
 
     mask: np.ndarray
@@ -70,6 +79,7 @@ class Positions:
     dense: bool = False
     _index: torch.Tensor | None = None
     whole: bool = False
+    planned: bool = True
 
     @property
     def n(self) -> int:
@@ -87,7 +97,10 @@ class Positions:
 
 @dataclass
 class BlockResult:
-    """What a block walk computed (see :class:`~incrinf.engine.boxes.WalkResult`)."""
+    """What a block walk computed (see :class:`~incrinf.engine.boxes.WalkResult`); ``seconds``: what the
+    (calibrated) cost coefficients give for the work done; when timed, ``step_seconds`` the measured seconds per
+    step (and the tail), ``step_positions`` the positions each step computed and ``step_samples`` the
+    ``(fixed, arithmetic, measured)`` seconds of each step that computed anything."""
 
     output: Any
     flops: float
@@ -96,6 +109,31 @@ class BlockResult:
     moved: int
     changed: dict[str, Positions]
     suffix: str | None = None
+    seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+    step_positions: list[int] = field(default_factory=list)
+    step_samples: list[tuple[float, float, float]] = field(default_factory=list)
+
+
+@dataclass
+class BlockPlan:
+    """What a moving camera's frame will compute, before it runs.
+
+    Attributes:
+        masks: per step, the output positions it recomputes (None: none).
+        dense: per step, whether it runs on the whole map.
+        switch: the cut point after which the rest runs densely, or None.
+        flops: multiply-adds the frame computes (the dense rest and the tail included).
+        seconds: predicted engine seconds from the coefficients (uncalibrated).
+        positions: recomputed positions summed over the steps.
+    """
+
+    masks: list[np.ndarray | None]
+    dense: list[bool]
+    switch: str | None
+    flops: float
+    seconds: float
+    positions: int
 
 
 def block_size(h: int, w: int) -> tuple[int, int]:
@@ -136,8 +174,106 @@ def padding_band(spec: WindowSpec, side: str, out_dims: tuple[int, int], source_
     return band
 
 
+def plan_blocks(program: Program, costs: FrameCosts, changed: np.ndarray, motion: Motion,
+                moved_bytes: float = 0.0) -> BlockPlan:
+    """Plan a block walk: the positions each step recomputes (densely or in blocks) for the changed pixels and
+    the motion, the cheapest cut point to switch to the dense rest, and the predicted seconds (``moved_bytes``:
+    cached bytes the motion moves, priced by :attr:`FrameCosts.move`)."""
+    dims = {n.name: tuple(n.shape[-2:]) for n in program.local if n.shape is not None}
+    changed = np.asarray(changed, bool)
+    masks: dict[str, np.ndarray] = {program.graph.input.name: changed}
+    whole = {program.graph.input.name: bool(changed.all())}  # the walk holds these as dense maps
+    plan = BlockPlan([], [], None, 0.0, costs.frame + costs.move * moved_bytes, 0)
+    best = (math.inf, None, 0.0)
+    for index, step in enumerate(program.steps):
+        if step.window is not None:
+            src = masks.get(step.window.source)
+            mask = _window_mask(step, src, dims[step.window.source], motion)
+            dense = mask is not None and mask.any() and _runs_dense(step, mask)
+            n = 0 if mask is None else (step.positions if dense else _block_positions(step, mask))
+            full = dense and mask.mean() > DENSE_RATIO
+        else:
+            present = [masks[name] for name in step.inputs if name in masks]
+            mask = np.logical_or.reduce(present) if len(present) > 1 else (present[0] if present else None)
+            full = mask is not None and (any(whole.get(name, False) for name in step.inputs)
+                                         or (len(present) > 1 and mask.mean() > DENSE_RATIO))
+            dense = full
+            n = 0 if mask is None else (step.positions if dense else int(mask.sum()))
+        if mask is not None and not mask.any():
+            mask = None
+        if full:
+            mask = np.ones(step.dims, bool)
+        plan.masks.append(mask)
+        plan.dense.append(dense)
+        if mask is None:
+            continue
+        masks[step.out] = mask
+        whole[step.out] = full
+        plan.seconds += costs.blocks(index, n, dense)
+        plan.flops += step.flops * (1.0 if dense else n / step.positions)
+        plan.positions += n
+        if step.out in program.cuts:
+            total = plan.seconds + costs.suffix(step.out)
+            if total < best[0]:
+                best = (total, step.out, plan.flops + program.suffix_flops(step.out) + program.tail_flops)
+    plan.seconds += costs.tail_seconds()
+    plan.flops += program.tail_flops
+    if best[0] < plan.seconds:
+        plan.seconds, plan.switch, plan.flops = best
+    return plan
+
+
+def _window_mask(step: Step, src: np.ndarray | None, source_dims: tuple[int, int], motion: Motion
+                 ) -> np.ndarray | None:
+    """A window step's output positions to recompute: what the changed source positions reach, plus the
+    positions the motion left without a source and those whose windows read newly uncovered padding."""
+    spec = step.window
+    ho, wo = step.dims
+    mask = grow_mask(src, spec, (ho, wo)) if src is not None and src.any() else None
+    invalid = motion.invalid.get((ho, wo))
+    if invalid is not None:
+        mask = invalid.copy() if mask is None else mask | invalid
+    # positions whose windows read padding where the previous frame still had content saw that content then:
+    # their cached values are stale although no pixel of this frame changed
+    for side in motion.new_padding.get(source_dims, ()):
+        band = padding_band(spec, side, (ho, wo), source_dims)
+        if band is not None:
+            mask = band if mask is None else mask | band
+    return mask
+
+
+def _block_grid(step: Step) -> tuple[int, int, int, int]:
+    """``(th, tw, gh, gw)``: a step's output block size and grid."""
+    ho, wo = step.dims
+    th, tw = block_size(ho, wo)
+    th, tw = min(th, ho), min(tw, wo)
+    return th, tw, -(-ho // th), -(-wo // tw)
+
+
+def _active_blocks(step: Step, mask: np.ndarray) -> np.ndarray:
+    """(gh, gw) bool, the output blocks holding a changed position."""
+    th, tw, gh, gw = _block_grid(step)
+    padded = np.zeros((gh * th, gw * tw), bool)
+    padded[:mask.shape[0], :mask.shape[1]] = mask
+    return padded.reshape(gh, th, gw, tw).any(axis=(1, 3))
+
+
+def _block_positions(step: Step, mask: np.ndarray) -> int:
+    """Positions a window step computes in blocks: its active blocks' outputs."""
+    th, tw, _, _ = _block_grid(step)
+    return int(_active_blocks(step, mask).sum()) * th * tw
+
+
+def _runs_dense(step: Step, mask: np.ndarray) -> bool:
+    """Whether a window step runs on the whole map: when its active blocks cover most of it."""
+    th, tw, _, _ = _block_grid(step)
+    active = int(_active_blocks(step, mask).sum())
+    return active * th * tw >= (CHEAP_DENSE_RATIO if step.window.cheap else DENSE_RATIO) * step.positions
+
+
 def walk_blocks(program: Program, cache: FrameCache, changed: np.ndarray, motion: Motion, feature_threshold: float,
-                dense_cut: float) -> BlockResult:
+                dense_cut: float, costs: FrameCosts | None = None, plan: BlockPlan | None = None,
+                timed: bool = False) -> BlockResult:
     """Carry a moving camera's changed pixels through the program (the cache already moved by ``motion``).
 
     Args:
@@ -146,23 +282,30 @@ def walk_blocks(program: Program, cache: FrameCache, changed: np.ndarray, motion
         changed: (H, W) bool, input pixels to recompute.
         motion: per-resolution invalid positions and newly uncovered padding.
         feature_threshold: value-based pruning at cached tensors (0: exact).
-        dense_cut: at a cut point with at least this share changed, finish with the generated suffix.
+        dense_cut: without a plan (or once pruning left it), at a cut point with at least this share changed,
+            finish with the generated suffix.
+        costs: the cost coefficients (the result's ``seconds`` is 0 without them).
+        plan: :func:`plan_blocks`'s plan for these arguments: its masks are used and it switches where planned.
+        timed: measure each step's seconds.
     """
-    walker = _BlockWalk(program, cache, motion, feature_threshold)
+    walker = _BlockWalk(program, cache, motion, feature_threshold, costs, plan, timed)
     return walker.run(changed, dense_cut)
 
 
 class _BlockWalk:
-    def __init__(self, program: Program, cache: FrameCache, motion: Motion, feature_threshold: float) -> None:
+    def __init__(self, program: Program, cache: FrameCache, motion: Motion, feature_threshold: float,
+                 costs: FrameCosts | None, plan: BlockPlan | None, timed: bool) -> None:
         self.program, self.cache, self.motion, self.feature_threshold = program, cache, motion, feature_threshold
+        self.costs, self.plan, self.timed = costs, plan, timed
         self.device = cache.device
         self.dims = {n.name: tuple(n.shape[-2:]) for n in program.local if n.shape is not None}
         self.frame_rows = to_rows(cache.frame)
         self.dense_steps = 0
         self.moved = 0  # cached tensors moved through an index map
+        self.moved_bytes = 0
 
     def run(self, changed: np.ndarray, dense_cut: float) -> BlockResult:
-        program, cache = self.program, self.cache
+        program, cache, costs = self.program, self.cache, self.costs
         input_name = program.graph.input.name
         state = Positions.of(changed)
         state.dense = state.n == changed.size
@@ -171,25 +314,60 @@ class _BlockWalk:
         elif state.n:
             state.values = from_rows(self.frame_rows.index_select(0, state.index(self.device)), 1, (state.n, 1))
         states = {input_name: state}
-        flops = program.tail_flops
-        positions = 0
-        for step in program.steps:
-            state = self._window(step, states) if step.window is not None else self._rows(step, states)
-            fraction = 1.0 if state.dense or state.whole else state.n / step.positions
-            flops += step.flops * fraction
-            positions += state.n
+        result = BlockResult(None, program.tail_flops, 0, 0, 0, states)
+        sync = self.timed and self.device.type == "cuda"
+        for index, step in enumerate(program.steps):
+            clock = time.perf_counter() if self.timed else 0.0
+            if step.window is not None:
+                state = self._window(index, step, states)
+            else:
+                state = self._rows(step, states)
+            whole = state.dense or state.whole
+            computed = step.positions if whole else state.n
+            result.flops += step.flops * computed / step.positions
+            result.positions += state.n
+            if costs is not None and (state.n or whole):
+                result.seconds += costs.blocks(index, computed, whole)
+                parts = costs.blocks_parts(index, computed, whole)
             if step.out in program.cached_set:
                 state = self._commit(step.out, state)
             states[step.out] = state
-            if step.out in program.cuts and (state.dense or state.n >= dense_cut * step.positions):
+            if self.timed:
+                if sync:
+                    torch.cuda.synchronize(self.device)
+                spent = time.perf_counter() - clock
+                result.step_seconds.append(spent)
+                result.step_positions.append(computed if (state.n or whole) else 0)
+                if costs is not None and (state.n or whole):
+                    result.step_samples.append((*parts, spent))
+            if step.out in program.cuts and self._switch(step, state, dense_cut):
                 output = cache.finish(step.out, None, 1)
                 self.dense_steps += 1
-                return BlockResult(output, flops + program.suffix_flops(step.out), positions, self.dense_steps,
-                                   self.moved, states, suffix=step.out)
-        output = program.tail()(*[cache.map(name) for name in program.boundary])
-        return BlockResult(output, flops, positions, self.dense_steps, self.moved, states)
+                result.output, result.suffix = output, step.out
+                result.flops += program.suffix_flops(step.out)
+                if costs is not None:
+                    result.seconds += costs.suffix(step.out) - costs.tail_seconds()  # the tail is counted below
+                break
+        else:
+            clock = time.perf_counter() if self.timed else 0.0
+            result.output = program.tail()(*[cache.map(name) for name in program.boundary])
+            if self.timed:
+                result.step_seconds.append(time.perf_counter() - clock)
+        if costs is not None:
+            result.seconds += costs.frame + costs.tail_seconds() + costs.move * self.moved_bytes
+        result.dense_steps, result.moved = self.dense_steps, self.moved
+        return result
 
-    def _window(self, step: Step, states: dict[str, Positions]) -> Positions:
+    def _switch(self, step: Step, state: Positions, dense_cut: float) -> bool:
+        """Whether to finish with the dense rest at this cut point: where the plan says (while the walk follows
+        it), else when most of the cut point changed."""
+        if self.plan is not None and state.planned:
+            return step.out == self.plan.switch
+        if math.isinf(dense_cut):
+            return False
+        return state.dense or state.n >= dense_cut * step.positions
+
+    def _window(self, index: int, step: Step, states: dict[str, Positions]) -> Positions:
         """A window step (and its chain) on blocks of its output around the changed positions."""
         spec = step.window
         src = states[spec.source]
@@ -197,26 +375,18 @@ class _BlockWalk:
         source_dims = self.dims[spec.source]
         if src.dense:
             mask = np.ones((ho, wo), bool)
+        elif self.plan is not None and src.planned:
+            mask = self.plan.masks[index]
+            mask = np.zeros((ho, wo), bool) if mask is None else mask
         else:
-            mask = grow_mask(src.mask, spec, (ho, wo)) if src.n else np.zeros((ho, wo), bool)
-            invalid = self.motion.invalid.get((ho, wo))
-            if invalid is not None:
-                mask |= invalid
-            # positions whose windows read padding where the previous frame still had content saw that content
-            # then: their cached values are stale although no pixel of this frame changed
-            for side in self.motion.new_padding.get(source_dims, ()):
-                band = padding_band(spec, side, (ho, wo), source_dims)
-                if band is not None:
-                    mask |= band
+            mask = _window_mask(step, src.mask if src.n else None, source_dims, self.motion)
+            mask = np.zeros((ho, wo), bool) if mask is None else mask
+        planned = src.planned
         if not mask.any():
-            return Positions(mask, np.zeros(0, np.int64), None)
+            return Positions(mask, np.zeros(0, np.int64), None, planned=planned)
         source = self.frame_rows if spec.source == self.program.graph.input.name else self.cache.buffers[spec.source]
-        th, tw = block_size(ho, wo)
-        th, tw = min(th, ho), min(tw, wo)
-        gh, gw = -(-ho // th), -(-wo // tw)
-        padded = np.zeros((gh * th, gw * tw), bool)
-        padded[:ho, :wo] = mask
-        active = padded.reshape(gh, th, gw, tw).any(axis=(1, 3))
+        th, tw, gh, gw = _block_grid(step)
+        active = _active_blocks(step, mask)
         n_blocks = int(active.sum())
         dense = n_blocks * th * tw >= (CHEAP_DENSE_RATIO if spec.cheap else DENSE_RATIO) * ho * wo
         if dense:
@@ -225,18 +395,20 @@ class _BlockWalk:
                 out = out * step.factors
             self.dense_steps += 1
             if mask.mean() > DENSE_RATIO:
-                return Positions(np.ones((ho, wo), bool), np.arange(ho * wo), self._chain(step, out), dense=True)
+                return Positions(np.ones((ho, wo), bool), np.arange(ho * wo), self._chain(step, out), dense=True,
+                                 planned=planned)
             state = Positions.of(mask)
             state.values = self._chain(step, from_rows(to_rows(out).index_select(0, state.index(self.device)), 1,
                                                        (state.n, 1)))
             state.whole = True
+            state.planned = planned
             return state
         table = spec.tables.get((th, tw))
         if table is None:
             table = spec.tables[(th, tw)] = block_table(spec, (gh, gw), (th, tw), source_dims, self.device)
         ids = np.flatnonzero(active)
-        index = table.index.index_select(0, torch.from_numpy(ids).to(self.device)).view(-1)
-        rows = dispatch.prepare_windows(source, index, None, None)
+        index_rows = table.index.index_select(0, torch.from_numpy(ids).to(self.device)).view(-1)
+        rows = dispatch.prepare_windows(source, index_rows, None, None)
         if table.border[ids].any():
             codes = table.codes[ids].reshape(-1)
             for code, value in ((1, spec.view_value), (2, spec.pad_value)):
@@ -247,6 +419,7 @@ class _BlockWalk:
         rank = np.full(gh * gw, -1, np.int64)
         rank[ids] = np.arange(n_blocks)
         state = Positions.of(mask)
+        state.planned = planned
         y, x = np.divmod(state.flat, wo)
         select = rank[(y // th) * gw + x // tw] * (th * tw) + (y % th) * tw + (x % tw)
         values = to_rows(out).index_select(0, torch.from_numpy(select).to(self.device))
@@ -269,6 +442,7 @@ class _BlockWalk:
             mask = np.logical_or.reduce([s.mask for s in ins])
             dense = any(s.dense for s in ins) or mask.mean() > DENSE_RATIO
             out = Positions(np.ones_like(mask), np.arange(mask.size), None, dense=True) if dense else Positions.of(mask)
+            out.planned = all(s.planned for s in ins)
             values = {}
             for name, s in zip(step.inputs, ins):
                 if s.n == out.n:  # the same set (the union of nested sets is the larger one)
@@ -288,7 +462,7 @@ class _BlockWalk:
             result = step.op(values[first])
         else:
             result = self.program.ops.invoke(step.head, values, like=values[first])
-        return Positions(out.mask, out.flat, self._chain(step, result), out.dense, out._index)
+        return Positions(out.mask, out.flat, self._chain(step, result), out.dense, out._index, planned=out.planned)
 
     def _chain(self, step: Step, values: torch.Tensor) -> torch.Tensor:
         for fn in step.functions:
@@ -304,8 +478,10 @@ class _BlockWalk:
             return state
         moved = self.motion.index.get(self.dims[name])
         if moved is not None:  # the camera moved: the cached values move with the content
-            cache.buffers[name] = cache.buffers[name].index_select(0, moved)
+            buffer = cache.buffers[name]
+            cache.buffers[name] = buffer.index_select(0, moved)
             self.moved += 1
+            self.moved_bytes += buffer.numel() * buffer.element_size()
         if not state.n:
             return state
         rows = to_rows(state.values)
@@ -320,7 +496,8 @@ class _BlockWalk:
                 flat = state.flat[kept]
                 mask.reshape(-1)[flat] = True
                 rows = rows.index_select(0, torch.from_numpy(kept).to(self.device))
-                state = Positions(mask, flat, from_rows(rows, 1, (len(flat), 1)) if len(flat) else None)
+                state = Positions(mask, flat, from_rows(rows, 1, (len(flat), 1)) if len(flat) else None,
+                                  planned=False)
                 if not state.n:
                     return state
                 index = state.index(self.device)

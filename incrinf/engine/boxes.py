@@ -156,19 +156,26 @@ def compute(program: Program, step: Step, out: Boxes, windows: torch.Tensor | No
         if step.factors is not None:
             values = values * take(step.factors, out)
     else:
-        first = step.inputs[0]
-        if step.head.inplace and not fresh:
-            inputs[first] = inputs[first].clone()
-        if step.linear is not None:
-            rows = F.linear(to_rows(inputs[first]), *step.linear)
-            values = from_rows(rows, out.n, out.size)
-        elif step.op is not None:
-            values = step.op(inputs[first])
-        else:
-            values = program.ops.invoke(step.head, inputs, like=inputs[first])
-        if step.inplace and not step.head.inplace and _shares_memory(values, inputs[first]) and not fresh:
-            values = values.clone()  # an in-place chain after a head that returned a view of its input
+        values = merge_values(program, step, inputs, out, fresh)
     return chain(step, values)
+
+
+def merge_values(program: Program, step: Step, inputs: dict[str, Any], out: Boxes, fresh: bool = False) -> Any:
+    """A step without a window over the boxes ``out``, from its inputs' values there ((N, C, *size) each, by
+    input name), before its pointwise chain. The first input may be a view of a cache or of another step's values:
+    an in-place head gets a copy, unless ``fresh`` says no one else reads it."""
+    first = step.inputs[0]
+    if step.head.inplace and not fresh:
+        inputs[first] = inputs[first].clone()
+    if step.linear is not None:
+        values = from_rows(F.linear(to_rows(inputs[first]), *step.linear), out.n, out.size)
+    elif step.op is not None:
+        values = step.op(inputs[first])
+    else:
+        values = program.ops.invoke(step.head, inputs, like=inputs[first])
+    if step.inplace and not step.head.inplace and not fresh and _shares_memory(values, inputs[first]):
+        values = values.clone()  # an in-place chain after a head that returned a view of its input
+    return values
 
 
 def chain(step: Step, values: Any) -> Any:

@@ -1,34 +1,43 @@
 """The engine for a sequence of inputs that change locally (camera frames): full inference that fills a frame
 cache, then incremental inference of the next inputs from it.
 
-A frame's change arrives as a pixel mask plus, when the camera moved, per-resolution index maps
-(:class:`~incrinf.engine.blocks.Motion`, computed by the stream from the homography). Without motion the change
-is one box: the box walk with N = 1 (:func:`~incrinf.engine.boxes.walk`), every step run densely on a crop of
-its merged input, box sides rounded to multiples of 4 so oneDNN reuses its per-shape kernels. With motion the
-change is a set of positions: the block walk (:func:`~incrinf.engine.blocks.walk_blocks`). The engine knows
-nothing about cameras or homographies.
+A frame's change arrives as a pixel mask (and, from a stream, the boxes of its clusters) plus, when the camera
+moved, per-resolution index maps (:class:`~incrinf.engine.blocks.Motion`, computed by the stream from the
+homography). Without motion the change is a few boxes per tensor (:mod:`~incrinf.engine.frame_regions`), every
+step run densely on crops of its merged input, box sides rounded to multiples of 4 so oneDNN reuses its
+per-shape kernels. With motion the change is a set of positions: the block walk
+(:func:`~incrinf.engine.blocks.walk_blocks`). Either is planned before it runs (:meth:`FrameEngine.plan_boxes`,
+:meth:`FrameEngine.plan_blocks`): the plan says what each step computes and, with the cost coefficients
+(:class:`~incrinf.engine.costs.FrameCosts`, measured by :meth:`FrameEngine.profile`), what the frame will cost.
+The engine knows nothing about cameras or homographies.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from incrinf.engine.blocks import Motion, Positions, walk_blocks
-from incrinf.engine.boxes import walk
+from incrinf.engine.blocks import BlockPlan, Motion, Positions, plan_blocks, walk_blocks
+from incrinf.engine.costs import FrameCosts, RegionKind
+from incrinf.engine.frame_regions import Geometry, RegionPlan, cluster_boxes, plan_regions, run_box, walk_regions
 from incrinf.engine.program import Program
-from incrinf.engine.stores import FrameCache, clone_output
-from incrinf.geometry import Boxes
+from incrinf.engine.stores import FrameCache, clone_output, take
+from incrinf.geometry import Box, Boxes
 from incrinf.graph import Graph, NodeKind
-from incrinf.graph.execute import copy_graph, materialize
+from incrinf.graph.execute import copy_graph, extract, materialize
 
-# When this share of a cut point's map changed, the rest of the local part would be recomputed nearly everywhere:
-# run it as one generated module instead.
+# Without a plan to follow (the block walk after pruning), when this share of a cut point's map changed, the rest
+# of the local part would be recomputed nearly everywhere: run it as one generated module instead.
 DENSE_CUT = 0.5
+# Side in pixels of the grid on which a change mask's clusters are found when no boxes are given.
+CLUSTER_GRID = 8
+# Repetitions of the profile's measurements (the fastest counts: a load spike does not stick).
+PROFILE_REPEATS = 2
 
 
 @dataclass(frozen=True)
@@ -47,11 +56,6 @@ class CacheMemory:
     kept_tensors: int
     naive_tensors: int
 
-    @property
-    def saved_fraction(self) -> float:
-        """Share of the naive cache memory not kept."""
-        return 1.0 - self.kept_bytes / self.naive_bytes if self.naive_bytes else 0.0
-
 
 @dataclass
 class ExecStats:
@@ -63,9 +67,14 @@ class ExecStats:
         positions: recomputed positions summed over the steps.
         dense_steps: steps that ran on the whole map (block walk), or a generated suffix (both walks).
         moved: cached tensors moved through an index map.
-        refreshed: (y0, y1, x0, x1) input pixels whose current values the cache now stands for (box walk), else
-            None (the changed pixels only).
+        refreshed: ``(y0, y1, x0, x1)`` boxes of input pixels whose current values the cache now stands for (box
+            walk), else None (the changed pixels only).
         fresh: resolution -> (h, w) bool positions recomputed this frame (set when asked for).
+        kind: how the change was carried (None: full inference).
+        regions: the input's boxes (box walk; 0 otherwise).
+        predicted: what the cost coefficients give for the work the frame did (seconds).
+        step_samples: per step that computed anything, ``(fixed, arithmetic, measured)`` seconds, when timed (the
+            calibration's samples: :meth:`~incrinf.engine.costs.FrameCosts.record_steps`).
     """
 
     flops: float
@@ -73,8 +82,12 @@ class ExecStats:
     positions: int = 0
     dense_steps: int = 0
     moved: int = 0
-    refreshed: tuple[int, ...] | None = None
+    refreshed: list[Box] | None = None
     fresh: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    kind: RegionKind | None = None
+    regions: int = 0
+    predicted: float = 0.0
+    step_samples: list[tuple[float, float, float]] = field(default_factory=list)
 
     @property
     def flops_ratio(self) -> float:
@@ -93,11 +106,12 @@ class FrameEngine:
         device: device of the model and the frames.
 
     Attributes:
-        dense_cut: share of a cut point's map above which the rest of the model runs as generated code.
+        dense_cut: share of a cut point's map above which an unplanned block walk finishes with generated code.
         boxes: take the box walk when the camera did not move (False: the block walk always; for comparisons).
         box_quantum: box sides are rounded up to multiples of this (1: exact boxes).
         resolutions: the spatial extents of the input and of every cached tensor.
         cached_resolutions: those of the cached tensors (the frame itself is never moved).
+        costs: the cost coefficients of this program on this device (measured by :meth:`profile`).
         last: :class:`ExecStats` of the latest frame.
 
     Raises:
@@ -118,18 +132,26 @@ class FrameEngine:
         self.graph = graph
         self.cache = FrameCache(self.program, self.device)
         self.program.prepare(with_cached=True)  # generating a module costs about a frame's inference
+        self.costs = FrameCosts(self.program)
         self.dense_cut = DENSE_CUT
         self.boxes = True
         self.box_quantum = 4
+        self.geometry = Geometry(self.program, self.costs, self.box_quantum)
         self.cached_resolutions = {tuple(graph.by_name[m].shape[-2:]) for m in self.program.cached}
         self.resolutions = sorted(self.cached_resolutions | {tuple(graph.input_shape[-2:])})
         first = next((s for s in self.program.steps if s.window is not None), None)
         self.first_resolution = first.dims if first is not None else None
         self.last = ExecStats(0.0, self.program.full_flops)
+        self._plain: torch.nn.Module | None = None
 
     @property
     def has_cache(self) -> bool:
         return bool(self.cache.buffers)
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """The frame's (H, W)."""
+        return tuple(self.graph.input_shape[-2:])
 
     def reset(self) -> None:
         """Drop the cache (the next frame must go through :meth:`full`)."""
@@ -159,8 +181,60 @@ class FrameEngine:
         return out
 
     @torch.no_grad()
-    def cached(self, x: torch.Tensor, changed: np.ndarray, motion: Motion | None = None, feature_threshold: float = 0.0,
-               fresh: bool = False) -> Any:
+    def plain(self, x: torch.Tensor) -> Any:
+        """Full inference of ``x`` without keeping anything: the cache is dropped (a frame whose successor will
+        not use it need not fill it)."""
+        self.reset()
+        if self._plain is None:
+            self._plain = extract(self.graph, [self.graph.input.name], [self.graph.output.name])
+        out = self._plain(x.to(self.device).contiguous(memory_format=torch.channels_last))
+        self.last = ExecStats(self.program.full_flops, self.program.full_flops)
+        return out
+
+    # --- planning ----------------------------------------------------------------------------------------
+
+    def plan_boxes(self, boxes: list[Box]) -> RegionPlan:
+        """The plan of a frame whose input changed in ``boxes`` (``(y0, y1, x0, x1)`` pixel boxes, e.g. one per
+        cluster of changed cells): boxes merged where that is cheaper, then carried through the steps."""
+        if self.geometry.quantum != self.box_quantum:
+            self.geometry = Geometry(self.program, self.costs, self.box_quantum)
+        return plan_regions(self.geometry, list(boxes))
+
+    def plan_blocks(self, changed: np.ndarray, motion: Motion | None = None) -> BlockPlan:
+        """The plan of a block walk for the changed pixels (H, W) and the motion."""
+        motion = motion or Motion()
+        moved = sum(self.graph.nbytes(name) for name in self.program.cached
+                    if tuple(self.graph.by_name[name].shape[-2:]) in motion.index)
+        return plan_blocks(self.program, self.costs, changed, motion, moved)
+
+    def clusters(self, changed: np.ndarray, grid: int = CLUSTER_GRID) -> list[Box]:
+        """Pixel boxes of the clusters of changed pixels (found on a grid of ``grid``-pixel cells), each the
+        bounding box of its changed pixels."""
+        h, w = changed.shape
+        gh, gw = -(-h // grid), -(-w // grid)
+        padded = np.zeros((gh * grid, gw * grid), bool)
+        padded[:h, :w] = changed
+        boxes = []
+        for y0, y1, x0, x1 in cluster_boxes(padded.reshape(gh, grid, gw, grid).any(axis=(1, 3)), grid, (h, w)):
+            rows = np.flatnonzero(changed[y0:y1, x0:x1].any(axis=1))
+            cols = np.flatnonzero(changed[y0:y1, x0:x1].any(axis=0))
+            boxes.append((y0 + int(rows[0]), y0 + int(rows[-1]) + 1, x0 + int(cols[0]), x0 + int(cols[-1]) + 1))
+        return boxes
+
+    def best_case(self) -> RegionPlan:
+        """The plan of the smallest change there is (one quantum of pixels at the frame's centre): the most a
+        cached frame can save (when even this costs about a full frame, the cache cannot pay on this model)."""
+        h, w = self.dims
+        q = self.box_quantum
+        y, x = max(h // 2 - q // 2, 0), max(w // 2 - q // 2, 0)
+        return self.plan_boxes([(y, min(y + q, h), x, min(x + q, w))])
+
+    # --- cached frames -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def cached(self, x: torch.Tensor, changed: np.ndarray, motion: Motion | None = None,
+               feature_threshold: float = 0.0, fresh: bool = False, plan: RegionPlan | BlockPlan | None = None,
+               timed: bool | None = None) -> Any:
         """Inference of a frame from the cache: recompute what the changed pixels (and the motion) reach.
 
         Args:
@@ -169,6 +243,10 @@ class FrameEngine:
             motion: how the camera moved (None: it did not).
             feature_threshold: value-based pruning at cached tensors (0: exact propagation).
             fresh: record in ``last.fresh`` which positions of each resolution were recomputed.
+            plan: the frame's plan (:meth:`plan_boxes` without motion, :meth:`plan_blocks`); default: planned
+                here (the clusters of ``changed`` as boxes when the camera did not move).
+            timed: time the steps (``last.step_samples``); None: on the CPU, where that costs nothing (no device
+                synchronisation).
 
         Returns:
             The model's output for ``x``.
@@ -184,11 +262,14 @@ class FrameEngine:
         if changed.shape != tuple(x.shape[-2:]):
             raise ValueError(f"change mask has shape {changed.shape}, frame is {tuple(x.shape[-2:])}")
         self.cache.frame = x
+        if timed is None:
+            timed = self.device.type == "cpu"
+        boxes = isinstance(plan, RegionPlan) or (plan is None and motion is None and self.boxes)
         try:
-            if motion is None and self.boxes:
-                out, stats = self._boxes(x, changed, feature_threshold, fresh)
+            if boxes:
+                out, stats = self._boxes(x, changed, feature_threshold, fresh, plan, timed)
             else:
-                out, stats = self._blocks(changed, motion or Motion(), feature_threshold, fresh)
+                out, stats = self._blocks(changed, motion or Motion(), feature_threshold, fresh, plan, timed)
         except BaseException:
             self.reset()  # caches may be half updated in place: the next frame must refill them
             raise
@@ -196,35 +277,36 @@ class FrameEngine:
         self.cache.last_output = clone_output(out)
         return out
 
-    def _boxes(self, x: torch.Tensor, changed: np.ndarray, feature_threshold: float, fresh: bool
-               ) -> tuple[Any, ExecStats]:
-        bounds = _bounding_box(changed)
-        stats = ExecStats(0.0, self.program.full_flops, refreshed=bounds or None)
-        if not bounds:
+    def _boxes(self, x: torch.Tensor, changed: np.ndarray, feature_threshold: float, fresh: bool,
+               plan: RegionPlan | None, timed: bool) -> tuple[Any, ExecStats]:
+        if plan is None:
+            plan = self.plan_boxes(self.clusters(changed))
+        stats = ExecStats(0.0, self.program.full_flops, refreshed=list(plan.start), kind=RegionKind.BOXES,
+                          regions=plan.regions)
+        if not plan.start:
             return self.cache.unchanged(1), stats
-        y0, y1, x0, x1 = bounds
-        start = Boxes((y0, x0), (y1 - y0, x1 - x0), x[:, :, y0:y1, x0:x1])
-        result = walk(self.program, self.cache, start, feature_threshold=feature_threshold, quantum=self.box_quantum,
-                      dense_cut=self.dense_cut)
-        stats.flops, stats.positions = result.flops, result.positions
+        result = walk_regions(self.geometry, self.cache, x, plan, feature_threshold, timed)
+        stats.flops, stats.positions, stats.predicted = result.flops, result.positions, result.seconds
         stats.dense_steps = int(result.suffix is not None)
+        stats.step_samples = result.step_samples
         if fresh:
-            regions = {name: region.bounds for name, region in result.committed.items()}
-            self._mark_fresh(stats, regions, result.suffix)
+            self._mark_fresh(stats, result.committed, result.suffix)
         return result.output, stats
 
-    def _blocks(self, changed: np.ndarray, motion: Motion, feature_threshold: float, fresh: bool
-                ) -> tuple[Any, ExecStats]:
-        result = walk_blocks(self.program, self.cache, changed, motion, feature_threshold, self.dense_cut)
-        stats = ExecStats(result.flops, self.program.full_flops, result.positions, result.dense_steps, result.moved)
+    def _blocks(self, changed: np.ndarray, motion: Motion, feature_threshold: float, fresh: bool,
+                plan: BlockPlan | None, timed: bool) -> tuple[Any, ExecStats]:
+        result = walk_blocks(self.program, self.cache, changed, motion, feature_threshold, self.dense_cut,
+                             self.costs, plan, timed)
+        stats = ExecStats(result.flops, self.program.full_flops, result.positions, result.dense_steps, result.moved,
+                          kind=RegionKind.BLOCKS, predicted=result.seconds, step_samples=result.step_samples)
         if fresh:
             self._mark_fresh(stats, result.changed, result.suffix)
         return result.output, stats
 
-    def _mark_fresh(self, stats: ExecStats, changed: dict[str, tuple[int, ...] | Positions], suffix: str | None
+    def _mark_fresh(self, stats: ExecStats, changed: dict[str, list[Box] | Positions], suffix: str | None
                     ) -> None:
         """Per resolution, the positions that every cached tensor of it recomputed this frame (``changed``:
-        bounds or positions per tensor; absent: none; after the ``suffix`` cut point: all)."""
+        boxes or positions per tensor; absent: none; after the ``suffix`` cut point: all)."""
         after = set(self.program.cached_after(suffix)) if suffix is not None else set()
         for name in self.program.cached:
             dims = tuple(self.graph.by_name[name].shape[-2:])
@@ -235,15 +317,94 @@ class FrameEngine:
                 done = where.mask
             else:
                 done = np.zeros(dims, bool)
-                if where:
-                    done[where[0]:where[1], where[2]:where[3]] = True
+                for y0, y1, x0, x1 in where or ():
+                    done[y0:y1, x0:x1] = True
             stats.fresh[dims] = done if dims not in stats.fresh else stats.fresh[dims] & done
 
+    # --- the cost coefficients ---------------------------------------------------------------------------
 
-def _bounding_box(mask: np.ndarray) -> tuple[int, ...]:
-    """``(y0, y1, x0, x1)`` of the True entries of an (h, w) mask (empty when there are none)."""
-    rows = np.flatnonzero(mask.any(axis=1))
-    if not len(rows):
-        return ()
-    cols = np.flatnonzero(mask.any(axis=0))
-    return int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+    @torch.no_grad()
+    def profile(self, repeats: int = PROFILE_REPEATS) -> None:
+        """Measure the cost coefficients on the cached frame (call after :meth:`full`; costs about ``2 * repeats``
+        full frames): every step on its whole map (their shares, scaled to the generated full module's time), on
+        one position, and in the block walk on one cell; the fastest of ``repeats`` runs of each counts. The cache
+        keeps the full frame's values (up to float rounding where the runs rewrote them)."""
+        if not self.has_cache:
+            raise RuntimeError("no cache: run full() on a frame first")
+        program, cache, steps = self.program, self.cache, self.program.steps
+        n = len(steps)
+        saved = dict(cache.buffers)
+        dense_runs = []
+        for _ in range(repeats):
+            result = walk_blocks(program, cache, np.ones(self.dims, bool), Motion(), 0.0, math.inf, self.costs,
+                                 timed=True)
+            dense_runs.append(result.step_seconds)
+            cache.buffers = dict(saved)  # the dense runs replaced whole tensors: put the full frame's back
+        dense = [min(run[i] for run in dense_runs) for i in range(n)]
+        tail = min(run[n] if len(run) > n else 0.0 for run in dense_runs)
+        # the step-by-step runs carry the walk's bookkeeping and whole-map padding copies that the generated full
+        # module (and the dense suffix after a switch) does not: their shares count, the full module's total sets
+        # the scale
+        full = math.inf
+        for _ in range(repeats):
+            clock = time.perf_counter()
+            program.full(cache.frame)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            full = min(full, time.perf_counter() - clock)
+        scale = full / max(sum(dense) + tail, 1e-12)
+        dense, tail = [d * scale for d in dense], tail * scale
+        box_call = [self._one_position(step, repeats + 1) for step in steps]
+        h, w = self.dims
+        one_cell = np.zeros(self.dims, bool)
+        one_cell[h // 2:h // 2 + CLUSTER_GRID, w // 2:w // 2 + CLUSTER_GRID] = True
+        block_runs = [walk_blocks(program, cache, one_cell, Motion(), 0.0, math.inf, self.costs, timed=True)
+                      for _ in range(repeats)]
+        block_call = []
+        for i, step in enumerate(steps):
+            spent = min(r.step_seconds[i] for r in block_runs)
+            positions = block_runs[0].step_positions[i]
+            block_call.append(spent - dense[i] * positions / step.positions)
+        frame = math.inf
+        for _ in range(repeats + 1):
+            clock = time.perf_counter()
+            clone_output(cache.last_output)
+            frame = min(frame, time.perf_counter() - clock)
+        self.costs.set_profile(dense, box_call, block_call, tail, self._move_seconds(repeats + 1), frame)
+
+    def _one_position(self, step, repeats: int) -> float:
+        """Seconds of one step on a one-position box at the map's centre (its fixed cost per box)."""
+        h, w = step.dims
+        bounds = (h // 2, h // 2 + 1, w // 2, w // 2 + 1)
+        regions = {}
+        if step.window is None and len(step.inputs) == 1:
+            name = step.inputs[0]
+            channels = tuple(self.graph.by_name[name].shape[1:-2])
+            values = torch.zeros((1, *channels, 1, 1), device=self.device)
+            regions[name] = [Boxes((bounds[0], bounds[2]), (1, 1), values)]
+        cached = step.out in self.program.cached_set
+        best = math.inf
+        for _ in range(repeats):
+            clock = time.perf_counter()
+            box = run_box(self.program, self.cache, step, regions, bounds)
+            if cached:  # the commit with its pruning test (the values are the cache's own: nothing is written)
+                box.values = take(self.cache.map(step.out), box).clone()
+                self.cache.commit(step.out, box, 1e-6)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - clock)
+        return best
+
+    def _move_seconds(self, repeats: int) -> float:
+        """Seconds per byte of moving a cached tensor through an index map (measured on the largest one)."""
+        name = max(self.program.cached, key=self.graph.nbytes)
+        buffer = self.cache.buffers[name]
+        index = torch.randperm(buffer.shape[0], device=self.device)
+        best = math.inf
+        for _ in range(repeats):
+            clock = time.perf_counter()
+            buffer.index_select(0, index)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - clock)
+        return best / max(buffer.numel() * buffer.element_size(), 1)

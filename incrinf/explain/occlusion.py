@@ -1,11 +1,17 @@
-"""The exact occlusion front end: heat maps by batched incremental inference (Krypton) for 1-D signals, 2-D images
-and 3-D volumes; sliding windows or the features of a mask; one output index, every index, or a reducer of the
-model's output (dense models); any occluder (:mod:`incrinf.explain.occluders`)."""
+"""The occlusion front end, :func:`occlusion` (``incrinf.occlusion``): heat maps by batched incremental inference
+(Krypton) for 1-D signals, 2-D images and 3-D volumes; sliding windows or the features of a mask; one output
+index, every index, or a reducer of the model's output; any occluder (:mod:`incrinf.explain.occluders`); exact,
+or approximate with its error measured (projective field thresholding, value-based pruning, adaptive drill-down,
+tuning profiles: :mod:`incrinf.explain.approx`).
+
+Every approximate result reports its error (:class:`~incrinf.explain.result.ErrorEstimate`): the SSIM and
+absolute errors against the exact heat map with ``measure_quality=True``, otherwise the errors measured on a small
+sample of cells (or features) recomputed exactly (:data:`ERROR_SAMPLE_CELLS`).
+"""
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,112 +20,27 @@ import torch
 import torch.nn as nn
 
 from incrinf.analysis import grid_shape, occlusion_grid
-from incrinf.explain import targets
-from incrinf.explain.pictures import DEFAULT_CMAP, save_heatmap
-from incrinf.explain.runner import OcclusionRunner, RunStats, feature_boxes
-from incrinf.graph import NodeKind
+from incrinf.explain import approx
+from incrinf.explain.drilldown import DrillDown
+from incrinf.explain.heatmaps import TargetRunner, check_batch_size, infer_spatial_dims
+from incrinf.explain.quality import estimated_ssim, map_ssim
+from incrinf.explain.result import ErrorEstimate, OcclusionResult, OcclusionStats
+from incrinf.explain.runner import feature_boxes
+from incrinf.explain.targets import check_output
+from incrinf.explain.tuning_profile import TuningProfile
 from incrinf.validation import (
     check_feature_mask,
     check_feature_threshold,
     check_input,
     check_patch,
-    check_spatial_dims,
     check_stride,
     check_tau,
     parse_bytes,
 )
 
-
-@dataclass
-class OcclusionResult:
-    """An occlusion heat map.
-
-    Attributes:
-        heatmap: score of the unoccluded input minus the occluded one (a drop is positive), one value per position
-            of the occlusion grid, shape ``grid`` (e.g. (rows, cols); (depth, rows, cols) for volumes); for
-            ``target="all"`` one map per output index, ``(K, *grid)``. Feature-mask runs: one value per feature, (F,)
-            (or (K, F)), in the order of :attr:`features`.
-        positions: (N, d) first corners of the windows, row-major (feature runs: each feature's bounding-box
-            corner).
-        target: the explained output index, ``"all"``, or the reducer's name.
-        patch: (d,) window size (feature runs: ``()``).
-        stride: (d,) window stride (feature runs: ``()``).
-        image_shape: (d,) spatial extents of the explained input.
-        stats: positions, batches, seconds, theoretical speedup and realized FLOP ratio, peak memory, tau.
-        fine: ``(*grid)`` bool, which cells were computed at the requested stride (all, for exact runs).
-        features: (F,) the mask's feature ids (feature runs only).
-        feature_mask: ``(C or 1, *spatial)`` the feature mask (feature runs only).
-        predicted: the output index with the largest unoccluded score (tensor outputs), else None.
-    """
-
-    heatmap: np.ndarray
-    positions: np.ndarray
-    target: int | str
-    patch: tuple[int, ...]
-    stride: tuple[int, ...]
-    image_shape: tuple[int, ...]
-    stats: dict[str, Any] = field(default_factory=dict)
-    fine: np.ndarray | None = None
-    features: np.ndarray | None = None
-    feature_mask: np.ndarray | None = None
-    predicted: int | None = None
-
-    @property
-    def every_class(self) -> bool:
-        """Whether the heat map has a map per output index (``target="all"``)."""
-        return self.target == "all"
-
-    def pixel_map(self) -> np.ndarray:
-        """Attribution per input element, shape ``image_shape`` (``(K, *image_shape)`` for ``"all"``).
-
-        Windows: the mean heat of the windows covering an element (Captum's averaging). Features: the heat of
-        the element's feature (channel-wise masks give ``(C, *image_shape)``).
-        """
-        heat = self.heatmap if self.every_class else self.heatmap[None]
-        heat = heat.reshape(heat.shape[0], -1)
-        if self.features is not None:
-            index = np.searchsorted(self.features, self.feature_mask)
-            out = heat[:, index]  # (K, C or 1, *spatial)
-            out = out[:, 0] if self.feature_mask.shape[0] == 1 else out
-        else:
-            total = np.zeros((heat.shape[0], *self.image_shape), np.float64)
-            count = np.zeros(self.image_shape, np.float64)
-            for k, corner in enumerate(self.positions):
-                window = tuple(slice(int(c), int(c) + p) for c, p in zip(corner, self.patch))
-                total[(slice(None), *window)] += heat[:, k].reshape(-1, *([1] * len(window)))
-                count[window] += 1
-            out = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
-        return out if self.every_class else out[0]
-
-    def save(self, path: str | Path, image: np.ndarray | torch.Tensor | None = None, title: str | None = None,
-             class_index: int | None = None, cmap: str = DEFAULT_CMAP, centre: float | None = 0.0) -> Path:
-        """Write a PNG of the heat map with a colour bar: over the image (2-D), as a curve under the signal
-        (1-D), or over a montage of slices (3-D).
-
-        Args:
-            path: output file.
-            image: the input for display: 2-D an HxWx3 array in [0, 1] or uint8, or a (C, H, W) tensor in [0, 1];
-                1-D (C, L); 3-D (C, D, H, W) or (D, H, W).
-            title: optional figure title.
-            class_index: with ``target="all"``, the class whose map to draw (default: the predicted class).
-            cmap: a matplotlib colour map (default: diverging, red where occluding lowered the score, blue where
-                it raised it, white at zero).
-            centre: the value at the colour map's middle, limits symmetric about it; ``None``: the map spans the
-                heat map's minimum to maximum (for a sequential map such as ``"viridis"``).
-
-        Returns:
-            The path written.
-        """
-        pixel = self.pixel_map()
-        label = f"drop in {self.target}" if isinstance(self.target, str) else f"drop in class {self.target} score"
-        if self.every_class:
-            k = self.predicted if class_index is None else int(class_index)
-            pixel, label = pixel[k or 0], f"drop in class {k or 0} score"
-        if pixel.ndim == len(self.image_shape) + 1:  # a channel-wise feature mask: average the channels
-            pixel = pixel.mean(axis=0)
-        what = "features" if self.features is not None else \
-            f"occlusion {'x'.join(map(str, self.patch))}, stride {'x'.join(map(str, self.stride))}"
-        return save_heatmap(pixel, path, image, title or what, label, cmap=cmap, centre=centre)
+# Cells recomputed exactly to measure an approximate map's error when the full exact map is not asked for:
+# a few dozen cells cost well under 2% of a 224-pixel, stride-4 grid.
+ERROR_SAMPLE_CELLS = 16
 
 
 def occlusion(
@@ -136,14 +57,19 @@ def occlusion(
     progress: bool = True,
     tau: float = 1.0,
     feature_threshold: float = 0.0,
+    drill_down: DrillDown | None = None,
+    target_ssim: float | None = None,
+    profile: TuningProfile | str | Path | None = None,
+    measure_quality: bool = False,
     *,
     feature_mask: Any = None,
     spatial_dims: int | None = None,
 ) -> OcclusionResult:
-    """Occlusion heat map of ``model`` on ``image`` by batched incremental inference.
+    """Occlusion heat map of ``model`` on ``image`` by batched incremental inference, exact or approximate.
 
-    With ``tau=1`` the heat map equals naive re-inference of every occluded input (to float tolerance), for every
-    target, occluder and feature mask.
+    With the default knobs (``tau=1``, ``feature_threshold=0``, no ``drill_down``, no ``target_ssim`` or
+    ``profile``) the heat map equals naive re-inference of every occluded input (to float tolerance), for every
+    input, target, occluder and feature mask.
 
     Args:
         model: a ``torch.fx``-traceable model (eval mode is set): a classifier, or any model with a reducer target.
@@ -167,6 +93,15 @@ def occlusion(
         tau: projective field threshold in (0, 1]; below 1 is approximate (faster).
         feature_threshold: value-based pruning: a recomputed position whose values moved by at most this share of
             its tensor's mean magnitude stops spreading its change; 0 (the default) is exact.
+        drill_down: a :class:`~incrinf.explain.drilldown.DrillDown`: stage one at the stride its target speedup
+            needs, stage two at ``stride`` on its fraction of the grid with the largest stage-one drops. Sliding
+            windows over a 2-D image with one map (an int, None or a reducer target) only.
+        target_ssim: wanted heat-map quality: the knobs are the fastest setting ``profile`` measured holding it
+            (:meth:`TuningProfile.choose`). Not with explicit knobs; profiles are tuned on 2-D sliding windows.
+        profile: a :class:`TuningProfile` or the path of one saved by ``incrinf tune`` / ``profile.save``. Given
+            alone, its chosen setting is used.
+        measure_quality: also compute the exact heat map and report the measured SSIM and errors against it
+            (costs one exact run).
         feature_mask: occlude the features of this integer mask instead of sliding windows (Captum's
             ``FeatureAblation``): shape ``spatial``, or ``(C or 1, *spatial)``; every element with one id is
             occluded at once; ``patch`` and ``stride`` are then ignored.
@@ -174,121 +109,143 @@ def occlusion(
             convolution, else 2 for 3- and 4-axis tensors, 1 for 2-axis and 3 for 5-axis ones.
 
     Returns:
-        An :class:`OcclusionResult`.
+        An :class:`~incrinf.explain.result.OcclusionResult` with the full fine grid (or one value per feature);
+        ``fine`` marks the cells computed at ``stride`` (all without drill-down). Its ``stats``
+        (:class:`~incrinf.explain.result.OcclusionStats`) hold the setting used, the counts and speedups, the
+        drill-down's stages and the error estimate: measured against the exact map (``measure_quality``), on a
+        few cells recomputed exactly (approximate runs), or exact. SSIMs are over the grid's axes, averaged over
+        the classes of ``target="all"``; feature maps and grids under 3 cells along an axis have none.
 
     Raises:
         TypeError / ValueError: bad input, patch, stride, target, reducer output, feature mask, baseline, batch
-            size, output or memory budget, or an unsupported number of spatial axes.
+            size, output, memory budget or knob; an unsupported number of spatial axes; an unreachable drill-down
+            target (the message gives the highest reachable speedup); ``target_ssim`` without a profile, a
+            profile tuned for another model, a target no tuned setting reaches with a speedup, a profile together
+            with explicit knobs; drill-down or a profile with a feature mask or a 1-D/3-D input, drill-down with
+            ``target="all"``.
+        FileNotFoundError: ``profile`` names no file.
         CaptureError: the model cannot be traced.
     """
-    d = infer_spatial_dims(model, image, spatial_dims)
-    image = check_input(image, d)
-    if device is not None:
-        image = image.to(device)
-        model = model.to(device)
-    dims = tuple(image.shape[2:])
-    tau = check_tau(tau)
-    feature_threshold = check_feature_threshold(feature_threshold)
-    if output not in ("logit", "prob"):
-        raise ValueError(f"output must be 'logit' or 'prob', got {output!r}")
+    tau, feature_threshold = check_tau(tau), check_feature_threshold(feature_threshold)
+    check_output(output)
+    check_batch_size(batch_size)
     budget = parse_bytes(max_memory)
-    mask = None if feature_mask is None else check_feature_mask(feature_mask, image)
-    if mask is None:
-        patch_size = check_patch(patch, dims)
-        stride_size = check_stride(stride, d)
-    runner = OcclusionRunner(model, image, tau=tau, feature_threshold=feature_threshold)
-    _warn_if_no_reuse(runner)
-    spec = targets.resolve(target, runner.base_output, output)
-    base = spec.scores(runner.base_output)[0]
-    predicted = _predicted(runner.base_output)
+    if drill_down is not None and not isinstance(drill_down, DrillDown):
+        raise TypeError(f"drill_down must be a DrillDown, got {type(drill_down).__name__}")
+    d = infer_spatial_dims(model, image, spatial_dims)
+    if profile is not None or target_ssim is not None:
+        approx.check_windows_2d("tuning profiles (target_ssim, profile)", d, feature_mask)
+    setting, loaded = approx.resolve_setting(tau, feature_threshold, drill_down, target_ssim, profile)
+    if loaded is not None:
+        approx.check_profile(loaded, model, image, patch, stride, output)
+    if setting.drill_down is not None:
+        approx.check_windows_2d("drill-down", d, feature_mask)
+        if isinstance(target, str) and target == "all":
+            raise ValueError("drill-down picks the cells to refine by one heat map's drops; target='all' has one per "
+                             "class: explain one class (an int target), or run 'all' without drill-down")
+    x = check_input(image, d)
+    if device is not None:
+        x, model = x.to(device), model.to(device)
+    dims = tuple(x.shape[2:])
+    mask = None if feature_mask is None else check_feature_mask(feature_mask, x)
+    window = None if mask is not None else (check_patch(patch, dims), check_stride(stride, d))
+    scoring = TargetRunner.build(model, x, target, output, setting.tau, setting.feature_threshold)
+    if setting.drill_down is not None:
+        result = approx.drill_down(scoring, setting.drill_down, *window, baseline, scoring.batch_size(batch_size),
+                                   progress, budget)
+    else:
+        result = _heat_map(scoring, mask, window, baseline, batch_size, budget, progress)
+    result.stats.setting = setting
+    if measure_quality:
+        _measure_quality(result, model, x, mask, window, baseline, batch_size, budget, output, target)
+    elif setting.approximate:
+        _sample_error(result, model, x, target, baseline, output)
+    return result
+
+
+def _heat_map(scoring: TargetRunner, mask: torch.Tensor | None, window: tuple[tuple[int, ...], tuple[int, ...]] | None,
+              baseline: Any, batch_size: int | str, budget: int, progress: bool) -> OcclusionResult:
+    """The heat map over every window of the grid, or over every feature of ``mask``, at the runner's setting."""
+    dims = tuple(scoring.runner.dims)
     if mask is not None:
         ids, corners, sizes = feature_boxes(mask)
-        features, scores, stats = runner.run_features(mask, baseline, batch_size=_batch_size(batch_size),
-                                                      progress=progress, desc=f"occlusion of {len(ids)} features",
-                                                      reduce=spec.scores, memory=budget)
-        heat = _drops(base, scores)  # (F,) or (K, F)
-        return OcclusionResult(heat, corners, spec.label, (), (), dims, _stats_dict(stats), None, features,
-                               mask.cpu().numpy(), predicted)
-    positions = occlusion_grid(dims, patch_size, stride_size)
-    scores, stats = runner.run(positions, patch_size, baseline, batch_size=_batch_size(batch_size), progress=progress,
-                               desc=f"occlusion {'x'.join(map(str, patch_size))}/{'x'.join(map(str, stride_size))}",
-                               reduce=spec.scores, memory=budget)
-    grid = grid_shape(dims, patch_size, stride_size)
-    heat = _drops(base, scores)
-    heat = heat.reshape(-1, *grid) if spec.every else heat.reshape(grid)
-    return OcclusionResult(heat, positions, spec.label, patch_size, stride_size, dims, _stats_dict(stats),
-                           np.ones(grid, bool), predicted=predicted)
+        features, heat, run = scoring.features(mask, baseline, scoring.batch_size(batch_size), progress,
+                                               desc=f"occlusion of {len(ids)} features", memory=budget)
+        return OcclusionResult(heat, corners, scoring.target.label, (), (), dims, OcclusionStats.of_run(run), None,
+                               features, mask.cpu().numpy(), scoring.predicted)
+    patch, stride = window
+    positions = occlusion_grid(dims, patch, stride)
+    heat, run = scoring.windows(positions, patch, baseline, scoring.batch_size(batch_size), progress,
+                                desc=f"occlusion {'x'.join(map(str, patch))}/{'x'.join(map(str, stride))}",
+                                memory=budget)
+    grid = grid_shape(dims, patch, stride)
+    heat = heat.reshape(-1, *grid) if scoring.target.every else heat.reshape(grid)
+    return OcclusionResult(heat, positions, scoring.target.label, patch, stride, dims, OcclusionStats.of_run(run),
+                           np.ones(grid, bool), predicted=scoring.predicted)
 
 
-def infer_spatial_dims(model: nn.Module, image: Any, spatial_dims: int | None = None) -> int:
-    """The input's number of spatial axes: ``spatial_dims`` if given, else that of the model's first convolution
-    module, else from the tensor's rank (2 axes: a signal (C, L); 3 or 4: an image; 5: a volume).
-
-    Raises:
-        ValueError: an unsupported number of spatial axes.
-    """
-    if spatial_dims is not None:
-        return check_spatial_dims(spatial_dims)
-    if isinstance(model, nn.Module):
-        for module in model.modules():
-            if isinstance(module, nn.modules.conv._ConvNd):
-                return check_spatial_dims(len(module.kernel_size))
-    rank = image.dim() if isinstance(image, torch.Tensor) else 3
-    if rank not in (2, 3, 4, 5):
-        raise ValueError(f"incrinf explains inputs with 1, 2 or 3 spatial axes: (C, L), (C, H, W) or (C, D, H, W), "
-                         f"with an optional batch axis of 1; got a tensor of shape {tuple(image.shape)}")
-    return {2: 1, 3: 2, 4: 2, 5: 3}[rank]
+# --- the error of an approximate map ---------------------------------------------------------------------
 
 
-def _drops(base: torch.Tensor, scores: torch.Tensor) -> np.ndarray:
-    """Unoccluded minus occluded scores: (N,) from a scalar base, (K, N) from a (K,) base and (N, K) scores."""
-    drop = base - scores
-    return (drop.transpose(0, 1) if drop.dim() == 2 else drop).cpu().numpy()
+def _exact_target(result: OcclusionResult, target: Any) -> Any:
+    """The target to recompute ``result`` exactly with: the resolved index (so a None target cannot pick another
+    class), else what was asked (``"all"``, a reducer)."""
+    return result.target if isinstance(result.target, (int, np.integer)) else target
 
 
-def _predicted(base_output: Any) -> int | None:
-    if isinstance(base_output, torch.Tensor) and base_output.dim() >= 1:
-        return int(base_output.reshape(base_output.shape[0], -1)[0].argmax())
-    return None
+def _maps(heatmap: np.ndarray, result: OcclusionResult) -> np.ndarray:
+    """(K, *grid) view of a heat map: one map, or one per class with ``target="all"``."""
+    return heatmap if result.every_class else heatmap[None]
 
 
-def _score(out: torch.Tensor, output: str) -> torch.Tensor:
-    """(N, K) scores of a classifier's outputs: logits, or softmax probabilities with ``output="prob"``."""
-    out = out.reshape(out.shape[0], -1).float()
-    return torch.softmax(out, dim=1) if output == "prob" else out
+def _measure_quality(result: OcclusionResult, model: nn.Module, image: torch.Tensor, mask: torch.Tensor | None,
+                     window: Any, baseline: Any, batch_size: int | str, budget: int, output: str, target: Any) -> None:
+    """Compute the exact heat map and record the approximation's SSIM and errors against it."""
+    if not result.stats.approximate:  # the exact path: nothing to compare with but itself
+        result.stats.error = ErrorEstimate("measured", 0.0, 0.0, 1.0, int(result.heatmap.size), 0.0)
+        return
+    start = time.perf_counter()
+    scoring = TargetRunner.build(model, image, _exact_target(result, target), output, warn=False)
+    exact = _heat_map(scoring, mask, window, baseline, batch_size, budget, progress=False)
+    err = np.abs(result.heatmap - exact.heatmap)
+    ssim = map_ssim(exact.heatmap, result.heatmap, result.every_class, result.features is not None)
+    result.stats.error = ErrorEstimate("measured", float(err.max()), float(err.mean()), ssim, int(err.size),
+                                       time.perf_counter() - start, float(exact.heatmap.max() - exact.heatmap.min()))
 
 
-def _check_target(target: int | None, base: torch.Tensor) -> int:
-    """An int class index (the predicted class for None), checked against the (K,) base scores."""
-    if target is None:
-        return int(base.argmax())
-    if isinstance(target, bool) or not isinstance(target, (int, np.integer)):
-        raise TypeError(f"target must be an int class index, got {type(target).__name__}")
-    if not 0 <= int(target) < base.numel():
-        raise ValueError(f"target {target} is out of range for a model with {base.numel()} outputs")
-    return int(target)
+def _sample_error(result: OcclusionResult, model: nn.Module, image: torch.Tensor, target: Any, baseline: Any,
+                  output: str) -> None:
+    """Recompute a few evenly spread cells (or features) exactly (tau = 1) and record the approximation's error
+    there, with the SSIM that error predicts (windows only)."""
+    start = time.perf_counter()
+    heat = _maps(result.heatmap, result)
+    heat = heat.reshape(heat.shape[0], -1)  # (K, cells)
+    n = heat.shape[1]
+    cells = np.unique(np.linspace(0, n - 1, min(ERROR_SAMPLE_CELLS, n)).round().astype(np.int64))
+    scoring = TargetRunner.build(model, image, _exact_target(result, target), output, warn=False)
+    if result.features is None:
+        exact, _ = scoring.windows(result.positions[cells], result.patch, baseline, batch_size=len(cells))
+    else:
+        exact = _sampled_features(scoring, result, cells, baseline)
+    err = np.abs(heat[:, cells] - exact.reshape(heat.shape[0], -1))
+    ssim = None
+    if result.features is None:
+        ssim = float(np.mean([estimated_ssim(m, float(np.mean(e**2)))
+                              for m, e in zip(_maps(result.heatmap, result), err)]))
+    result.stats.error = ErrorEstimate("sampled", float(err.max()), float(err.mean()), ssim, len(cells),
+                                       time.perf_counter() - start)
 
 
-def _batch_size(batch_size: int | str) -> int | None:
-    """A checked batch size, or None for "auto" (the plan fills the memory budget)."""
-    if batch_size == "auto":
-        return None
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int or 'auto', got {batch_size!r}")
-    return batch_size
+def _sampled_features(scoring: TargetRunner, result: OcclusionResult, cells: np.ndarray, baseline: Any
+                      ) -> np.ndarray:
+    """Exact drops with each sampled feature occluded: the other features become one leftover id, run once and
+    dropped (one extra inference instead of one per feature)."""
+    mask = torch.from_numpy(result.feature_mask).to(scoring.runner.image.device)
+    sampled = torch.from_numpy(result.features[cells]).to(mask.device)
+    leftover = int(mask.min()) - 1
+    ids, heat, _ = scoring.features(torch.where(torch.isin(mask, sampled), mask, leftover), baseline,
+                                    batch_size=len(cells) + 1)
+    return heat[..., ids != leftover]
 
 
-def _warn_if_no_reuse(runner: OcclusionRunner) -> None:
-    graph = runner.graph
-    if not any(n.kind == NodeKind.LOCAL for n in graph.nodes):
-        warnings.warn("the model has no spatial (convolution or pooling) layers: incremental inference "
-                      "cannot reuse anything, every position costs a full inference", stacklevel=3)
-
-
-def _stats_dict(stats: RunStats) -> dict[str, Any]:
-    out = stats.as_dict()
-    out["seconds_per_position"] = stats.seconds / max(stats.positions, 1)
-    return out
-
-
-__all__ = ["OcclusionResult", "infer_spatial_dims", "occlusion"]
+__all__ = ["ERROR_SAMPLE_CELLS", "OcclusionResult", "infer_spatial_dims", "occlusion"]

@@ -15,6 +15,15 @@ import numpy as np
 import torch
 
 Reducer = Callable[[Any], torch.Tensor]
+# What a class score is: the model's raw outputs, or softmax probabilities over each example's outputs.
+OUTPUTS = ("logit", "prob")
+
+
+def check_output(output: Any) -> str:
+    """``"logit"`` or ``"prob"`` (:data:`OUTPUTS`), else a ValueError."""
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be 'logit' or 'prob', got {output!r}")
+    return output
 
 
 @dataclass(frozen=True)
@@ -58,9 +67,7 @@ def resolve(target: Any, base_output: Any, output: str = "logit") -> Target:
         TypeError / ValueError: naming what is wrong (an index out of range, a structured output without a
             reducer, a reducer that does not return one value per example).
     """
-    if output not in ("logit", "prob"):
-        raise ValueError(f"output must be 'logit' or 'prob', got {output!r}")
-    prob = output == "prob"
+    prob = check_output(output) == "prob"
     if callable(target) and not isinstance(target, (str, int)):
         if prob:
             raise ValueError("output='prob' applies to class scores; with a reducer target, apply any activation "
@@ -119,4 +126,4 @@ def _flat(output: torch.Tensor) -> torch.Tensor:
     return output.reshape(output.shape[0], -1).float()
 
 
-__all__ = ["Reducer", "Target", "batch_size", "reduced", "resolve"]
+__all__ = ["OUTPUTS", "Reducer", "Target", "batch_size", "check_output", "reduced", "resolve"]

@@ -24,11 +24,6 @@ def module_of(graph: Graph, node: Node) -> nn.Module | None:
     return graph.module.get_submodule(str(fx_node.target)) if fx_node.op == "call_module" else None
 
 
-def function_of(node: Node) -> Any:
-    """The function a ``call_function`` node calls (``None`` otherwise)."""
-    return node.fx_node.target if node.fx_node.op == "call_function" else None
-
-
 def arguments(node: Node, value: Value) -> tuple[list, dict]:
     """A node's positional and keyword arguments, every node reference replaced by ``value(name)``."""
     fx_node = node.fx_node

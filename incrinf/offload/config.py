@@ -249,7 +249,7 @@ class OffloadConfig:
     @classmethod
     def build(cls, config: OffloadConfig | StreamConfig | None = None, **settings: Any) -> OffloadConfig:
         """``config`` (default: the defaults) with ``settings`` replaced. A setting of
-        :class:`~incrinf.stream.config.StreamConfig` (``threshold=``, ``max_ratio=``, ...) replaces that field of
+        :class:`~incrinf.stream.config.StreamConfig` (``pixel_threshold=``, ``max_ratio=``, ...) replaces that field of
         :attr:`stream`; a ``StreamConfig`` given as ``config`` is taken as the stream settings.
 
         Raises:

@@ -67,7 +67,7 @@ class OffloadingSession:
             :class:`~incrinf.offload.local.FullInferenceStandIn` for models it cannot cache.
         local_options: extra ``StreamSession`` arguments (``device``, ...).
         **settings: any :class:`~incrinf.offload.config.OffloadConfig` field (``budget=``, ``token=``,
-            ``input_size=``, ...) or :class:`~incrinf.stream.config.StreamConfig` field (``threshold=``, ...),
+            ``input_size=``, ...) or :class:`~incrinf.stream.config.StreamConfig` field (``pixel_threshold=``, ...),
             replacing the one in ``config``.
 
     Raises:

@@ -1,56 +1,14 @@
-"""What an offloading session did per frame, and the bounded log that keeps it."""
+"""What an offloading session did per frame, and the bounded log that keeps it (the stream's
+:class:`~incrinf.stream.stats.FrameLog`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, SupportsIndex
 
 from incrinf.offload.policy import Option
+from incrinf.stream.stats import FrameLog
 
-
-class FrameLog(list):
-    """A list of per-frame records that keeps only the newest ``maxlen`` (None: all).
-
-    A camera stream never ends: an unbounded log grows by a record per frame (about 0.7 KB) for as long as the
-    process lives. Old records are dropped in chunks of a tenth of ``maxlen``, so appending stays O(1)
-    amortised; between drops the log holds up to ``1.1 * maxlen`` records. Indexing and slicing work as on a
-    list (index 0 is the oldest record kept); each record's own ``index`` field is its frame number.
-
-    Args:
-        maxlen: records kept, >= 1, or None.
-        items: initial records.
-
-    Attributes:
-        dropped: records dropped so far (``dropped + len(log)`` frames were logged).
-    """
-
-    def __init__(self, maxlen: int | None = None, items: Iterable[Any] = ()) -> None:
-        if maxlen is not None and maxlen < 1:
-            raise ValueError(f"maxlen must be >= 1 or None, got {maxlen}")
-        super().__init__(items)
-        self.maxlen = maxlen
-        self.dropped = 0
-        self._trim()
-
-    def append(self, item: Any) -> None:
-        super().append(item)
-        self._trim()
-
-    def extend(self, items: Iterable[Any]) -> None:
-        super().extend(items)
-        self._trim()
-
-    def insert(self, index: SupportsIndex, item: Any) -> None:
-        super().insert(index, item)
-        self._trim()
-
-    def _trim(self) -> None:
-        if self.maxlen is None or len(self) <= self.maxlen + self.maxlen // 10:
-            return
-        excess = len(self) - self.maxlen
-        del self[:excess]
-        self.dropped += excess
+__all__ = ["FrameLog", "OffloadFrameStats"]
 
 
 @dataclass

@@ -47,8 +47,7 @@ class ChangedPixelsUplink:
 
     def __init__(self, config: StreamConfig | None = None) -> None:
         self.config = config or StreamConfig()
-        # ECC refinement costs ~10x the keypoint fit at these sizes; the mask catches what the fit misses.
-        self.estimator = HomographyEstimator(matcher=self.config.matcher, refine=False)
+        self.estimator = HomographyEstimator(**self.config.matcher_settings.as_kwargs())
         self.reference: np.ndarray | None = None
         self.reference_id: int | None = None
         self._last_seen: int | None = None
@@ -72,7 +71,7 @@ class ChangedPixelsUplink:
         if config.keyframe_interval and self._since_full >= config.keyframe_interval:
             return Update(True, "keyframe", frame.copy(), 1.0)
         warped, valid = wire.warp_frame_nearest(self.reference, result.matrix)
-        mask = change_mask(frame, warped, config.cell, config.threshold, valid)
+        mask = change_mask(frame, warped, config.cell, config.pixel_threshold, valid)
         if mask.changed_cell_fraction > config.max_ratio:  # the session's rule (StreamConfig.max_ratio)
             return Update(True, f"changed cells {mask.changed_cell_fraction:.2f} > {config.max_ratio}", frame.copy(),
                           1.0)

@@ -8,8 +8,9 @@ Names are imported on first use, so ``import incrinf.stream.config`` (say) stays
 from incrinf.lazy import lazy_exports
 
 _EXPORTS = {
-    "Cause": ".session",
-    "FrameStats": ".session",
+    "Cause": ".stats",
+    "FrameStats": ".stats",
+    "FrameTimes": ".stats",
     "StreamSession": ".session",
     "StreamConfig": ".config",
     "ChangeMask": ".change_mask",

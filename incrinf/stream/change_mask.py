@@ -2,7 +2,7 @@
 
 The frame is cut into a grid of ``cell`` x ``cell`` pixel cells (the last row/column may be smaller). A
 cell is *changed* when the mean over its pixels and channels of ``|curr - warped_prev|`` reaches
-``threshold``, or when any of its pixels comes from outside the previous frame. Changed cells are
+``pixel_threshold``, or when any of its pixels comes from outside the previous frame. Changed cells are
 recomputed; the rest are read from the warped cache.
 
 Defaults (cell 16, threshold 10 on 0-255 pixels) instead of CacheInf's ~40 px cells and threshold 100:
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from incrinf.engine.frame_regions import cluster_boxes
 from incrinf.extras import require
 from incrinf.geometry import Box
 from incrinf.stream.config import StreamConfig
@@ -70,6 +71,11 @@ class ChangeMask:
     def changed_cell_fraction(self) -> float:
         """Changed cells / all cells (CacheInf falls back to full inference at >= 0.6)."""
         return float(self.cells.mean())
+
+    def clusters(self) -> list[Box]:
+        """Pixel boxes ``(y0, y1, x0, x1)`` of the 8-connected clusters of changed cells (a walker each, where
+        walkers are apart), clipped to the frame."""
+        return cluster_boxes(self.cells, self.cell, self.image_size)
 
     def boxes(self) -> list[Box]:
         """Changed cells merged into disjoint rectangles, in pixel coords.
@@ -161,13 +167,13 @@ def change_mask(
     curr: np.ndarray | torch.Tensor,
     warped_prev: np.ndarray | torch.Tensor,
     cell: int = StreamConfig.cell,
-    threshold: float = StreamConfig.threshold,
+    pixel_threshold: float = StreamConfig.pixel_threshold,
     valid: np.ndarray | torch.Tensor | None = None,
 ) -> ChangeMask:
     """Mark the cells where the warped previous frame differs from the current one.
 
     ``diff[cell] = mean over the cell's pixels and channels of |curr - warped_prev|``; a cell is changed
-    when ``diff >= threshold`` (so ``threshold=0`` marks every cell), or when it holds any pixel with
+    when ``diff >= pixel_threshold`` (so ``pixel_threshold=0`` marks every cell), or when it holds any pixel with
     ``valid == False``.
 
     Args:
@@ -176,7 +182,7 @@ def change_mask(
         warped_prev: previous frame warped into the current view (e.g.
             :func:`~incrinf.stream.warp.warp_image`), same layout and size as ``curr``.
         cell: cell side in pixels.
-        threshold: in the inputs' units (0-255 for uint8 frames; divide by 255 for [0, 1] floats).
+        pixel_threshold: in the inputs' units (0-255 for uint8 frames; divide by 255 for [0, 1] floats).
         valid: optional (H, W) bool, False where the warp read from outside the previous frame
             (:func:`~incrinf.stream.warp.warp_valid_mask`).
 
@@ -199,7 +205,7 @@ def change_mask(
         n_channels = a.shape[2]
         sums, counts = _cell_sums((a - b).abs().sum(dim=2).numpy(), cell)
     # Compare sums, not means: integer pixel sums are exact in float64, so ties with the threshold are exact.
-    cells = sums >= threshold * counts * n_channels
+    cells = sums >= pixel_threshold * counts * n_channels
     diff = sums / (counts * n_channels)
     if valid is not None:
         valid_np = np.asarray(valid.cpu() if isinstance(valid, torch.Tensor) else valid).astype(bool)

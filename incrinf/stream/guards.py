@@ -1,13 +1,7 @@
-"""The session's online guards: it measures itself while it runs instead of trusting defaults fitted to one clip.
+"""The session's quality guard: it measures itself while it runs instead of trusting defaults fitted to one clip.
 
-- :class:`SpeedGuard`: per frame, cached or full from measured costs. It keeps the median of recent full frames'
-  times and, per walk (still camera: the box walk; moving camera: the block walk), recent cached frames' times
-  against the work the frame needed (the share of the frame its change covers); a cached frame is predicted by
-  the median time of the samples nearest in work (medians: a load spike on a shared machine moves no estimate),
-  by a robust (Theil-Sen) line where none is close and beyond the work seen. A frame runs cached when that is
-  faster than a full frame. Before a walk has samples it is predicted from the full time and the work
-  (conservatively: a frame changed over 3/4 of its area runs full), and until three cached frames were timed, by
-  the lower of that and their fit (the first ones pay one-time costs). Every full frame is a timing sample too.
+(The speed guard, cached or full from the plan's predicted cost, is :mod:`incrinf.stream.decisions`.)
+
 - :class:`QualityGuard`: on audit frames the session runs the cached path and full inference, keeps the full
   result (a keyframe: an audit is never wasted) and reports the comparison here
   (:class:`~incrinf.stream.agreement.Comparison`). A miss tightens the knobs one level (change threshold and
@@ -23,123 +17,12 @@
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
 from incrinf.stream.agreement import Comparison, OutputKind
 from incrinf.stream.config import StreamConfig
-
-
-class Walk(str, Enum):
-    """Which walk a cached frame takes."""
-
-    STILL = "still"
-    MOVING = "moving"
-
-
-# --- speed ------------------------------------------------------------------------------------------------------
-
-_FULL_SAMPLES = 9  # median over the latest full frames
-_CACHED_SAMPLES = 16  # cached frames per path in the fit
-# Without samples, a cached frame is predicted to cost this share of a full frame plus the share of the frame it
-# needs (conservative: caching pays only below it).
-_PRIOR_BASE = 0.25
-# Cached samples of a walk below which the prior still counts (the lower of the two is taken).
-_TRUSTED = 3
-_NEIGHBOURS = 5  # samples nearest in work that a prediction takes the median of
-_NEAR = 0.15  # ... if they are this close in work
-# A frame the guard sends to full inference although the fit puts the cached path within this factor of it is,
-# every _PROBE_EVERY such frames, run cached anyway: the fit's samples may be stale (a load spike, new content).
-_PROBE_WITHIN = 1.5
-_PROBE_EVERY = 8
-
-
-@dataclass(frozen=True)
-class SpeedEstimate:
-    """The speed guard's view of one frame (seconds of engine time; NaN when unknown)."""
-
-    full: float
-    cached: float
-
-    @property
-    def cached_faster(self) -> bool:
-        return not math.isnan(self.full) and not math.isnan(self.cached) and self.cached < self.full
-
-
-class SpeedGuard:
-    """Online estimates of a full frame's and a cached frame's time (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self._full: deque[float] = deque(maxlen=_FULL_SAMPLES)
-        self._cached: dict[Walk, deque[tuple[float, float]]] = {p: deque(maxlen=_CACHED_SAMPLES) for p in Walk}
-        self._rejected = 0
-
-    @property
-    def full_seconds(self) -> float:
-        """Median time of the latest full frames (NaN before the first)."""
-        return statistics.median(self._full) if self._full else math.nan
-
-    def estimate(self, walk: Walk, work: float) -> SpeedEstimate:
-        """Predicted full and cached time of a frame whose change covers ``work`` (0-1) of it."""
-        full = self.full_seconds
-        samples = self._cached[walk]
-        prior = full * (_PRIOR_BASE + work)
-        if len(samples) < _TRUSTED:
-            # the first cached frames pay one-time costs (kernels for new shapes): a slow one must not end the trial
-            return SpeedEstimate(full, min(prior, _predict(samples, work)) if samples else prior)
-        return SpeedEstimate(full, _predict(samples, work))
-
-    def choose_cached(self, estimate: SpeedEstimate) -> bool:
-        """Whether to run the cached path (with a probe now and then when the estimates are close)."""
-        if estimate.cached_faster:
-            self._rejected = 0
-            return True
-        if math.isnan(estimate.full) or not estimate.cached < _PROBE_WITHIN * estimate.full:
-            return False
-        self._rejected += 1
-        if self._rejected >= _PROBE_EVERY:
-            self._rejected = 0
-            return True
-        return False
-
-    def record_full(self, seconds: float) -> None:
-        self._full.append(seconds)
-
-    def record_cached(self, walk: Walk, work: float, seconds: float) -> None:
-        self._cached[walk].append((work, seconds))
-
-
-def _predict(samples: deque[tuple[float, float]], x: float) -> float:
-    """Time at work ``x``: the median time of the samples nearest in work (at most 0.15 away; the newest among
-    equals), since the cost is far from linear (on a still camera a change either dies out early or reaches the
-    deep maps and costs a full frame); with none that close, and beyond the largest work seen, the robust line."""
-    near = sorted((s for s in reversed(samples) if abs(s[0] - x) <= _NEAR), key=lambda s: abs(s[0] - x))
-    line = None
-    if near:
-        local = statistics.median(t for _, t in near[:_NEIGHBOURS])
-    else:
-        local = line = _theil_sen(samples, x)
-    if x > max(w for w, _ in samples) + 0.05:
-        local = max(local, line if line is not None else _theil_sen(samples, x))
-    return local
-
-
-def _theil_sen(samples: deque[tuple[float, float]], x: float) -> float:
-    """Time at work ``x`` from (work, time) samples: the median of pairwise slopes (>= 0) through the median
-    point; a single sample or no spread in work scales the median time by the work (never below it)."""
-    xs = [s[0] for s in samples]
-    ts = [s[1] for s in samples]
-    slopes = [(ts[j] - ts[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
-              if abs(xs[j] - xs[i]) > 0.02]
-    x_mid, t_mid = statistics.median(xs), statistics.median(ts)
-    if len(slopes) < 2:
-        return t_mid * max(1.0, x / x_mid) if x_mid > 0 else t_mid
-    slope = max(statistics.median(slopes), 0.0)
-    intercept = statistics.median(t - slope * w for w, t in samples)
-    return max(intercept + slope * x, 0.0)
-
 
 # --- quality ----------------------------------------------------------------------------------------------------
 
@@ -190,7 +73,7 @@ class QualityGuard:
 
     def __init__(self, config: StreamConfig) -> None:
         self.config = config
-        self.min_interval = config.audit_interval
+        self.min_interval = config.first_audit_interval
         self.max_interval = config.keyframe_interval or _MAX_INTERVAL
         self.interval = self.min_interval
         self.level = 0
@@ -211,8 +94,8 @@ class QualityGuard:
         return TIGHTEN ** self.level
 
     @property
-    def threshold(self) -> float:
-        return self.config.threshold * self.scale
+    def pixel_threshold(self) -> float:
+        return self.config.pixel_threshold * self.scale
 
     @property
     def still_feature_threshold(self) -> float:
@@ -230,6 +113,11 @@ class QualityGuard:
     def suspended(self) -> bool:
         """The cache is suspended (full inference only) for this frame; call :meth:`tick` once per frame."""
         return self._suspended > 0
+
+    @property
+    def suspended_for(self) -> int:
+        """Frames of the suspension left, this one included."""
+        return self._suspended
 
     def tick(self) -> None:
         """One frame passed (counts down a suspension)."""
@@ -282,6 +170,15 @@ class QualityGuard:
         self._holds = 0
         self.interval = max(self.max_interval // 2, self.min_interval)  # the looser level proves itself anew
         return Verdict.RELAX
+
+    def sampled_hold(self) -> None:
+        """A sampled audit stood in for a due full audit and held: the interval grows as after a full audit that
+        held with room to spare, the level stays (only full audits loosen the thresholds)."""
+        self.interval = min(2 * self.interval, self.max_interval)
+
+    def long_due(self, frames_since_full: int) -> bool:
+        """Whether a full audit is due whatever samples say (the longest interval passed)."""
+        return frames_since_full >= self.max_interval
 
     def _missed(self, comparison: Comparison) -> bool:
         target_error = self.config.target_error

@@ -14,11 +14,13 @@ from typing import Literal
 import numpy as np
 
 from incrinf.extras import require
+from incrinf.stream.config import MatcherSettings
 from incrinf.stream.warp import scale_homography
 
 cv2 = require("cv2", "stream", "camera streams")
 
 Matcher = Literal["orb", "akaze", "sift"]
+_DEFAULTS = MatcherSettings()  # the one place the matcher's defaults are written
 
 # Bounds of the determinant of H's 2x2 part: zooming more than 2x per axis between consecutive frames is
 # not camera motion a cache can exploit, it is a bad fit.
@@ -245,9 +247,11 @@ class HomographyEstimator:
         >>> for frame in frames:  # doctest: +SKIP
         ...     result = est.update(frame)  # previous -> this frame; ok=False on the first frame
 
+    The defaults are :class:`~incrinf.stream.config.MatcherSettings`' (which says why they are what they are).
+
     Args:
-        matcher: ``"orb"`` (default, fast), ``"akaze"`` (CacheInf's choice; needs an OpenCV build that has
-            it, i.e. 4.x or contrib) or ``"sift"`` (slower, finer keypoints).
+        matcher: ``"orb"`` (fast), ``"akaze"`` (CacheInf's choice; needs an OpenCV build that has it, i.e. 4.x or
+            contrib) or ``"sift"`` (slower, finer keypoints).
         ratio: Lowe ratio-test threshold.
         min_matches: fewer keypoints or ratio-test matches than this gives ``ok=False``.
         ransac_threshold: RANSAC reprojection threshold in pixels.
@@ -259,13 +263,13 @@ class HomographyEstimator:
 
     def __init__(
         self,
-        matcher: Matcher = "orb",
-        ratio: float = 0.75,
-        min_matches: int = 20,
-        ransac_threshold: float = 5.0,
-        max_features: int = 1000,
-        min_inliers: int = 12,
-        refine: bool = True,
+        matcher: Matcher = _DEFAULTS.matcher,
+        ratio: float = _DEFAULTS.ratio,
+        min_matches: int = _DEFAULTS.min_matches,
+        ransac_threshold: float = _DEFAULTS.ransac_threshold,
+        max_features: int = _DEFAULTS.max_features,
+        min_inliers: int = _DEFAULTS.min_inliers,
+        refine: bool = _DEFAULTS.refine,
     ) -> None:
         self.matcher = matcher
         self.ratio = ratio
@@ -353,13 +357,13 @@ def corner_distance(a: np.ndarray, b: np.ndarray, size: tuple[int, int]) -> floa
 def estimate_homography(
     prev: np.ndarray,
     curr: np.ndarray,
-    matcher: Matcher = "orb",
-    ratio: float = 0.75,
-    min_matches: int = 20,
-    ransac_threshold: float = 5.0,
-    max_features: int = 1000,
-    min_inliers: int = 12,
-    refine: bool = True,
+    matcher: Matcher = _DEFAULTS.matcher,
+    ratio: float = _DEFAULTS.ratio,
+    min_matches: int = _DEFAULTS.min_matches,
+    ransac_threshold: float = _DEFAULTS.ransac_threshold,
+    max_features: int = _DEFAULTS.max_features,
+    min_inliers: int = _DEFAULTS.min_inliers,
+    refine: bool = _DEFAULTS.refine,
 ) -> HomographyResult:
     """Estimate the homography mapping ``prev`` pixel coords to ``curr`` pixel coords.
 

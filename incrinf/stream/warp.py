@@ -8,7 +8,7 @@ the cache through the homography by index transformation", ``G(u, v, M) = M^-1 (
 Images are warped with OpenCV (:func:`warp_image`); maps of frames sent to the offload server are read at the
 nearest source position (:func:`nearest_source_index`: one integer index per position, a pure gather, exact
 copies of source values, any dtype). The stream's cached feature maps are moved by
-:mod:`incrinf.stream.executor`, which also keeps the nearest-neighbour rounding from adding up over frames.
+:mod:`incrinf.stream.camera`, which also keeps the nearest-neighbour rounding from adding up over frames.
 """
 
 from __future__ import annotations

@@ -9,11 +9,13 @@ set), so the set spans what cameras do:
   meadow while a large character climbs out of its burrow);
 - ``pan_zoom``: :mod:`~incrinf.testing.synthetic`'s camera panning and zooming over a photo, with its true
   homographies;
-- two still-camera scenes composed from real photos (scikit-image's), 288x384, each with sensor noise and the
+- three still-camera scenes composed from real photos (scikit-image's), 288x384, each with sensor noise and the
   sub-pixel jitter of a camera on a pole: ``hall``, a small figure (the astronaut's bust, soft-edged) walking
   across a garage (the stereo motorcycle photo) with a walking bob and motion blur, passing behind a pillar;
   ``yard``, a large subject (the cat) crossing a launch site (the rocket photo) while a cloud dims the light by
-  a fifth and back and wind shakes the camera by one to two pixels.
+  a fifth and back and wind shakes the camera by one to two pixels; ``walkers``, three figures (the cameraman,
+  the astronaut, the astronaut mirrored and further away) walking at once in different parts of the garage seen
+  from the stereo pair's other camera.
 
 Frames are (H, W, 3) uint8 RGB; everything is deterministic.
 """
@@ -31,7 +33,7 @@ from incrinf.extras import require
 cv2 = require("cv2", "stream", "camera streams")
 
 CLIP_NAMES = ("carphone", "carphone@224", "bikes", "bikes@224", "bigbuckbunny", "bigbuckbunny@224", "pan_zoom",
-              "hall", "yard")
+              "hall", "yard", "walkers")
 _VIDEOS = {"carphone": "carphone_pristine", "bikes": "bikes", "bigbuckbunny": "bigbuckbunny"}
 _SCENE_SIZE = (288, 384)
 
@@ -245,4 +247,32 @@ def _yard(n_frames: int) -> Clip:
                 "light by 20% and back; wind sways the camera 1-2 px; noise")
 
 
-_SCENES = {"hall": _hall, "yard": _yard}
+def _walkers(n_frames: int) -> Clip:
+    h, w = _SCENE_SIZE
+    background = _fit(_photo("stereo_motorcycle")[1], (h, w)).astype(np.float32)
+    cameraman = _photo("camera")
+    cameraman = np.repeat(cameraman[:, :, None], 3, axis=2) * np.float32([1.0, 0.95, 0.9])  # a warm grey print
+    tall, tall_matte = _cutout(cameraman.astype(np.uint8), (50, 420, 60, 330), 96)  # head, shoulders, camera
+    bust, bust_matte = _cutout(_photo("astronaut"), (20, 330, 120, 390), 64)
+    far, far_matte = _cutout(_photo("astronaut")[:, ::-1], (20, 330, 122, 392), 40)
+    # (layer, matte, start (y, x), velocity (dy, dx) in px per frame, bob amplitude): three people in three places
+    walkers = [(tall, tall_matte, (176.0, -40.0), (0.0, 4.0), 2.0),
+               (bust, bust_matte, (40.0, 360.0), (0.0, -3.5), 1.5),
+               (far, far_matte, (120.0, 300.0), (1.2, -1.0), 1.0)]
+    rng = np.random.default_rng(17)
+    frames = []
+    for k in range(n_frames):
+        canvas = background.copy()
+        for layer, matte, (y0, x0), (vy, vx), bob in walkers:
+            y = y0 + vy * k + bob * abs(math.sin(k * math.pi / 6))
+            blurred, alpha = _blur(layer, matte, math.hypot(vx, vy))
+            _paste(canvas, blurred, alpha, y, x0 + vx * k)
+        shake = rng.normal(0.0, 0.25, 2)
+        frames.append(_camera(canvas, (shake[0], shake[1]), 1.0 + 0.005 * math.sin(k / 3), rng, 1.5))
+    return Clip("walkers", frames, Camera.STILL, Subject.SMALL, None,
+                "composed, 288x384: three people (the cameraman, the astronaut, the astronaut smaller and mirrored) "
+                "walk at once in different parts of a garage (the other view of the stereo motorcycle pair); motion "
+                "blur, noise, sub-pixel jitter")
+
+
+_SCENES = {"hall": _hall, "yard": _yard, "walkers": _walkers}

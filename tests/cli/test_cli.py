@@ -24,7 +24,7 @@ def test_analyze_bad_arguments_exit_with_message(capsys) -> None:
 
 
 def test_explain_default_heatmap_is_on_the_cat(tmp_path, capsys, monkeypatch) -> None:
-    import incrinf.explain.approx as occ
+    import incrinf.explain.occlusion as occ
 
     results = []
     original = occ.occlusion
@@ -63,7 +63,7 @@ def test_explain_unknown_colour_map_names_close_ones(capsys) -> None:
 
 
 def test_explain_writes_the_picture_in_the_chosen_colour_map(tmp_path, monkeypatch) -> None:
-    import incrinf.explain.occlusion as occlusion_module
+    import incrinf.explain.result as occlusion_module
 
     drawn = []
     monkeypatch.setattr(occlusion_module, "save_heatmap", lambda *args, **kwargs: drawn.append(kwargs) or args[1])

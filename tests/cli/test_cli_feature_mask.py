@@ -53,7 +53,7 @@ def test_volume_feature_mask_and_every_class_equal_the_api(tmp_path, capsys) -> 
     nibabel.save(nibabel.Nifti1Image(labels.transpose(2, 1, 0).copy(), np.eye(4)), path)  # stored (x, y, z)
     out = tmp_path / "m.png"
     args = ["explain", EXAMPLE, "--resize", "32x32x32", "--feature-mask", str(path), "--target", "all",
-            "--out", str(out), "--quiet"]
+            "--output", "prob", "--out", str(out), "--quiet"]
     assert cli.main(args) == 0
     text = capsys.readouterr().out
     assert "explained every class with 3 features" in text and out.read_bytes()[:4] == b"\x89PNG"
@@ -64,7 +64,7 @@ def test_volume_feature_mask_and_every_class_equal_the_api(tmp_path, capsys) -> 
     every = incrinf.occlusion(model, volume, target="all", feature_mask=mask, output="prob", progress=False)
     assert every.heatmap.shape == (2, 3)
     assert cli.main(["explain", EXAMPLE, "--resize", "32x32x32", "--feature-mask", str(path), "--target", "1",
-                     "--out", str(out), "--quiet"]) == 0
+                     "--output", "prob", "--out", str(out), "--quiet"]) == 0
     text = capsys.readouterr().out
     top = every.features[int(np.argmax(every.heatmap[1]))]
     assert f"largest drop {every.heatmap[1].max():.3f} at feature {top}" in text
@@ -85,7 +85,7 @@ def test_image_feature_mask_matches_the_api(tmp_path, capsys) -> None:
         + np.arange(photo.shape[1])[None, :] // (photo.shape[1] // 4 + 1)
     np.save(tmp_path / "seg.npy", segments)
     assert cli.main(["explain", "--model", "resnet18", "--feature-mask", str(tmp_path / "seg.npy"),
-                     "--target", "3", "--out", str(tmp_path / "h.png"), "--quiet"]) == 0
+                     "--target", "3", "--output", "prob", "--out", str(tmp_path / "h.png"), "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "explained class 3 with 16 features" in text and "largest drop" in text
     x = models.preprocess(photo, "resnet18")

@@ -14,7 +14,6 @@ from conftest import zoo_model
 
 from incrinf.analysis import analyze, occlusion_grid
 from incrinf.engine import BatchEngine
-from incrinf.explain.approx import ERROR_SAMPLE_CELLS, occlusion
 from incrinf.explain.drilldown import (
     DrillDown,
     coincident_cells,
@@ -24,9 +23,10 @@ from incrinf.explain.drilldown import (
     select_cells,
     upsample,
 )
+from incrinf.explain.occlusion import ERROR_SAMPLE_CELLS, occlusion
 from incrinf.explain.occlusion import occlusion as exact_occlusion
+from incrinf.explain.quality import heatmap_ssim
 from incrinf.explain.runner import OcclusionRunner
-from incrinf.explain.tuning import heatmap_ssim
 from incrinf.geometry import RegionKind, input_boxes, propagate
 from incrinf.graph import NodeKind, captured_graph
 
@@ -268,7 +268,7 @@ def test_explain_options(tmp_path) -> None:
     import argparse
 
     from incrinf.cli.approx_options import add_explain_options, apply_explain_options, describe_approximation
-    from incrinf.explain.tuning import Setting, TuningProfile
+    from incrinf.explain.tuning_profile import Setting, TuningProfile
 
     parser = argparse.ArgumentParser()
     add_explain_options(parser)

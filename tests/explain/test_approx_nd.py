@@ -1,4 +1,4 @@
-"""The public ``incrinf.occlusion`` (approx.occlusion) with the N-D front end's keywords: 1-D and 3-D inputs,
+"""The public ``incrinf.occlusion`` (the one front end) with the N-D front end's keywords: 1-D and 3-D inputs,
 ``target="all"`` and reducers, occluder modes, feature masks; alone (the exact path, forwarded) and with the
 approximate knobs (tau, feature threshold, drill-down, measure_quality, the sampled error report)."""
 
@@ -10,9 +10,10 @@ import torch
 import torch.nn as nn
 
 import incrinf
-from incrinf.explain.approx import ERROR_SAMPLE_CELLS, estimated_ssim
 from incrinf.explain.drilldown import DrillDown
+from incrinf.explain.occlusion import ERROR_SAMPLE_CELLS
 from incrinf.explain.occlusion import occlusion as exact_occlusion
+from incrinf.explain.quality import estimated_ssim
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 POOL = {1: nn.AdaptiveAvgPool1d, 2: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool3d}

@@ -13,9 +13,11 @@ import torch
 import torch.nn as nn
 
 from incrinf import models
-from incrinf.explain.approx import estimated_ssim, occlusion
 from incrinf.explain.drilldown import DrillDown
-from incrinf.explain.tuning import Setting, TuningProfile, drill_down_map, heatmap_ssim, tune
+from incrinf.explain.occlusion import occlusion
+from incrinf.explain.quality import estimated_ssim, heatmap_ssim
+from incrinf.explain.tuning import drill_down_map, tune
+from incrinf.explain.tuning_profile import Setting, TuningProfile
 from incrinf.graph import captured_graph
 
 

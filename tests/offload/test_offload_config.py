@@ -74,7 +74,7 @@ def test_the_token_is_never_printed() -> None:
     ({"timing_repeats": 0}, "timing_repeats"),
     ({"keep_stats": 0}, "keep_stats"),
     ({"keep_stats": True}, "keep_stats"),
-    ({"stream": {"threshold": 5}}, "StreamConfig"),
+    ({"stream": {"pixel_threshold": 5}}, "StreamConfig"),
 ])
 def test_bad_values_are_clear_errors(settings, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -82,20 +82,20 @@ def test_bad_values_are_clear_errors(settings, message) -> None:
 
 
 def test_build_routes_stream_settings_and_rejects_unknown_ones() -> None:
-    config = OffloadConfig.build(None, offload=URL, policy="offload_changed_pixels", threshold=5, max_ratio=1.0,
+    config = OffloadConfig.build(None, offload=URL, policy="offload_changed_pixels", pixel_threshold=5, max_ratio=1.0,
                                  budget=0.25)
     assert config.policy is Policy.OFFLOAD_CHANGED_PIXELS and config.budget == 0.25
-    assert config.stream.threshold == 5 and config.stream.max_ratio == 1.0
-    again = OffloadConfig.build(config, threshold=7)  # one stream field replaced, the others kept
-    assert again.stream.threshold == 7 and again.stream.max_ratio == 1.0 and again.budget == 0.25
+    assert config.stream.pixel_threshold == 5 and config.stream.max_ratio == 1.0
+    again = OffloadConfig.build(config, pixel_threshold=7)  # one stream field replaced, the others kept
+    assert again.stream.pixel_threshold == 7 and again.stream.max_ratio == 1.0 and again.budget == 0.25
     as_stream = OffloadConfig.build(StreamConfig(cell=8))  # a StreamConfig is the stream settings (older form)
     assert as_stream.stream.cell == 8 and as_stream.policy is Policy.AUTO
     with pytest.raises(TypeError, match="unknown offload setting.*treshold"):
         OffloadConfig.build(None, treshold=5)
     with pytest.raises(TypeError, match="OffloadConfig"):
         OffloadConfig.build({"budget": 1})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="threshold"):
-        OffloadConfig.build(None, threshold=-1)
+    with pytest.raises(ValueError, match="pixel_threshold"):
+        OffloadConfig.build(None, pixel_threshold=-1)
     with pytest.warns(DeprecationWarning, match="timing_repeats"):
         assert OffloadConfig.build(None, profile_repeats=2).timing_repeats == 2
 
@@ -103,10 +103,10 @@ def test_build_routes_stream_settings_and_rejects_unknown_ones() -> None:
 def test_session_keyword_form_and_config_form_agree() -> None:
     size = 48
     old = OffloadingSession(tiny_classifier(), None, "local_cached", input_size=(size, size), timing_repeats=1,
-                            threshold=0.0, keep_stats=4)
+                            pixel_threshold=0.0, keep_stats=4)
     new = OffloadingSession(tiny_classifier(), config=OffloadConfig(policy=Policy.LOCAL_CACHED, input_size=(size, size),
                                                                     timing_repeats=1, keep_stats=4,
-                                                                    stream=StreamConfig(threshold=0.0)))
+                                                                    stream=StreamConfig(pixel_threshold=0.0)))
     assert old.config == new.config
     old.close()
     new.close()

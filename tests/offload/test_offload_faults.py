@@ -50,7 +50,7 @@ def assert_in_order(outputs: list[torch.Tensor], refs: list[torch.Tensor]) -> No
 @pytest.mark.parametrize("policy, size, extra", [
     ("offload_full", 64, {}),
     # threshold 0: every changed pixel is sent, so the server's reconstruction is exact.
-    ("offload_changed_pixels", 96, {"threshold": 0.0, "max_ratio": 1.0}),
+    ("offload_changed_pixels", 96, {"pixel_threshold": 0.0, "max_ratio": 1.0}),
 ])
 def test_server_killed_and_restarted(policy, size, extra):
     frames, refs = camera(size, N_FRAMES)
@@ -132,7 +132,7 @@ def test_auto_uses_the_server_when_it_is_much_faster():
     frames, refs = camera(size, 30)
     service = ModelService(tiny_classifier(), (3, size, size), mean=MEAN, std=STD, timing_repeats=1)
     with OffloadServer(service) as server:
-        session = session_for(server.url, size, "auto", local_slowdown=200.0, lookahead=5, threshold=0.0,
+        session = session_for(server.url, size, "auto", local_slowdown=200.0, lookahead=5, pixel_threshold=0.0,
                               max_ratio=1.0, local_session=lambda: FakeLocalSession([]))
         outputs = [session(f) for f in frames]
         session.close()

@@ -282,7 +282,7 @@ def test_tls_401_without_or_with_a_wrong_token(tls_server, certificate, frames):
 
 def test_offloading_session_over_tls(tls_server, certificate, frames):
     session = OffloadingSession(tiny_classifier(), offload=tls_server.url, policy="offload_changed_pixels", token=OTHER,
-                                ca_file=certificate[0], mean=MEAN, std=STD, timing_repeats=1, threshold=0.0,
+                                ca_file=certificate[0], mean=MEAN, std=STD, timing_repeats=1, pixel_threshold=0.0,
                                 max_ratio=1.0)
     with session:
         outputs = [session(f) for f in frames[:6]]
@@ -406,7 +406,7 @@ def test_timeouts_do_not_leak_server_sessions_into_the_cap(frames):
     with OffloadServer(service, token=TOKEN, sessions_per_token=2) as server, ShapingProxy(server.port) as proxy:
         session = OffloadingSession(tiny_classifier(), offload=f"http://127.0.0.1:{proxy.port}",
                                     policy="offload_changed_pixels", token=TOKEN, mean=MEAN, std=STD, timing_repeats=1,
-                                    max_timeout=0.3, backoff_initial=0.01, backoff_cap=0.02, threshold=0.0,
+                                    max_timeout=0.3, backoff_initial=0.01, backoff_cap=0.02, pixel_threshold=0.0,
                                     max_ratio=1.0)
         for i in range(4):
             session(frames[i])

@@ -155,7 +155,7 @@ def test_codec_fuzz_only_raises_payload_error(noise, cut):
 
 
 def test_apply_update_equals_client_mirror(frames):
-    uplink = ChangedPixelsUplink(StreamConfig(threshold=0.0, max_ratio=1.0))
+    uplink = ChangedPixelsUplink(StreamConfig(pixel_threshold=0.0, max_ratio=1.0))
     server_copy = None
     deltas = 0
     for i, frame in enumerate(frames):
@@ -212,7 +212,7 @@ def test_suffix_at_every_split_matches_full(server, service, frames):
 def test_cached_stream_reconstructs_and_matches_reference(server, frames):
     client = OffloadClient(server.url, TOKEN)
     session = client.open_session()
-    uplink = ChangedPixelsUplink(StreamConfig(threshold=10.0))
+    uplink = ChangedPixelsUplink(StreamConfig(pixel_threshold=10.0))
     deltas = 0
     for i, frame in enumerate(frames):
         update = uplink.prepare(frame, i)

@@ -56,7 +56,7 @@ def test_cameras_in_threads_share_one_model_and_server():
     def camera(index: int, url: str) -> tuple[list[torch.Tensor], list[str]]:
         start.wait()  # every session is constructed (traced, profiled, calibrated) at the same moment
         session = OffloadingSession(model, offload=url, policy=POLICIES[index], token=TOKEN, mean=MEAN, std=STD,
-                                    timing_repeats=1, threshold=0.0, max_ratio=1.0)
+                                    timing_repeats=1, pixel_threshold=0.0, max_ratio=1.0)
         with session:
             outputs = [session(frame) for frame in cameras[index]]
         return outputs, [s.mode.policy for s in session.stats]

@@ -42,13 +42,19 @@ def test_maps_agree_per_position_and_dicts_and_tuples_are_read():
 
 def test_clip_set_loads_small_clips():
     assert len(CLIP_NAMES) >= 6
-    for name in ("hall", "yard"):
+    for name in ("hall", "yard", "walkers"):
         clip = load_clip(name, 3)
         assert len(clip.frames) == 3 and clip.size == (288, 384) and clip.camera == Camera.STILL
         assert all(f.dtype == np.uint8 and f.shape == (288, 384, 3) for f in clip.frames)
         assert np.array_equal(load_clip(name, 3).frames[2], clip.frames[2])  # deterministic
         assert not np.array_equal(clip.frames[0], clip.frames[2])
     assert load_clip("hall", 2).subject == Subject.SMALL and load_clip("yard", 2).subject == Subject.LARGE
+    # several people at once: the change mask has several clusters, far apart
+    from incrinf.stream.change_mask import change_mask
+
+    walkers = load_clip("walkers", 12).frames
+    clusters = change_mask(walkers[11], walkers[10], 16, 10.0).clusters()
+    assert len(clusters) >= 3 and max(b[3] for b in clusters) - min(b[2] for b in clusters) > 192
     resized = load_clip("carphone@224", 2)
     assert resized.size == (224, 274) and load_clip("carphone", 2).size == (144, 176)
     pan = load_clip("pan_zoom", 3)

@@ -60,7 +60,7 @@ def test_grid_aligned_insert_marks_exactly_its_cells(base, row, col):
 @settings(max_examples=30, deadline=None)
 @given(y0=st.integers(0, SIDE - INSERT[0]), x0=st.integers(0, SIDE - INSERT[1]))
 def test_any_insert_with_tiny_threshold_marks_exactly_the_cells_it_touches(base, y0, x0):
-    mask = change_mask(_paste(base, y0, x0), base, cell=CELL, threshold=1e-9)
+    mask = change_mask(_paste(base, y0, x0), base, cell=CELL, pixel_threshold=1e-9)
     np.testing.assert_array_equal(mask.cells, _cells_touching(y0, y0 + 30, x0, x0 + 50))
 
 
@@ -82,7 +82,7 @@ def test_zero_difference_changes_nothing(base):
 
 def test_threshold_zero_marks_everything(base):
     # diff >= 0 holds for every cell, even identical ones.
-    mask = change_mask(base, base, cell=CELL, threshold=0)
+    mask = change_mask(base, base, cell=CELL, pixel_threshold=0)
     assert mask.cells.all() and mask.cache_ratio == 0.0
     assert mask.boxes() == [(0, SIDE, 0, SIDE)]
 
@@ -92,7 +92,7 @@ def test_threshold_is_inclusive():
     prev = curr.copy()
     prev[:4, :4] = 25  # the top-left 4x4 cell differs by exactly 25
     prev[4:, 4:] = 24
-    mask = change_mask(curr, prev, cell=4, threshold=25)
+    mask = change_mask(curr, prev, cell=4, pixel_threshold=25)
     np.testing.assert_array_equal(mask.cells, [[True, False], [False, False]])
     np.testing.assert_allclose(mask.cell_diff, [[25, 0], [0, 24]])
 
@@ -124,7 +124,8 @@ def test_tensor_and_float_inputs_agree(base):
     curr_t, base_t = (torch.from_numpy(x).permute(2, 0, 1) for x in (curr, base))
     as_chw = change_mask(curr_t, base_t, cell=CELL)
     as_batch = change_mask(
-        curr_t[None].float() / 255, base_t[None].float() / 255, cell=CELL, threshold=StreamConfig.threshold / 255
+        curr_t[None].float() / 255, base_t[None].float() / 255, cell=CELL,
+        pixel_threshold=StreamConfig.pixel_threshold / 255
     )
     for other in (as_chw, as_batch):
         np.testing.assert_array_equal(other.cells, reference.cells)
@@ -138,7 +139,7 @@ def test_partial_edge_cells():
     curr = np.zeros((100, 70, 3), dtype=np.uint8)
     prev = curr.copy()
     prev[99, 69] = 255  # one pixel of the 4x6-px bottom-right cell
-    mask = change_mask(curr, prev, cell=32, threshold=255 / 24)
+    mask = change_mask(curr, prev, cell=32, pixel_threshold=255 / 24)
     assert mask.cells.shape == (4, 3) and mask.cells.sum() == 1 and mask.cells[3, 2]
     assert mask.boxes() == [(96, 100, 64, 70)]
     assert mask.recompute_fraction == pytest.approx(4 * 6 / 7000)
@@ -182,7 +183,7 @@ def test_uint8_fast_path_equals_float_path(h, w, cell, threshold, gray, seed):
     shape = (h, w) if gray else (h, w, 3)
     curr = rng.integers(0, 256, shape, dtype=np.uint8)
     prev = np.where(rng.random(shape) < 0.7, curr, rng.integers(0, 256, shape, dtype=np.uint8)).astype(np.uint8)
-    fast = change_mask(curr, prev, cell=cell, threshold=threshold)
-    slow = change_mask(curr.astype(np.float64), prev.astype(np.float64), cell=cell, threshold=threshold)
+    fast = change_mask(curr, prev, cell=cell, pixel_threshold=threshold)
+    slow = change_mask(curr.astype(np.float64), prev.astype(np.float64), cell=cell, pixel_threshold=threshold)
     np.testing.assert_array_equal(fast.cells, slow.cells)
     np.testing.assert_allclose(fast.cell_diff, slow.cell_diff, rtol=1e-6)

@@ -1,7 +1,6 @@
 """The session's online guards (incrinf.stream.guards): speed from measured costs, quality held by audits."""
 
 import math
-import time
 
 import cv2
 import numpy as np
@@ -10,10 +9,12 @@ import skimage.data
 import torch
 import torch.nn as nn
 
+from incrinf.graph import capture
 from incrinf.stream.agreement import Comparison, OutputKind, compare
 from incrinf.stream.config import StreamConfig
-from incrinf.stream.guards import LEVELS, QualityGuard, SpeedGuard, Verdict, Walk
-from incrinf.stream.session import Cause, StreamSession
+from incrinf.stream.guards import LEVELS, QualityGuard, Verdict
+from incrinf.stream.session import StreamSession
+from incrinf.stream.stats import Cause
 
 H, W = 64, 80
 
@@ -57,47 +58,77 @@ def _wide() -> nn.Module:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 10)).eval()
 
 
-def test_speed_guard_switches_to_full_inference_when_the_cached_path_is_slow(frames, monkeypatch):
+def test_speed_guard_switches_to_full_inference_when_the_cached_path_is_slow(frames):
     model = _wide()
     session = StreamSession(model, quality_guard=False, max_backoff=0, feature_threshold=0.0)
     for frame in frames[:8]:
         session(frame)
     assert [s.mode for s in session.stats[1:8]].count("cached") >= 5  # a small change: cached is cheaper
     assert all(s.predicted_cached < s.predicted_full for s in session.stats[1:8] if s.mode == "cached")
-    executor = next(iter(session._executors.values()))
-    fast = executor.cached
-    full_seconds = next(iter(session._speed_guards.values())).full_seconds
-
-    def slow(*args, **kwargs):
-        time.sleep(3 * full_seconds)  # the cached path made artificially slow
-        return fast(*args, **kwargs)
-
-    monkeypatch.setattr(executor, "cached", slow)
-    for frame in frames[8:22]:
+    costs = next(iter(session._engines.values())).costs
+    for step in costs.steps:  # every box of the cached path now costs more than a full frame
+        step.box_call = 2 * costs.full_seconds
+    for frame in frames[8:20]:
         out = session(frame)
         if session.stats[-1].mode == "full":
             torch.testing.assert_close(out, _full(model, frame), rtol=1e-4, atol=1e-4)
-    late = session.stats[-6:]
-    assert all(s.cause == Cause.SLOWER for s in late), [s.reason for s in late]
+    # every later frame with anything to compute runs full (one whose change died before the model has nothing to
+    # compute and costs nothing: cached), as its plan's cost says, but for at most one probe of the cached path
+    # (every 8th rejected frame within 1.5x of a full frame's time runs cached: the ratios learn only from frames
+    # that ran)
+    late = [s for s in session.stats[8:] if s.predicted_cached > 0]
+    assert len(late) >= 8 and sum(s.cause not in (Cause.SLOWER, Cause.CACHE_UNUSABLE) for s in late) <= 1, \
+        [s.reason for s in late]
     for s in late:  # the decision and both estimates are in the stats
-        assert s.predicted_cached > s.predicted_full > 0 and s.reason.startswith("cached slower: predicted")
+        if s.cause == Cause.SLOWER:
+            assert s.predicted_cached > s.predicted_full > 0 and s.reason.startswith("cached slower: predicted")
     assert math.isnan(session.stats[0].predicted_full)  # nothing measured before the first frame
 
 
-def test_speed_guard_estimates_from_medians_and_nearest_work():
-    guard = SpeedGuard()
-    assert math.isnan(guard.estimate(Walk.STILL, 0.1).full)
+def test_near_tie_checks_are_charged_to_the_cached_path(frames):
+    """A clip where every cached frame is a near tie pays a full frame on top of each cached one: those checks count
+    as misses, so the session backs off to plain frames instead of auditing every frame."""
+    model = _wide()
+    session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0)
+    session._quality.risky = lambda margin: True  # every cached frame's top-1 is a near tie
+    for frame in frames[:16]:
+        session(frame)
+    causes = [s.cause for s in session.stats[1:]]
+    assert Cause.BACKING_OFF in causes, causes
+    near_ties = [s for s in session.stats[1:] if s.audit]
+    assert near_ties and all(s.reason.startswith("audit: near tie") for s in near_ties)
+    assert len(near_ties) <= session.config.backoff_after + 1, causes
+
+
+def test_cost_calibration_takes_medians_of_ratios_per_kind():
+    from incrinf.engine import FrameEngine
+    from incrinf.engine.costs import RegionKind
+
+    costs = FrameEngine(capture(_wide(), (3, H, W))).costs
+    assert not costs.profiled and costs.full_seconds == pytest.approx(costs.dense_total)
     for seconds in (0.010, 0.011, 0.5, 0.009):  # one load spike
-        guard.record_full(seconds)
-    assert guard.full_seconds == pytest.approx(0.0105)
-    prior = guard.estimate(Walk.STILL, 0.2)
-    assert prior.cached == pytest.approx(0.0105 * 0.45) and prior.cached_faster
-    assert not guard.estimate(Walk.MOVING, 0.9).cached_faster  # no samples: a large change runs full
-    for work, seconds in [(0.05, 0.002), (0.1, 0.003), (0.1, 0.0025), (0.8, 0.012), (0.85, 0.013), (0.9, 0.012)]:
-        guard.record_cached(Walk.STILL, work, seconds)
-    assert guard.estimate(Walk.STILL, 0.08).cached == pytest.approx(0.003, rel=0.3)
-    assert not guard.estimate(Walk.STILL, 0.85).cached_faster  # like the samples nearest in work
-    assert guard.estimate(Walk.MOVING, 0.1).cached == pytest.approx(0.0105 * 0.35)  # walks are kept apart
+        costs.record_full(seconds)
+    assert costs.full_seconds == pytest.approx(0.0105)
+    boxes = RegionKind.BOXES
+    assert costs.call_ratio(boxes) == costs.compute_ratio(boxes) == 1.0  # nothing measured: as profiled
+    costs.record_steps(boxes, [(1e-5, 0.0, 1e-4)])
+    assert costs.call_ratio(boxes) == 1.0  # one sample (it may have paid one-time costs) sets nothing alone
+    # steps mostly fixed cost calibrate the call ratio, steps mostly arithmetic the compute ratio; a spike moves
+    # neither
+    calls = [(1e-5, 1e-7, 2e-5 * 1.01), (1e-5, 0.0, 2e-5), (1e-5, 0.0, 5e-3), (1e-5, 0.0, 2.1e-5)]
+    computes = [(1e-7, 1e-3, 1.5e-3 * 1.0001), (0.0, 1e-3, 1.5e-3), (0.0, 1e-3, 1.6e-3), (0.0, 1e-3, 1.5e-3)]
+    costs.record_steps(boxes, calls + computes)
+    assert costs.call_ratio(boxes) == pytest.approx(2.0, rel=0.01)
+    assert costs.compute_ratio(boxes) == pytest.approx(1.5, rel=0.01)
+    assert costs.box(0, 10) == pytest.approx(2.0 * costs.steps[0].box_call + 1.5 * costs.steps[0].per_position * 10,
+                                             rel=0.01)
+    assert costs.call_ratio(RegionKind.BLOCKS) == 1.0  # kinds are kept apart
+    # pruning: commits at a tensor that kept a fifth of what they computed discount the steps after it
+    name = costs.program.cached[0]
+    assert costs.kept(name) == 1.0
+    for _ in range(5):
+        costs.record_kept(name, 100, 20)
+    assert costs.kept(name) == pytest.approx(0.2) and costs.kept(costs.program.cached[-1]) == 1.0
 
 
 # --- quality ----------------------------------------------------------------------------------------------------
@@ -108,18 +139,18 @@ def _label(agreement: float, risk: float = 0.0) -> Comparison:
 
 def test_quality_guard_tightens_on_misses_and_relaxes_while_the_target_holds():
     guard = QualityGuard(StreamConfig(audit_interval=2, keyframe_interval=16))
-    assert (guard.interval, guard.level, guard.threshold) == (2, 0, 10.0)
+    assert (guard.interval, guard.level, guard.pixel_threshold) == (2, 0, 10.0)
     verdicts = [guard.record(_label(1.0), guard.interval) for _ in range(4)]
     # holding with room to spare: audits get rarer, up to the keyframe interval
     assert verdicts == [Verdict.RELAX] * 3 + [Verdict.HOLD] and guard.interval == 16
     assert guard.record(_label(0.0, 1.5), guard.interval) == Verdict.MISS  # a top-1 flip
     assert (guard.interval, guard.level) == (2, 1)
-    assert guard.threshold == pytest.approx(6.0) and guard.still_feature_threshold == pytest.approx(0.21)
+    assert guard.pixel_threshold == pytest.approx(6.0) and guard.still_feature_threshold == pytest.approx(0.21)
     assert guard.record(_label(1.0, 0.4), 2) == Verdict.HOLD  # 0.4 at 2 frames would be 0.8 at 4: no relaxing
     assert guard.interval == 2
     for _ in range(10):
         guard.record(_label(1.0), guard.interval)
-    assert guard.level == 0 and guard.threshold == 10.0  # relaxed back once the misses stopped
+    assert guard.level == 0 and guard.pixel_threshold == 10.0  # relaxed back once the misses stopped
     summary = guard.summary
     assert summary.audits == 16 and summary.misses == 1 and summary.agreement == pytest.approx(15 / 16)
 
@@ -154,7 +185,7 @@ def test_injected_disagreements_raise_the_audit_rate_and_tighten_then_relax(fram
     model = _classifier()
     session = StreamSession(model, speed_guard=False, audit_interval=2, keyframe_interval=4, near_tie=0)
     session(frames[0])
-    executor = next(iter(session._executors.values()))
+    executor = next(iter(session._engines.values()))
     honest = executor.cached
     injecting = [False]
 
@@ -182,10 +213,10 @@ def test_injected_disagreements_raise_the_audit_rate_and_tighten_then_relax(fram
 
 def test_reported_agreement_equals_agreement_measured_against_full_inference(frames):
     model = _classifier()
-    session = StreamSession(model, speed_guard=False, audit_interval=2, keyframe_interval=4, threshold=30,
+    session = StreamSession(model, speed_guard=False, audit_interval=2, keyframe_interval=4, pixel_threshold=30,
                             feature_threshold=0.5)
     session(frames[0])
-    executor = next(iter(session._executors.values()))
+    executor = next(iter(session._engines.values()))
     honest, seen = executor.cached, {}
 
     def cached(*args, **kwargs):
@@ -245,9 +276,9 @@ def dense_models() -> dict:
 @pytest.mark.parametrize("name", ["dilated_fcn", "pnet", "lraspp_mobilenet_v3_large"])
 def test_dense_sessions_equal_full_inference_with_thresholds_at_zero(dense_models, frames, name):
     model = dense_models[name]
-    session = StreamSession(model, threshold=0.0, feature_threshold=0.0, max_ratio=1.0, speed_guard=False,
+    session = StreamSession(model, pixel_threshold=0.0, feature_threshold=0.0, max_ratio=1.0, speed_guard=False,
                             quality_guard=False)
-    local = StreamSession(model, threshold=0.01, feature_threshold=0.0, speed_guard=False, quality_guard=False)
+    local = StreamSession(model, pixel_threshold=0.01, feature_threshold=0.0, speed_guard=False, quality_guard=False)
     for frame in frames[:3]:
         for s in (session, local):
             out = s(frame, homography=np.eye(3))
@@ -276,19 +307,25 @@ def test_a_failed_frame_keeps_the_guards_state(frames):
     session = StreamSession(model, audit_interval=2, keyframe_interval=8)
     for frame in frames[:8]:
         session(frame)
-    quality, speed = session._quality, next(iter(session._speed_guards.values()))
-    before = (quality.level, quality.interval, quality.summary, speed.full_seconds, dict(speed._cached))
+    from incrinf.engine.costs import RegionKind
+
+    quality, costs = session._quality, next(iter(session._engines.values())).costs
+
+    def speed_state():
+        return (costs.full_seconds, *[(costs.call_ratio(k), costs.compute_ratio(k)) for k in RegionKind])
+
+    before = (quality.level, quality.interval, quality.summary, speed_state())
     with pytest.raises(TypeError, match="uint8"):
         session(frames[8].astype(np.float32))
-    executor = next(iter(session._executors.values()))
+    executor = next(iter(session._engines.values()))
     honest = executor.cached
     executor.cached = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated failure"))
-    executor_full = executor.full
-    executor.full = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated failure"))
+    executor_full, executor_plain = executor.full, executor.plain
+    executor.full = executor.plain = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated failure"))
     with pytest.raises(RuntimeError, match="simulated"):
         session(frames[8])
-    executor.cached, executor.full = honest, executor_full
-    after = (quality.level, quality.interval, quality.summary, speed.full_seconds, dict(speed._cached))
+    executor.cached, executor.full, executor.plain = honest, executor_full, executor_plain
+    after = (quality.level, quality.interval, quality.summary, speed_state())
     assert after == before
     out = session(frames[8])
     assert session.stats[-1].cause == Cause.PREVIOUS_FAILED
@@ -302,7 +339,7 @@ def test_a_failed_frame_keeps_the_guards_state(frames):
     ({"target_agreement": 1.5}, "target_agreement"),
     ({"target_error": -1}, "target_error"),
     ({"audit_interval": 0}, "audit_interval"),
-    ({"audit_interval": 40, "keyframe_interval": 30}, "audit_interval"),
+    ({"keep_stats": 0}, "keep_stats"),
     ({"near_tie": -1}, "near_tie"),
     ({"speed_guard": "yes"}, "speed_guard"),
 ])
@@ -331,3 +368,88 @@ def test_stream_cli_reports_the_guards(tmp_path, capsys):
     for bad in (["--target-agreement", "1.5"], ["--audit-interval", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["stream", *bad])
+
+
+def test_dependent_settings_adapt_instead_of_raising():
+    # audits are keyframes: an audit interval longer than the keyframe interval counts as the keyframe interval
+    config = StreamConfig(audit_interval=40, keyframe_interval=30)
+    assert (config.audit_interval, config.first_audit_interval) == (40, 30)
+    assert QualityGuard(config).interval == 30
+    assert StreamConfig(keyframe_interval=1).every_frame_full
+    assert StreamConfig(keyframe_interval=0, audit_interval=40).first_audit_interval == 40
+
+
+class _SqueezeExcite(nn.Module):
+    """Squeeze-excitation (a global pool whose result scales every position), then a convolution."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.fc = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x):
+        x = x * torch.sigmoid(self.fc(x.mean(dim=(2, 3), keepdim=True)))
+        return torch.relu(self.conv(x))
+
+
+def test_a_model_where_every_change_reaches_the_whole_output_runs_plain_from_the_plan():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), _SqueezeExcite(16), _SqueezeExcite(16),
+                          _SqueezeExcite(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
+    session = StreamSession(model)
+    session._estimator = None  # no keypoint matching may run
+    for frame in frames_of(6):
+        out = session(frame)
+        torch.testing.assert_close(out, _full(model, frame), rtol=1e-4, atol=1e-4)
+    # recognised before the first cached frame (the smallest change already computes nearly everything)
+    assert all(s.cause == Cause.NO_REUSE and s.mode == "full" for s in session.stats)
+    assert "multiply-adds" in session.stats[0].reason
+    assert all(s.times.match == s.times.mask == s.times.plan == 0 for s in session.stats)
+    assert not next(iter(session._engines.values())).has_cache  # nothing kept either
+
+
+def frames_of(n: int) -> list[np.ndarray]:
+    photo = cv2.resize(skimage.data.chelsea(), (W, H), interpolation=cv2.INTER_AREA)
+    out = []
+    for k in range(n):
+        frame = photo.copy()
+        frame[20:30, 4 + 2 * k:14 + 2 * k] = 250
+        out.append(frame)
+    return out
+
+
+def _dense_convs() -> nn.Module:
+    """A fully convolutional model with a (1, 4, H, W) score map, wide enough that a small change is clearly
+    cheaper to recompute than a full frame."""
+    torch.manual_seed(3)
+    layers = []
+    for c_in, c_out in ((3, 64), (64, 64), (64, 64), (64, 64)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Conv2d(64, 4, 1)).eval()
+
+
+def test_a_sampled_audit_detects_an_injected_drift(frames):
+    model = _dense_convs()
+    # a small model at a small size: one tile's cone is a good part of a frame, so the budget is set higher
+    session = StreamSession(model, audit_interval=2, keyframe_interval=64, feature_threshold=0.0, sample_budget=0.8,
+                            max_backoff=0)
+    for frame in frames[:8]:
+        session(frame)
+    sampler = next(iter(session._samplers.values()))
+    assert sampler.ready and sampler.probe is not None  # a full audit held: samples stand in for the next ones
+    honest = [s for s in session.stats if not math.isnan(s.sampled_error)]
+    assert honest and all(s.cause != Cause.AUDIT for s in honest)  # exact propagation: nothing drifts
+    # drift: the cached probe tensor's values go stale everywhere (as if many frames of sub-threshold changes had
+    # been reused), which no change mask reports
+    engine = next(iter(session._engines.values())).engine
+    rows = engine.cache.buffers[sampler.probe.name]
+    rows.add_(torch.randn(rows.shape, generator=torch.Generator().manual_seed(0)) * rows.abs().mean())
+    start = len(session.stats)
+    for frame in frames[8:14]:
+        session(frame)
+    checked = [s for s in session.stats[start:] if not math.isnan(s.sampled_error)]
+    assert checked, "no sampled audit ran"
+    first = checked[0]
+    assert first.sampled_error > 10 * max(s.sampled_error for s in honest) and first.cause == Cause.AUDIT
+    assert first.agreement is not None  # the flagged frame was audited in full (and returned full inference)
+    torch.testing.assert_close(session(frames[14]), _full(model, frames[14]), rtol=1e-3, atol=1e-3)

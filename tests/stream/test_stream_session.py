@@ -8,12 +8,12 @@ import torch
 import torch.nn as nn
 
 from incrinf import models
-from incrinf.engine import boxes as box_walk
+from incrinf.engine import frame_regions
 from incrinf.stream import session as session_module
+from incrinf.stream.camera import CameraEngine
 from incrinf.stream.config import StreamConfig
-from incrinf.stream.executor import StreamExecutor
-from incrinf.stream.session import FrameStats
 from incrinf.stream.session import StreamSession as GuardedSession
+from incrinf.stream.stats import FrameStats
 
 H, W = 80, 96
 # the cached path's mechanics, tested without the guards that would choose full inference or audit instead
@@ -74,7 +74,7 @@ def test_static_frames_equal_full_inference(zoo, photo, name):
 @pytest.mark.parametrize("name", ["resnet18", "efficientnet_lite0"])
 def test_identity_motion_threshold_zero_reproduces_full_inference(zoo, photo, name):
     model = zoo[name]
-    session = StreamSession(model, threshold=0.0, max_ratio=1.0, **UNGUARDED)
+    session = StreamSession(model, pixel_threshold=0.0, max_ratio=1.0, **UNGUARDED)
     a, b = _crop(photo, 40, 60), _crop(photo, 100, 150)  # unrelated content: every position changes
     session(a)
     out = session(b, homography=np.eye(3))
@@ -85,7 +85,7 @@ def test_identity_motion_threshold_zero_reproduces_full_inference(zoo, photo, na
 @pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet_lite0"])
 def test_local_change_recomputes_only_what_it_reaches(zoo, photo, name):
     model = zoo[name]
-    session = StreamSession(model, threshold=0.01, feature_threshold=0.0)
+    session = StreamSession(model, pixel_threshold=0.01, feature_threshold=0.0)
     frame = _crop(photo, 40, 60)
     session(frame)
     changed = frame.copy()
@@ -218,14 +218,14 @@ def test_bad_homography_is_rejected(zoo, photo):
 
 def test_a_failure_inside_a_frame_does_not_corrupt_the_next(zoo, photo, monkeypatch):
     model = zoo["mobilenet_v2"]
-    session = StreamSession(model, threshold=0.01, feature_threshold=0.0)
+    session = StreamSession(model, pixel_threshold=0.01, feature_threshold=0.0)
     frame = _crop(photo, 40, 60)
     session(frame)
 
     def boom(*args, **kwargs):
         raise RuntimeError("simulated failure in the middle of the cached path")
 
-    monkeypatch.setattr(box_walk, "_run_step", boom)
+    monkeypatch.setattr(frame_regions, "run_box", boom)
     changed = frame.copy()
     changed[10:20, 10:20] = 0
     with pytest.raises(RuntimeError, match="simulated"):
@@ -248,7 +248,7 @@ def test_model_without_spatial_layers_is_rejected_at_construction():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"threshold": -1}, "threshold"),
+    ({"pixel_threshold": -1}, "pixel_threshold"),
     ({"cell": 0}, "cell"),
     ({"max_ratio": 1.5}, "max_ratio"),
     ({"keyframe_interval": -2}, "keyframe_interval"),
@@ -277,8 +277,8 @@ def test_reset_cache_memory_and_stats(zoo, photo):
 
 def test_feature_threshold_prunes_work_and_stays_close(zoo, photo):
     model = zoo["efficientnet_lite0"]
-    exact = StreamSession(model, threshold=0.01, feature_threshold=0.0)
-    pruned = StreamSession(model, threshold=0.01, feature_threshold=0.2)
+    exact = StreamSession(model, pixel_threshold=0.01, feature_threshold=0.0)
+    pruned = StreamSession(model, pixel_threshold=0.01, feature_threshold=0.2)
     frame = _crop(photo, 40, 60)
     changed = frame.copy()
     changed[20:36, 30:46] = np.clip(changed[20:36, 30:46].astype(int) + 40, 0, 255).astype(np.uint8)
@@ -338,9 +338,9 @@ def test_stream_cli_runs_a_video_and_writes_stats(tmp_path, capsys):
 
 
 def test_settings_are_one_validated_config(zoo):
-    config = StreamConfig(threshold=4, keyframe_interval=None)
+    config = StreamConfig(pixel_threshold=4, keyframe_interval=None)
     session = StreamSession(zoo["mobilenet_v2"], config, max_ratio=0.5)
-    assert session.config == StreamConfig(threshold=4.0, keyframe_interval=0, max_ratio=0.5, **UNGUARDED)
+    assert session.config == StreamConfig(pixel_threshold=4.0, keyframe_interval=0, max_ratio=0.5, **UNGUARDED)
     with pytest.raises(TypeError, match="unknown stream setting.*policy"):
         StreamSession(zoo["mobilenet_v2"], policy="local_cached")
     with pytest.raises(ValueError, match="max_misalignment"):
@@ -370,7 +370,7 @@ def test_still_camera_skips_keypoint_matching(zoo, photo):
     # a local change on a still background (the phase-correlation peak stays clear)
     changed[30:42, 50:62] = np.clip(changed[30:42, 50:62].astype(int) + 60, 0, 255)
     moved = _crop(photo, 46, 72)  # the camera moved: most cells change under the identity
-    gated, always = StreamSession(model), StreamSession(model, still_fraction=0.0)
+    gated, always = StreamSession(model, still_fraction=0.25), StreamSession(model, still_fraction=0.0)
     for session in (gated, always):
         session._estimator = _CountingEstimator(session._estimator)
     for image in (frame, frame, changed, moved):
@@ -403,7 +403,7 @@ def test_back_off_after_frames_that_cannot_use_the_cache(zoo, photo):
     assert reasons[:13] == ["first frame", *["match failed"] * 3, *["backing off"] * 2, "match failed",
                             *["backing off"] * 4, "match failed", "backing off"]
     assert reasons[13:] == ["backing off", "backing off", "backing off", "ok"]  # the probe reuses the cache
-    assert session.stats[-1].mode == "cached" and session._skip == session._backoff == 0
+    assert session.stats[-1].mode == "cached" and session._backoff.skip == session._backoff.stretch == 0
     detections = session._estimator.detections
     assert detections < 2 * 6  # no keypoints were detected on the frames run without trying
     never = StreamSession(model, keyframe_interval=None, max_backoff=0)
@@ -437,7 +437,7 @@ def test_sub_stride_motion_is_found_unusable_before_the_change_mask(zoo, photo, 
 def test_a_frame_buffer_refilled_in_place_is_not_taken_as_the_reference(zoo, photo):
     # camera loops often decode every frame into the same array: the session must keep its own copy
     model = zoo["mobilenet_v2"]
-    session = StreamSession(model, threshold=0.01, feature_threshold=0.0)
+    session = StreamSession(model, pixel_threshold=0.01, feature_threshold=0.0)
     first, second = _crop(photo, 40, 60), _crop(photo, 40, 60)
     second[20:30, 30:40] = 255 - second[20:30, 30:40]
     buffer = first.copy()
@@ -453,7 +453,7 @@ def test_cached_frames_that_save_little_count_towards_the_back_off(zoo, photo):
     # (saving ~1x), which the session treats like a miss, so after three of them it runs plain frames without
     # matching for a while; a still camera's expensive frames do not count (the next one may be cheap again)
     model = zoo["mobilenet_v2"]
-    session = StreamSession(model, threshold=0.01, max_ratio=1.0, feature_threshold=0.0, keyframe_interval=None,
+    session = StreamSession(model, pixel_threshold=0.01, max_ratio=1.0, feature_threshold=0.0, keyframe_interval=None,
                             max_backoff=4, **UNGUARDED)
     a, b = _crop(photo, 40, 60), _crop(photo, 100, 150)
     pan = np.array([[1.0, 0, -32], [0, 1, 0], [0, 0, 1]])
@@ -466,8 +466,8 @@ def test_cached_frames_that_save_little_count_towards_the_back_off(zoo, photo):
     assert [s.flops_ratio < 1.25 for s in session.stats[1:4]] == [True] * 3
     # the probe at 6 saved little again: 4 frames off, then a still frame probes, saves everything, resets
     assert reasons[7:] == ["backing off"] * 4 + ["ok"]
-    assert session.stats[-1].flops_ratio == float("inf") and session._skip == session._backoff == 0
-    still = StreamSession(model, threshold=0.01, max_ratio=1.0, feature_threshold=0.0, keyframe_interval=None,
+    assert session.stats[-1].flops_ratio == float("inf") and session._backoff.skip == session._backoff.stretch == 0
+    still = StreamSession(model, pixel_threshold=0.01, max_ratio=1.0, feature_threshold=0.0, keyframe_interval=None,
                           **UNGUARDED)
     for image in [a, b, a, b, a, b]:
         still(image, homography=np.eye(3))
@@ -483,14 +483,14 @@ def test_default_feature_threshold_prunes_still_frames_only(zoo, photo):
     for session in (default, exact):
         session(frame)
         session(changed, homography=np.eye(3))
-    executor = next(iter(default._executors.values()))
+    executor = next(iter(default._engines.values()))
     assert (executor.feature_threshold, executor.moving_feature_threshold) == (0.35, 0.0)
     assert default.stats[-1].flops_ratio > exact.stats[-1].flops_ratio  # pruned on a still camera
     ref = _full(model, changed)
     assert float((default(changed, homography=np.eye(3)) - ref).norm() / ref.norm()) < 0.2
     fixed = StreamSession(model, feature_threshold=0.1)
     fixed(frame)
-    executor = next(iter(fixed._executors.values()))
+    executor = next(iter(fixed._engines.values()))
     assert (executor.feature_threshold, executor.moving_feature_threshold) == (0.1, 0.1)
 
 
@@ -518,8 +518,8 @@ def test_a_moving_frame_builds_its_index_maps_once(zoo, photo, monkeypatch):
     session = StreamSession(model, keyframe_interval=None)
     session(_crop(photo, 40, 40))
     calls = []
-    original = StreamExecutor._warp_maps
-    monkeypatch.setattr(StreamExecutor, "_warp_maps", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    original = CameraEngine._warp_maps
+    monkeypatch.setattr(CameraEngine, "_warp_maps", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     frame = _crop(photo, 40, 72)
     out = session(frame, homography=np.array([[1.0, 0, -32], [0, 1, 0], [0, 0, 1]]))
     assert session.stats[-1].mode == "cached" and calls == [1]
@@ -537,3 +537,26 @@ def test_integer_pan_moves_a_stride_one_stem(photo):
     out = session(frame, homography=np.array([[1.0, 0, -16], [0, 1, 0], [0, 0, 1]]))
     assert session.stats[-1].mode == "cached" and session.stats[-1].flops_ratio > 1.0
     _assert_close(out, _full(model, frame))
+
+
+def test_keyframe_interval_one_runs_full_inference_on_every_frame(zoo, photo):
+    # a natural thing to ask for: the dependent settings (the audit interval, with the quality guard on) adapt
+    model = zoo["mobilenet_v2"]
+    session = GuardedSession(model, keyframe_interval=1)
+    frames = [_crop(photo, 40 + k, 60) for k in (0, 0, 0, 2)]
+    for frame in frames:
+        _assert_close(session(frame), _full(model, frame))
+    assert [s.mode for s in session.stats] == ["full"] * 4
+    assert [s.reason for s in session.stats[1:]] == ["keyframe"] * 3
+    assert not any(s.audit for s in session.stats)
+
+
+def test_stats_are_bounded_by_keep_stats(zoo, photo):
+    session = StreamSession(zoo["mobilenet_v2"], keep_stats=3)
+    frame = _crop(photo, 40, 60)
+    for _ in range(8):
+        session(frame)
+    assert 3 <= len(session.stats) <= 4 and session.stats[-1].index == 7
+    assert session.stats.dropped + len(session.stats) == 8
+    times = session.stats[-1].times
+    assert times.engine > 0 and times.prepare > 0 and session.stats[-1].seconds >= sum(times.as_dict().values())

@@ -212,9 +212,6 @@ class ProcessExecutor(Executor):
         if kind == "init-error":
             raise RuntimeError(f"a worker process could not load the model: {payload}")
 
-    def worker_pids(self) -> list[int]:
-        return [w.process.pid for w in self._pool]
-
     def run(self, tasks: Iterator[Task]) -> Iterator[Outcome]:
         pending = _Queue(tasks)
         exhausted = False

@@ -229,7 +229,7 @@ class Explainer:
             positions=np.asarray(result.positions, np.int64),
             fine=None if result.fine is None else np.asarray(result.fine, bool), target=int(result.target),
             patch=tuple(int(v) for v in result.patch), stride=tuple(int(v) for v in result.stride),
-            image_shape=tuple(int(v) for v in result.image_shape), stats=_plain(result.stats),
+            image_shape=tuple(int(v) for v in result.image_shape), stats=_plain(result.stats.as_dict()),
             score=float(score), probability=float(probs[result.target]), predicted=int(probs.argmax()),
             display=self.spec.preprocessing.display(x))
 

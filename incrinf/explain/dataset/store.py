@@ -166,7 +166,7 @@ class RunFolder:
             self.write_record(record)
             return record
         from incrinf.explain.dataset.stats import blend, grid_positions, pixel_map, thumbnail
-        from incrinf.explain.occlusion import OcclusionResult
+        from incrinf.explain.result import OcclusionResult
 
         heat = outcome.heatmap
         files: dict[str, dict[str, Any]] = {}
@@ -180,7 +180,7 @@ class RunFolder:
         if not regular:  # kept only when the heat map is not a plain grid, which later statistics assume
             put("positions", lambda tmp: np.save(tmp, outcome.positions))
         result = OcclusionResult(heat, outcome.positions, outcome.target, outcome.patch, outcome.stride,
-                                 outcome.image_shape, outcome.stats, outcome.fine)
+                                 outcome.image_shape, fine=outcome.fine)
         put("overlay", lambda tmp: result.save(tmp, image=outcome.display, title=overlay_title))
         put("image", lambda tmp: _save_png(tmp, outcome.display))
         pixel = pixel_map(heat, outcome.positions, outcome.patch, outcome.image_shape)

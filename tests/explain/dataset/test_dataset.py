@@ -39,7 +39,7 @@ def read_table(out: Path) -> list[dict[str, str]]:
 
 def cli_args(*inputs: str, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
     return ["explain", *inputs, "--out", str(out), "--model", MODEL, "--size", str(SIZE), "--patch", "16",
-            "--stride", "16", "--quiet", *extra]
+            "--stride", "16", "--output", "prob", "--quiet", *extra]  # the fixtures' OPTIONS
 
 
 class CountingOcclusion:

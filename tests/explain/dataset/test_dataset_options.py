@@ -19,7 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_dataset_run_forwards_the_baseline_mode(photos, tmp_path, capsys) -> None:
     out = tmp_path / "run"
     assert cli.main(["explain", str(photos / "extra"), "--out", str(out), "--model", MODEL, "--size", str(SIZE),
-                     "--patch", "16", "--stride", "16", "--baseline", "mean_img", "--quiet"]) == 0
+                     "--patch", "16", "--stride", "16", "--baseline", "mean_img", "--output", "prob",
+                     "--quiet"]) == 0
     with open(out / "results.csv", newline="") as fh:
         rows = {row["path"].rsplit("/", 1)[-1]: row for row in csv.DictReader(fh)}
     model = models.load(MODEL)

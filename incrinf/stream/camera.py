@@ -18,6 +18,10 @@ import numpy as np
 import torch
 
 from incrinf.engine import CacheMemory, ExecStats, FrameEngine, Motion
+from incrinf.engine.blocks import BlockPlan
+from incrinf.engine.costs import FrameCosts
+from incrinf.engine.frame_regions import RegionPlan
+from incrinf.geometry import Box
 from incrinf.graph import Graph
 from incrinf.stream.warp import scale_homography
 
@@ -33,7 +37,7 @@ class _Warp:
     new_padding: tuple[str, ...] = ()
 
 
-class StreamExecutor:
+class CameraEngine:
     """Full and cached inference of camera frames (a :class:`~incrinf.engine.FrameEngine` plus motion).
 
     Args:
@@ -104,6 +108,21 @@ class StreamExecutor:
         thresholds = self.feature_threshold > 0 or self.moving_feature_threshold > 0
         return self.engine.full(x, scales=thresholds)
 
+    def plain(self, x: torch.Tensor) -> Any:
+        """Full inference of ``x`` that keeps nothing (the cache is dropped)."""
+        self._drift = {}
+        self._memo = None
+        self.full_reason = ""
+        return self.engine.plain(x)
+
+    def profile(self) -> None:
+        """Measure the engine's cost coefficients on the cached frame (after :meth:`full`)."""
+        self.engine.profile()
+
+    @property
+    def costs(self) -> FrameCosts:
+        return self.engine.costs
+
     def unusable_fraction(self, matrix: np.ndarray) -> float:
         """Share of the first cached map that the motion ``matrix`` (3, 3, previous -> current, input pixel
         coords) leaves without a usable source; above ``dense_cut`` :meth:`cached` runs full inference, so a
@@ -112,34 +131,43 @@ class StreamExecutor:
         invalid = warps[self.engine.first_resolution].invalid if self.engine.first_resolution in warps else None
         return float(invalid.mean()) if invalid is not None else 0.0
 
-    def cached(self, x: torch.Tensor, changed: np.ndarray, matrix: np.ndarray) -> Any:
+    def plan(self, changed: np.ndarray, matrix: np.ndarray, boxes: list[Box] | None = None
+             ) -> RegionPlan | BlockPlan:
+        """The plan of a cached frame: for a still camera the box walk's (over ``boxes``, the clusters of changed
+        pixels; default: found on ``changed``), else the block walk's for the motion ``matrix``."""
+        motion = self._motion(matrix)
+        if motion is None and self.engine.boxes:
+            return self.engine.plan_boxes(self.engine.clusters(changed) if boxes is None else boxes)
+        return self.engine.plan_blocks(changed, motion)
+
+    def cached(self, x: torch.Tensor, changed: np.ndarray, matrix: np.ndarray,
+               plan: RegionPlan | BlockPlan | None = None) -> Any:
         """Inference of a frame from the cache.
 
         Args:
             x: (1, C, H, W) the frame as the model sees it.
             changed: (H, W) bool, pixels to recompute.
             matrix: (3, 3) homography previous -> current frame, in pixel coords of ``x``.
+            plan: the frame's :meth:`plan` (default: planned here).
 
         Returns:
             The model's output for ``x``.
         """
         self.full_reason = ""
         unusable = self.unusable_fraction(matrix)
-        warps, self._memo = self._warps(matrix), None
         if unusable > self.dense_cut:
             # the motion leaves most of the first cached map without a usable source: everything after it would
             # be recomputed, and full inference does that with less bookkeeping
+            self._memo = None
             out = self.full(x)
             self.full_reason = f"{unusable:.0%} of the cache misaligned by the motion"
             return out
-        still = all(w.index is None and w.invalid is None and not w.new_padding for w in warps.values())
-        motion = None if still else Motion(
-            {r: w.index for r, w in warps.items() if w.index is not None},
-            {r: w.invalid for r, w in warps.items() if w.invalid is not None},
-            {r: w.new_padding for r, w in warps.items() if w.new_padding})
+        motion = self._motion(matrix)
+        warps, self._memo = self._warps(matrix), None
         drifting = any(d.any() for d in self._drift.values())
+        still = motion is None
         threshold = self.feature_threshold if still else self.moving_feature_threshold
-        out = self.engine.cached(x, changed, motion, threshold, fresh=drifting or not still)
+        out = self.engine.cached(x, changed, motion, threshold, fresh=drifting or not still, plan=plan)
         for res, warp in warps.items():
             if res not in self.engine.cached_resolutions:
                 continue
@@ -149,6 +177,15 @@ class StreamExecutor:
                 drift[:, fresh] = 0.0
             self._drift[res] = drift
         return out
+
+    def _motion(self, matrix: np.ndarray) -> Motion | None:
+        """The engine's view of the motion (None: every map is read in place)."""
+        warps = self._warps(matrix)
+        if all(w.index is None and w.invalid is None and not w.new_padding for w in warps.values()):
+            return None
+        return Motion({r: w.index for r, w in warps.items() if w.index is not None},
+                      {r: w.invalid for r, w in warps.items() if w.invalid is not None},
+                      {r: w.new_padding for r, w in warps.items() if w.new_padding})
 
     # --- warping -----------------------------------------------------------------------------------------
 

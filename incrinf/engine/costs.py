@@ -1,0 +1,229 @@
+"""What a frame's work costs on this machine: per-step coefficients measured once, scaled by ratios calibrated
+online from the frames actually run.
+
+A cached frame's work is known before it runs: the plan (:mod:`~incrinf.engine.frame_regions`,
+:func:`~incrinf.engine.blocks.plan_blocks`) says which positions every step computes, in how many boxes or
+blocks. Its time is predicted from that with three coefficients per step:
+
+- ``dense``: the step over its whole map (what a full frame spends on it; the dense suffix after a switch);
+- ``per_position``: ``dense`` over the map's positions (a region's arithmetic);
+- ``box_call`` / ``block_call``: the fixed cost of running the step on one box (a crop, an operator call, a
+  commit with its pruning test) or on a set of blocks (the masks, the index gather), whatever the region's size.
+
+They are measured once, by a profile after the first full frame (the step ops on the whole map, scaled to the
+generated full module's time; on one position; in the block walk on one cell; each repeated and the fastest taken,
+so a load spike does not stick), and until then estimated from multiply-adds and bytes.
+
+The frames run then calibrate them, with medians of ratios (a load spike on a shared machine moves no decision,
+and no decision rests on a curve fitted to a few timings):
+
+- every cached frame on the CPU times its steps; a step whose predicted time is mostly fixed cost is a sample of
+  the *call* ratio (measured over predicted), one that is mostly arithmetic a sample of the *compute* ratio, per
+  kind (boxes, blocks);
+- full frames give the *dense* ratio (measured full frame over the profile's);
+- a feature threshold prunes regions as a frame runs, which the plan's geometry cannot know: per cached tensor,
+  the median share of the positions recomputed there that its commits kept (a ratio of the plan's own numbers, no
+  timing) discounts the steps after it (:meth:`FrameCosts.kept`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+from incrinf.engine.program import Program
+
+# Latest frames whose ratios (or times) the calibration takes the median of, and latest step samples.
+SAMPLES = 9
+STEP_SAMPLES = 64
+# The profile's own word, as this many ratios of 1 beside the measured ones: a first cached frame that paid
+# one-time costs (new kernel shapes) does not set the scale alone.
+PRIOR_RATIOS = 2
+# A step sample counts for the call ratio when its fixed cost is more than this share of its predicted time, else
+# for the compute ratio.
+DOMINANT = 0.5
+# Before a profile (direct engine users; a stream profiles after its first full frame): a step over its map costs
+# its multiply-adds plus the bytes it reads and writes at these rates, a box or a block step a fixed call on top
+# (the orders of magnitude of one core of a server CPU, measured with 1 thread: 50-100 ps per multiply-add of a
+# convolution, 20-60 us per call).
+PRIOR_SECONDS_PER_FLOP = 5e-11
+PRIOR_SECONDS_PER_BYTE = 2e-10
+PRIOR_CALL = 20e-6
+
+
+class RegionKind(str, Enum):
+    """How a cached frame carries its change: boxes (the box walk) or blocks of positions (the block walk)."""
+
+    BOXES = "boxes"
+    BLOCKS = "blocks"
+
+
+@dataclass
+class StepCost:
+    """One step's coefficients as measured (seconds).
+
+    Attributes:
+        dense: the step over its whole map.
+        per_position: ``dense`` per output position.
+        box_call: fixed cost of the step on one box.
+        block_call: fixed cost of the step in the block walk.
+    """
+
+    dense: float
+    per_position: float
+    box_call: float
+    block_call: float
+
+
+def _median(samples: deque[float]) -> float:
+    return statistics.median([1.0] * PRIOR_RATIOS + list(samples))
+
+
+class FrameCosts:
+    """Per-step coefficients of one program on this device, and their online calibration.
+
+    Args:
+        program: the graph as steps.
+
+    Attributes:
+        steps: a :class:`StepCost` per program step (as measured; the predictions apply the ratios).
+        tail: seconds of the tail (the model after the local part) on full maps.
+        move: seconds per byte of a cached tensor moved through a camera motion's index map.
+        frame: fixed seconds of any cached frame (copying its output for the caller and the next frame).
+        profiled: whether the coefficients were measured (else estimated from multiply-adds).
+    """
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        self.steps = []
+        for step in program.steps:
+            dense = step.flops * PRIOR_SECONDS_PER_FLOP + 8 * step.positions * math.prod(step.channels or (1,)) \
+                * PRIOR_SECONDS_PER_BYTE  # read and written once, float32
+            self.steps.append(StepCost(dense, dense / step.positions, PRIOR_CALL, PRIOR_CALL))
+        self.tail = program.tail_flops * PRIOR_SECONDS_PER_FLOP
+        self.move = PRIOR_SECONDS_PER_BYTE
+        self.frame = 0.0
+        self.profiled = False
+        self._call = {k: deque(maxlen=STEP_SAMPLES) for k in RegionKind}
+        self._compute = {k: deque(maxlen=STEP_SAMPLES) for k in RegionKind}
+        self._kept: dict[str, deque[float]] = {}
+        self._ratios: dict[tuple[str, RegionKind], float] = {}
+        self._full: deque[float] = deque(maxlen=SAMPLES)
+        self._suffix: dict[str, float] = {}
+        self._reindex()
+
+    def _reindex(self) -> None:
+        """Dense seconds of everything after each cut point (the suffix a switch runs), the tail included."""
+        after = self.tail
+        self._suffix = {}
+        for step, cost in zip(reversed(self.program.steps), reversed(self.steps)):
+            if step.out in self.program.cuts:
+                self._suffix[step.out] = after
+            after += cost.dense
+
+    def set_profile(self, dense: list[float], box_call: list[float], block_call: list[float], tail: float,
+                    move: float, frame: float) -> None:
+        """Take measured coefficients (seconds per step, in program order; ``move`` seconds per byte; ``frame``
+        seconds per cached frame)."""
+        self.steps = [StepCost(d, d / s.positions, max(b, 0.0), max(k, 0.0))
+                      for d, b, k, s in zip(dense, box_call, block_call, self.program.steps)]
+        self.tail = tail
+        self.move = move
+        self.frame = frame
+        self.profiled = True
+        self._reindex()
+
+    # --- predictions (calibrated) ------------------------------------------------------------------------
+
+    def box_parts(self, index: int, area: int) -> tuple[float, float]:
+        """``(fixed, arithmetic)`` seconds of one box of ``area`` output positions of step ``index``, as measured."""
+        cost = self.steps[index]
+        return cost.box_call, cost.per_position * area
+
+    def box(self, index: int, area: int) -> float:
+        """One box of ``area`` output positions of step ``index``."""
+        call, compute = self.box_parts(index, area)
+        return self.call_ratio(RegionKind.BOXES) * call + self.compute_ratio(RegionKind.BOXES) * compute
+
+    def blocks_parts(self, index: int, positions: int, dense: bool) -> tuple[float, float]:
+        """``(fixed, arithmetic)`` seconds of step ``index`` of the block walk, as measured."""
+        cost = self.steps[index]
+        return cost.block_call, cost.dense if dense else cost.per_position * positions
+
+    def blocks(self, index: int, positions: int, dense: bool) -> float:
+        """Step ``index`` of the block walk on ``positions`` positions (``dense``: on the whole map)."""
+        call, compute = self.blocks_parts(index, positions, dense)
+        return self.call_ratio(RegionKind.BLOCKS) * call + self.compute_ratio(RegionKind.BLOCKS) * compute
+
+    def suffix(self, cut: str) -> float:
+        """Everything after the cut point ``cut`` run densely, the tail included."""
+        return self._suffix[cut] * self.dense_ratio
+
+    def tail_seconds(self) -> float:
+        return self.tail * self.dense_ratio
+
+    def break_even(self, index: int) -> float:
+        """Positions one more box costs at step ``index`` (its fixed cost over the cost of a position)."""
+        call, compute = self.box_parts(index, 1)
+        scaled = self.compute_ratio(RegionKind.BOXES) * compute
+        return self.call_ratio(RegionKind.BOXES) * call / scaled if scaled > 0 else math.inf
+
+    @property
+    def dense_total(self) -> float:
+        """A full frame from the coefficients as measured: every step dense, and the tail."""
+        return sum(c.dense for c in self.steps) + self.tail
+
+    @property
+    def full_seconds(self) -> float:
+        """A full frame's engine time: the median of the latest full frames, else the profile's."""
+        return statistics.median(self._full) if self._full else self.dense_total
+
+    def kept(self, name: str) -> float:
+        """The share of the positions recomputed at the cached tensor ``name`` that the latest frames' commits
+        kept (value-based pruning; 1 without it, and before three frames said otherwise)."""
+        samples = self._kept.get(name)
+        return min(_median(samples), 1.0) if samples else 1.0
+
+    # --- calibration -------------------------------------------------------------------------------------
+
+    def call_ratio(self, kind: RegionKind) -> float:
+        return self._ratio("call", kind)
+
+    def compute_ratio(self, kind: RegionKind) -> float:
+        return self._ratio("compute", kind)
+
+    def _ratio(self, part: str, kind: RegionKind) -> float:
+        """A calibration median, kept until the next samples (plans ask for it at every box)."""
+        value = self._ratios.get((part, kind))
+        if value is None:
+            value = self._ratios[(part, kind)] = _median((self._call if part == "call" else self._compute)[kind])
+        return value
+
+    @property
+    def dense_ratio(self) -> float:
+        """Measured full frames over the profile's full frame (1 before any)."""
+        if not self._full or not self.profiled:
+            return 1.0
+        return statistics.median(self._full) / max(self.dense_total, 1e-12)
+
+    def record_full(self, seconds: float) -> None:
+        if math.isfinite(seconds):
+            self._full.append(seconds)
+
+    def record_steps(self, kind: RegionKind, samples: list[tuple[float, float, float]]) -> None:
+        """A cached frame's measured steps: ``(fixed, arithmetic, measured)`` seconds each (the first two as
+        :meth:`box_parts` / :meth:`blocks_parts` give them)."""
+        for call, compute, measured in samples:
+            total = call + compute
+            if not total > 0 or not math.isfinite(measured):
+                continue
+            (self._call if call > DOMINANT * total else self._compute)[kind].append(measured / total)
+        self._ratios = {}
+
+    def record_kept(self, name: str, computed: int, kept: int) -> None:
+        """A commit at the cached tensor ``name`` kept ``kept`` of the ``computed`` positions."""
+        if computed > 0:
+            self._kept.setdefault(name, deque(maxlen=SAMPLES)).append(kept / computed)

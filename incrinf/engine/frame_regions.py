@@ -1,0 +1,386 @@
+"""A still camera's change as several boxes per tensor, planned from their cost and carried through the steps.
+
+Changes in several places of a frame (two people walking on either side of a street) are *one* image's change:
+one box around them would cost the street between them. Here every tensor's change is a list of boxes, one per
+cluster of changed pixels to start with (:func:`cluster_boxes`), and the plan (:func:`plan_regions`) carries them
+through the program's steps:
+
+- a window step grows each box by Krypton's equations (box sides rounded up to multiples of ``quantum`` so oneDNN
+  reuses its per-shape kernels) and reads every box's window from the step's *merged* source: every box of the
+  source step was committed before this step runs, so each box sees the others' new values where their extents
+  overlap (the changes belong to one image);
+- a merge step (an add, a concatenation) covers the union of its inputs' boxes and reads all of its inputs from
+  their merged caches;
+- a pointwise step or 1x1 convolution keeps its input's boxes and their values;
+- at window and merge steps, boxes are merged where one box over both costs less than the two
+  (:class:`~incrinf.engine.costs.FrameCosts`: a box's fixed cost against the positions the merged box adds), so
+  overlapping or nearby boxes become one and distant ones stay apart;
+- at a cut point the rest of the model may run densely (the generated suffix): it does at the first cut point
+  where the regional steps up to the next cut point would cost at least the same steps run densely
+  (:meth:`Geometry.switches`; dense is for good, so this is the cheapest choice for the regions as they stand).
+
+The walk (:func:`walk_regions`) follows the plan. Value-based pruning at commits cuts each box to the positions
+whose features moved; once a commit pruned, later boxes are grown from what is left and every cut point decides
+again from the regions as they are (a change that dies out is carried on, though the plan, which cannot know
+that, would have switched).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from incrinf.engine.boxes import merge_values
+from incrinf.engine.costs import FrameCosts
+from incrinf.engine.program import Program, Step
+from incrinf.engine.stores import FrameCache, take
+from incrinf.engine.windows import WindowSpec, padded_crop
+from incrinf.geometry import Box, Boxes
+
+
+@dataclass
+class RegionPlan:
+    """What a still-camera frame will compute, before it runs.
+
+    Attributes:
+        start: the input's boxes ``(y0, y1, x0, x1)`` (after merging by cost).
+        steps: per program step, the output boxes (as planned, before any pruning; empty: unchanged).
+        switch: the cut point after which the rest runs densely, or None.
+        flops: multiply-adds the frame computes (the dense rest and the tail included).
+        seconds: predicted engine seconds from the coefficients (uncalibrated).
+        gathered_bytes: bytes of the windows and aligned reads gathered by the regional steps.
+        unchanged: no change reaches the output (the previous output is returned).
+    """
+
+    start: list[Box]
+    steps: list[list[Box]]
+    switch: str | None
+    flops: float
+    seconds: float
+    gathered_bytes: int
+    unchanged: bool = False
+
+    @property
+    def regions(self) -> int:
+        return len(self.start)
+
+
+@dataclass
+class RegionResult:
+    """What a walk computed.
+
+    Attributes:
+        output: the model's output.
+        flops: multiply-adds computed.
+        positions: recomputed positions summed over the steps.
+        committed: per cached tensor, the boxes committed to it (after pruning).
+        suffix: the cut point from which the rest ran densely, if any.
+        seconds: what the (calibrated) coefficients give for the work done.
+        step_samples: per step run regionally, ``(fixed, arithmetic, measured)`` seconds (when timed): the
+            coefficients' parts as measured by the profile, and the step's measured time.
+    """
+
+    output: Any
+    flops: float
+    positions: int
+    committed: dict[str, list[Box]] = field(default_factory=dict)
+    suffix: str | None = None
+    seconds: float = 0.0
+    step_samples: list[tuple[float, float, float]] = field(default_factory=list)
+
+
+def cluster_boxes(cells: np.ndarray, cell: int, size: tuple[int, int]) -> list[Box]:
+    """Pixel boxes of the 8-connected clusters of True cells of a ``(gh, gw)`` grid of ``cell``-pixel cells,
+    clipped to a frame of ``size``; ordered by their first row."""
+    cells = np.asarray(cells, bool)
+    if not cells.any():
+        return []
+    gh, gw = cells.shape
+    # every changed cell starts as its own label and takes the smallest label among its 8 neighbours until nothing
+    # changes (as many rounds as a cluster is long: a few on a grid of cells)
+    big = gh * gw
+    labels = np.where(cells, np.arange(big).reshape(gh, gw), big)
+    while True:
+        padded = np.pad(labels, 1, constant_values=big)
+        neighbours = np.min([padded[dy:dy + gh, dx:dx + gw] for dy in range(3) for dx in range(3)], axis=0)
+        updated = np.where(cells, neighbours, big)
+        if np.array_equal(updated, labels):
+            break
+        labels = updated
+    h, w = size
+    boxes = []
+    for label in np.unique(labels[cells]):
+        rows, cols = np.nonzero(labels == label)
+        boxes.append((int(rows.min()) * cell, min((int(rows.max()) + 1) * cell, h),
+                      int(cols.min()) * cell, min((int(cols.max()) + 1) * cell, w)))
+    return sorted(boxes)
+
+
+def bounding(a: Box, b: Box) -> Box:
+    return min(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), max(a[3], b[3])
+
+
+def area(b: Box) -> int:
+    return (b[1] - b[0]) * (b[3] - b[2])
+
+
+def merge_by_cost(boxes: list[Box], break_even: float) -> list[Box]:
+    """Merge boxes while one box over a pair costs less than the pair: while the merged box adds at most
+    ``break_even`` positions (a box's fixed cost over the cost of a position) to the two."""
+    boxes = list(dict.fromkeys(boxes))  # the same box twice is computed once
+    while len(boxes) > 1:
+        best, pair = -math.inf, None
+        for i in range(len(boxes)):
+            for j in range(i + 1, len(boxes)):
+                gain = break_even + area(boxes[i]) + area(boxes[j]) - area(bounding(boxes[i], boxes[j]))
+                if gain >= 0 and gain > best:
+                    best, pair = gain, (i, j)
+        if pair is None:
+            break
+        i, j = pair
+        merged = bounding(boxes[i], boxes[j])
+        boxes = [b for k, b in enumerate(boxes) if k not in pair] + [merged]
+    return boxes
+
+
+def grow_box(box: Box, spec: WindowSpec, dims: tuple[int, ...], quantum: int) -> Box:
+    """The outputs of a window whose windows read ``box`` of its source (Krypton's equations, as
+    :func:`~incrinf.engine.regions.grow` for one box), sides rounded up to multiples of ``quantum``."""
+    out = []
+    for a in range(2):
+        lo, hi, n = box[2 * a], box[2 * a + 1], dims[a]
+        first = -((spec.extent[a] - 1 - lo - spec.offset[a]) // spec.stride[a])
+        last = (hi - 1 + spec.offset[a]) // spec.stride[a] + 1
+        end = min(last, n)
+        start = min(max(first, 0), end - 1)
+        size = max(end - start, 1)
+        if quantum > 1:
+            size = min(n, -(-size // quantum) * quantum)
+        start = min(start, n - size)
+        out.extend((start, start + size))
+    return tuple(out)
+
+
+def _read_bytes(program: Program, step: Step) -> int:
+    """Bytes a step reads per position of what it reads (float32)."""
+    names = [step.window.source] if step.window is not None else step.inputs
+    shapes = [program.graph.by_name[name].shape for name in names]
+    return sum(4 * math.prod(shape[1:-2]) for shape in shapes if shape is not None)
+
+
+def _clip(box: Box, dims: tuple[int, ...]) -> Box:
+    return max(box[0], 0), min(box[1], dims[0]), max(box[2], 0), min(box[3], dims[1])
+
+
+class Geometry:
+    """A program's box geometry: per step, the output boxes of the input boxes (shared by the plan and the walk;
+    built once per program: it reads every step's shapes)."""
+
+    def __init__(self, program: Program, costs: FrameCosts, quantum: int) -> None:
+        self.program, self.costs, self.quantum = program, costs, quantum
+        self.read_bytes = [_read_bytes(program, step) for step in program.steps]
+        cuts = program_cut_steps(program)
+        self.next_cut = {c: n for c, n in zip(cuts, cuts[1:] + [None])}  # cut step -> the next one (None: none)
+
+    def switches(self, cut: int, step_seconds: list[float]) -> bool:
+        """Whether to run the rest densely from the cut point step ``cut``: when the regional steps up to the next
+        cut point (``step_seconds``: their predicted seconds, indexed by step) cost at least those steps run
+        densely. Dense is for good (nothing returns to regions), so while a segment is cheaper in regions, going
+        on is never worse: the rule is optimal for the regions as they stand."""
+        program, costs = self.program, self.costs
+        nxt = self.next_cut[cut]
+        end = len(program.steps) if nxt is None else nxt + 1
+        regional = sum(step_seconds[cut + 1:end])
+        if nxt is None:
+            return regional + costs.tail_seconds() >= costs.suffix(program.steps[cut].out)
+        return regional >= costs.suffix(program.steps[cut].out) - costs.suffix(program.steps[nxt].out)
+
+    def segment(self, cut: int, regions: dict[str, list[Box]]) -> list[float]:
+        """Predicted seconds per step (indexed by step) of the regional steps after the cut point step ``cut`` up to
+        the next cut point, from the tensors' current ``regions`` (discounted by the pruning the cached tensors
+        on the way have seen: :meth:`~incrinf.engine.costs.FrameCosts.kept`)."""
+        program, costs = self.program, self.costs
+        regions = dict(regions)
+        nxt = self.next_cut[cut]
+        seconds = [0.0] * len(program.steps)
+        survive = 1.0
+        for index in range(cut + 1, len(program.steps) if nxt is None else nxt + 1):
+            step = program.steps[index]
+            boxes = self.out_boxes(index, step, regions)
+            if boxes:
+                regions[step.out] = boxes
+                seconds[index] = survive * sum(costs.box(index, area(b)) for b in boxes)
+                if step.out in program.cached_set:
+                    survive *= costs.kept(step.out)
+        return seconds
+
+    def break_even(self, index: int) -> float:
+        return self.costs.break_even(index)
+
+    def out_boxes(self, index: int, step: Step, regions: dict[str, list[Box]]) -> list[Box]:
+        if step.window is not None:
+            src = regions.get(step.window.source)
+            if not src:
+                return []
+            grown = [grow_box(b, step.window, step.dims, self.quantum) for b in src]
+            return merge_by_cost(grown, self.break_even(index))
+        present = [b for name in step.inputs for b in regions.get(name, ())]
+        if not present:
+            return []
+        if len(step.inputs) == 1:
+            return list(present)  # values flow box by box: the input may not be cached
+        return merge_by_cost([_clip(b, step.dims) for b in present], self.break_even(index))
+
+
+def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
+    """Plan a frame whose input changed in ``start`` boxes: the boxes per step, the cut point to switch to the
+    dense rest (:meth:`Geometry.switches`), its multiply-adds, bytes and predicted seconds."""
+    program, costs = geometry.program, geometry.costs
+    start = merge_by_cost([_clip(b, program.dims(program.graph.input.name)) for b in start],
+                          geometry.break_even(0)) if start else []
+    regions = {program.graph.input.name: start}
+    steps: list[list[Box]] = []
+    step_seconds: list[float] = []
+    died = False
+    survive = 1.0  # the expected share of the geometry's regions that pruning leaves by now
+    for index, step in enumerate(program.steps):
+        if all(not regions.get(name) for name in program.live[index]):
+            died = True
+            break
+        boxes = geometry.out_boxes(index, step, regions)
+        steps.append(boxes)
+        step_seconds.append(survive * sum(costs.box(index, area(b)) for b in boxes))
+        if boxes:
+            regions[step.out] = boxes
+            if step.out in program.cached_set:
+                survive *= costs.kept(step.out)
+    steps.extend([] for _ in range(len(program.steps) - len(steps)))
+    unchanged = died or not any(regions.get(name) for name in program.read_boundary)
+    switch = None
+    for index in program_cut_steps(program):
+        if index < len(step_seconds) and steps[index] and geometry.switches(index, step_seconds):
+            switch = index
+            break
+    last = len(step_seconds) if switch is None else switch + 1
+    seconds, flops, gathered = costs.frame, 0.0, 0
+    for index in range(last):
+        step = program.steps[index]
+        seconds += step_seconds[index]
+        for b in steps[index]:
+            flops += step.flops * area(b) / step.positions
+            gathered += _gathered(geometry, index, step, b)
+    if switch is not None:
+        cut = program.steps[switch].out
+        seconds += costs.suffix(cut)
+        flops += program.suffix_flops(cut) + program.tail_flops
+    elif not unchanged:
+        seconds += costs.tail_seconds()
+        flops += program.tail_flops
+    return RegionPlan(start, steps, None if switch is None else program.steps[switch].out, flops, seconds,
+                      gathered, unchanged and switch is None)
+
+
+def program_cut_steps(program: Program) -> list[int]:
+    """Indices of the steps that produce a cut point, in order."""
+    return [i for i, s in enumerate(program.steps) if s.out in program.cuts]
+
+
+def _gathered(geometry: Geometry, index: int, step: Step, box: Box) -> int:
+    """Bytes a step reads for one output box (a window's read-in window, or the box of each input)."""
+    h, w = box[1] - box[0], box[3] - box[2]
+    if step.window is not None:
+        h, w = step.window.read_size((h, w))
+    return h * w * geometry.read_bytes[index]
+
+
+def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: RegionPlan,
+                 feature_threshold: float = 0.0, timed: bool = False) -> RegionResult:
+    """Run a :class:`RegionPlan` on the frame ``x`` (1, C, H, W) over the frame cache (updated in place)."""
+    program, costs = geometry.program, geometry.costs
+    input_name = program.graph.input.name
+    regions: dict[str, list[Boxes]] = {input_name: [
+        Boxes((b[0], b[2]), (b[1] - b[0], b[3] - b[2]), x[:, :, b[0]:b[1], b[2]:b[3]]) for b in plan.start]}
+    result = RegionResult(None, 0.0, 0, seconds=costs.frame)
+    pruned = False
+    sync = x.device.type == "cuda" and timed
+    for index, (step, live) in enumerate(zip(program.steps, program.live)):
+        if all(not regions.get(name) for name in live):
+            break  # every change has died out (pruning): later tensors keep their cached values
+        clock = time.perf_counter() if timed else 0.0
+        if pruned or len(step.inputs) == 1 and step.window is None:
+            reads = [step.window.source] if step.window is not None else step.inputs
+            bounds = geometry.out_boxes(index, step, {k: [v.bounds for v in regions.get(k, ())] for k in reads})
+        else:
+            bounds = plan.steps[index]
+        out = [run_box(program, cache, step, regions, b) for b in bounds]
+        call = compute = 0.0
+        for box in out:
+            result.seconds += costs.box(index, box.area)
+            result.flops += step.flops * box.area / step.positions
+            result.positions += box.area
+            parts = costs.box_parts(index, box.area)
+            call, compute = call + parts[0], compute + parts[1]
+        if step.out in program.cached_set and out:
+            kept = []
+            for box in out:
+                committed = cache.commit(step.out, box, feature_threshold)
+                if committed is not box:
+                    pruned = True
+                if committed is not None:
+                    kept.append(committed)
+            costs.record_kept(step.out, sum(b.area for b in out), sum(b.area for b in kept))
+            out = kept
+            result.committed[step.out] = [b.bounds for b in out]
+        regions[step.out] = out
+        for name in program.release[index]:
+            regions.pop(name, None)
+        if timed and out:
+            if sync:
+                torch.cuda.synchronize(x.device)
+            result.step_samples.append((call, compute, time.perf_counter() - clock))
+        if step.out in program.cuts and out:
+            if pruned:  # the regions are no longer the plan's: decide from what is left
+                live = {k: [v.bounds for v in r] for k, r in regions.items()}
+                switching = geometry.switches(index, geometry.segment(index, live))
+            else:
+                switching = step.out == plan.switch
+            if switching:
+                result.output = cache.finish(step.out, None, 1)
+                result.suffix = step.out
+                result.seconds += costs.suffix(step.out)
+                result.flops += program.suffix_flops(step.out) + program.tail_flops
+                return result
+    if not any(regions.get(name) for name in program.read_boundary):
+        result.output = cache.unchanged(1)
+        return result
+    result.output = program.tail()(*[cache.map(name) for name in program.boundary])
+    result.seconds += costs.tail_seconds()
+    result.flops += program.tail_flops
+    return result
+
+
+def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, list[Boxes]], bounds: Box
+             ) -> Boxes:
+    """One output box of a step, with its values."""
+    out = Boxes((bounds[0], bounds[2]), (bounds[1] - bounds[0], bounds[3] - bounds[2]))
+    if step.window is not None:
+        values = step.op(padded_crop(step.window, cache.map(step.window.source), bounds))
+        if step.factors is not None:
+            values = values * take(step.factors, out)
+    else:
+        first = step.inputs[0]
+        if len(step.inputs) == 1:
+            source = next(b for b in regions[first] if b.bounds == bounds)
+            inputs = {first: source.values}
+        else:  # a merge: every input is cached and committed
+            inputs = {name: take(cache.map(name), out) for name in step.inputs}
+        values = merge_values(program, step, inputs, out)
+    for fn in step.functions:
+        values = fn(values)
+    out.values = values
+    return out

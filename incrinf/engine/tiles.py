@@ -1,0 +1,152 @@
+"""Exact values of a few tiles of a cached tensor, recomputed from the frame through their receptive fields: what a
+sampled audit compares the cache with.
+
+A tile of a cached tensor (a few positions of one map) depends on a cone of the program: its read-in window in the
+tensor before, that window's in the one before, ..., down to a box of the frame. Recomputing that cone from the
+current frame gives the tile's exact value (what full inference would hold there) at the cone's cost, a fraction
+of a full frame when the tensor is shallow enough. The *probe* is the deepest cached tensor whose cone of one
+tile costs at most a budget (:func:`choose_probe`): the output itself for a model whose receptive field is small
+against the frame (a face detector's score map), an intermediate map for one whose deep positions see the whole
+frame (a classifier, a dilated segmenter) — there the sample compares the cache where it can afford to, and a
+full audit compares the output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from incrinf.engine.costs import FrameCosts
+from incrinf.engine.frame_regions import area, bounding, run_box
+from incrinf.engine.program import Program
+from incrinf.engine.stores import take
+from incrinf.geometry import Box, Boxes
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The cached tensor a sampled audit compares, and what one tile's cone costs.
+
+    Attributes:
+        name: the cached tensor.
+        step: index of the step producing it.
+        dims: its spatial extents.
+        tile: tile side in positions.
+        seconds: predicted seconds of one tile's cone (a tile at the map's centre).
+        flops: multiply-adds of that cone.
+    """
+
+    name: str
+    step: int
+    dims: tuple[int, int]
+    tile: int
+    seconds: float
+    flops: float
+
+
+def cone(program: Program, step: int, tile: Box) -> dict[str, Box]:
+    """The box of every tensor that the ``tile`` of step ``step``'s output depends on (the tile's receptive field
+    through the program), the frame's included."""
+    needed = {program.steps[step].out: tile}
+    for index in range(step, -1, -1):
+        s = program.steps[index]
+        box = needed.get(s.out)
+        if box is None:
+            continue
+        reads = [(s.window.source, _read_window(s, box, program.dims(s.window.source)))] if s.window is not None \
+            else [(name, box) for name in s.inputs]
+        for name, read in reads:
+            needed[name] = bounding(needed[name], read) if name in needed else read
+    return needed
+
+
+def _read_window(step, box: Box, dims: tuple[int, ...]) -> Box:
+    """The source box a window step reads for the output ``box`` (clipped to the source map)."""
+    spec = step.window
+    out = []
+    for a in range(2):
+        lo = box[2 * a] * spec.stride[a] - spec.offset[a]
+        hi = (box[2 * a + 1] - 1) * spec.stride[a] - spec.offset[a] + spec.extent[a]
+        out.extend((max(lo, 0), min(hi, dims[a])))
+    return tuple(out)
+
+
+def cone_cost(program: Program, costs: FrameCosts, step: int, tile: Box) -> tuple[float, float]:
+    """``(seconds, multiply-adds)`` of recomputing ``tile`` of step ``step``'s output from the frame."""
+    needed = cone(program, step, tile)
+    seconds = flops = 0.0
+    for index in range(step + 1):
+        s = program.steps[index]
+        box = needed.get(s.out)
+        if box is not None:
+            seconds += costs.box(index, area(box))
+            flops += s.flops * area(box) / s.positions
+    return seconds, flops
+
+
+def choose_probe(program: Program, costs: FrameCosts, budget: float, tile: int = 4) -> Probe | None:
+    """The deepest cached tensor (a map) whose cone of one ``tile`` x ``tile`` tile at its centre costs at most
+    ``budget`` seconds; None when none does (pass the budget of one tile: a sample of several divides its own)."""
+    best = None
+    for index, step in enumerate(program.steps):
+        if step.out not in program.cached_set or len(step.dims) != 2:
+            continue
+        h, w = step.dims
+        t = min(tile, h, w)
+        y, x = (h - t) // 2, (w - t) // 2
+        seconds, flops = cone_cost(program, costs, index, (y, y + t, x, x + t))
+        if seconds <= budget:
+            best = Probe(step.out, index, (h, w), t, seconds, flops)
+    return best
+
+
+class _Scratch:
+    """Full-size maps holding only the cone's boxes (read only there: the rest is never initialised)."""
+
+    def __init__(self, program: Program, frame: torch.Tensor) -> None:
+        self.program = program
+        self.maps = {program.graph.input.name: frame}
+
+    def map(self, name: str) -> torch.Tensor:
+        return self.maps[name]
+
+
+def exact_tiles(program: Program, frame: torch.Tensor, probe: Probe, tiles: list[Box]) -> list[torch.Tensor]:
+    """The exact values (1, C, th, tw) of the probe's ``tiles``, recomputed from ``frame`` (1, C, H, W) through
+    their cones (one cone per tile)."""
+    out = []
+    graph = program.graph
+    for tile in tiles:
+        needed = cone(program, probe.step, tile)
+        scratch = _Scratch(program, frame)
+        for index in range(probe.step + 1):
+            step = program.steps[index]
+            box = needed.get(step.out)
+            if box is None:
+                continue
+            regions = {}
+            if step.window is None and len(step.inputs) == 1:  # its input's values, in this box
+                source = step.inputs[0]
+                regions[source] = [Boxes((box[0], box[2]), (box[1] - box[0], box[3] - box[2]),
+                                         take(scratch.map(source), _as_boxes(box)))]
+            values = run_box(program, scratch, step, regions, box).values
+            shape = graph.by_name[step.out].shape or values.shape
+            full = torch.empty((1, *values.shape[1:-2], *shape[-2:]), dtype=values.dtype, device=values.device)
+            full[..., box[0]:box[1], box[2]:box[3]] = values
+            scratch.maps[step.out] = full
+        t = scratch.map(probe.name)
+        out.append(t[..., tile[0]:tile[1], tile[2]:tile[3]].clone())
+    return out
+
+
+def _as_boxes(box: Box) -> Boxes:
+    return Boxes((box[0], box[2]), (box[1] - box[0], box[3] - box[2]))
+
+
+def relative_error(cached: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
+    """``||cached - exact|| / ||exact||`` over all tiles (0 when both are zero)."""
+    diff = math.sqrt(sum(float((a - b).float().pow(2).sum()) for a, b in zip(cached, exact)))
+    norm = math.sqrt(sum(float(b.float().pow(2).sum()) for b in exact))
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)

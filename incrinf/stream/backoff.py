@@ -1,0 +1,105 @@
+"""The back-off policy: after frames that tried the cache in vain, a stretch of plain frames that skip the attempt.
+
+An attempt (the still-camera test, keypoint matching, the change mask, planning) that ends in a full frame is a
+*miss*; so is a cached frame that did not beat full inference (with the speed guard: its decision and engine time
+against the predicted full frame; without it, a moving camera's frame that saved less than 1.25x of the
+multiply-adds). ``backoff_after`` misses in a row start a stretch of frames that run plain inference without
+trying. Without the speed guard stretches double (2, 4, ...) up to ``max_backoff``. With it, a stretch starts
+only while the latest attempts saved nothing in total (misses that cost a few milliseconds of decision each are
+worth it while the hits between them save a good part of a frame) and lasts just long enough for the attempt
+ending it to cost at most 2% of the stretch's time: doubling would only delay noticing that the cache pays again.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+from incrinf.stream.config import StreamConfig
+from incrinf.stream.stats import Cause
+
+# A moving camera's cached frame that computed more than 1 / this of the full multiply-adds counts as a miss
+# (without the speed guard): under camera motion the change can reach nearly every position, and the bookkeeping
+# then makes the frame slower than plain inference (measured: 1.7x slower on a panning 128 px synthetic camera).
+MIN_SAVING = 1.25
+# Attempts whose net seconds saved decide whether misses start a back-off (with the speed guard).
+SAVINGS_WINDOW = 8
+# Share of a back-off stretch's time that the attempt ending it may cost (with the speed guard).
+ATTEMPT_BUDGET = 0.02
+
+
+class BackOff:
+    """Counts misses and runs back-off stretches (see the module docstring).
+
+    Args:
+        config: the session's settings (``backoff_after``, ``max_backoff``, ``speed_guard``).
+
+    Attributes:
+        misses: misses in a row.
+        stretch: length of the current (or last) stretch, in frames.
+        skip: frames of the current stretch still to run plain.
+    """
+
+    def __init__(self, config: StreamConfig) -> None:
+        self.config = config
+        self.reset()
+
+    def reset(self) -> None:
+        self.misses = self.stretch = self.skip = 0
+        self._savings: deque[float] = deque(maxlen=SAVINGS_WINDOW)
+
+    @property
+    def active(self) -> bool:
+        """This frame belongs to a stretch: run it plain, without trying the cache."""
+        return self.skip > 0
+
+    def paid(self, cause: Cause | None, attempt: bool, flops_saving: float, predicted_full: float, seconds: float,
+             overhead: float) -> bool | None:
+        """Whether a frame that tried the cache paid for trying (None: it did not try).
+
+        Args:
+            cause: why the frame ran full, or None for a cached frame.
+            attempt: the frame tried the cache (it was no first frame, keyframe, stretch frame ...).
+            flops_saving: a moving camera's full / computed multiply-adds (``inf`` for a still camera).
+            predicted_full: the predicted engine time of a full frame (NaN: unknown).
+            seconds: the frame's decision and engine time.
+            overhead: the decision's time alone (what a miss cost).
+        """
+        if not attempt or cause == Cause.AUDIT:
+            return None
+        if self.config.speed_guard:
+            net = -overhead if cause is not None else predicted_full - seconds
+            self._savings.append(0.0 if math.isnan(net) else net)
+        if cause is not None:
+            return False
+        if self.config.speed_guard:
+            return not seconds >= predicted_full  # NaN (no prediction yet): paid
+        return flops_saving >= MIN_SAVING
+
+    def count(self, cause: Cause | None, paid: bool | None, full_seconds: float) -> None:
+        """Take one frame's outcome (``paid`` from :meth:`paid`; ``full_seconds``: a full frame's time, which sizes
+        a stretch with the speed guard)."""
+        if paid:
+            self.misses = self.stretch = self.skip = 0
+        elif cause == Cause.BACKING_OFF:
+            self.skip -= 1
+        elif paid is not None:
+            self.misses += 1
+            if not self.config.max_backoff or self.misses < self.config.backoff_after:
+                return
+            if not self.config.speed_guard:
+                self.stretch = min(max(2 * self.stretch, 2), self.config.max_backoff)
+            elif sum(self._savings) > 0:
+                return  # the hits between the misses pay for them
+            else:
+                self.stretch = min(max(2, self._budgeted(full_seconds)), self.config.max_backoff)
+            self.skip = self.stretch
+
+    def _budgeted(self, full_seconds: float) -> int:
+        """The shortest stretch whose one attempt at its end costs at most 2% of the stretch's time: the misses'
+        measured overhead over 2% of a full frame's time."""
+        misses = [-v for v in self._savings if v < 0]
+        if not misses or not full_seconds > 0:
+            return 0
+        return int(math.ceil(statistics.median(misses) / (ATTEMPT_BUDGET * full_seconds)))

@@ -1,0 +1,83 @@
+"""Cached or full: the speed guard's decision from the plan's predicted cost, and whether the cache can pay on a
+model at all.
+
+Before a cached frame runs, its plan says what every step will compute; the engine's cost coefficients
+(:class:`~incrinf.engine.costs.FrameCosts`: measured per step once, calibrated on the frames run) turn that into
+seconds. The frame runs full only when that prediction says the cached frame would be slower than a full one
+(whose time is the median of the latest full frames). Under a feature threshold the plan discounts each step by
+the pruning the cached tensors before it have seen lately; a frame that prunes less than that decides again at
+every cut point from its regions as they are, and switches to the dense rest where that is cheaper.
+
+A model in which every change reaches the whole output early (a squeeze-excitation block's global pooling, a
+classifier without local layers worth caching) shows it in the plan of the smallest possible change: when even
+that saves less than ``min_saving`` of a full frame, the session runs plain inference on every frame, without
+matching, masks or a cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from incrinf.engine import FrameEngine
+from incrinf.engine.blocks import BlockPlan
+from incrinf.engine.costs import FrameCosts, RegionKind
+from incrinf.engine.frame_regions import RegionPlan
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A frame's predicted engine seconds, full and cached (NaN: unknown)."""
+
+    full: float
+    cached: float
+
+    @property
+    def cached_faster(self) -> bool:
+        """Whether the cached path is predicted to be faster (True while either prediction is unknown)."""
+        return math.isnan(self.full) or math.isnan(self.cached) or self.cached < self.full
+
+
+# A frame the guard sends to full inference although its predicted cached time is within this factor of a full
+# frame's is, every PROBE_EVERY such frames, run cached anyway: the calibration ratios learn only from frames that
+# ran, and those samples may be stale (a load spike that has passed, new content).
+PROBE_WITHIN = 1.5
+PROBE_EVERY = 8
+
+
+class SpeedGuard:
+    """Cached or full per frame: cached when the plan's prediction is faster, with a probe now and then when the
+    two are close."""
+
+    def __init__(self) -> None:
+        self._rejected = 0
+
+    def choose_cached(self, prediction: Prediction) -> bool:
+        if prediction.cached_faster:
+            self._rejected = 0
+            return True
+        if not prediction.cached < PROBE_WITHIN * prediction.full:
+            return False
+        self._rejected += 1
+        if self._rejected >= PROBE_EVERY:
+            self._rejected = 0
+            return True
+        return False
+
+
+def plan_kind(plan: RegionPlan | BlockPlan) -> RegionKind:
+    return RegionKind.BOXES if isinstance(plan, RegionPlan) else RegionKind.BLOCKS
+
+
+def predict(costs: FrameCosts, plan: RegionPlan | BlockPlan) -> Prediction:
+    """The full frame's and the planned cached frame's expected engine seconds."""
+    return Prediction(costs.full_seconds, plan.seconds)
+
+
+def best_saving(engine: FrameEngine) -> float:
+    """Share of a full frame the smallest possible change saves by the plan: in multiply-adds until the costs are
+    profiled, in predicted seconds after."""
+    plan = engine.best_case()
+    if not engine.costs.profiled:
+        return 1.0 - plan.flops / engine.program.full_flops
+    return 1.0 - plan.seconds / engine.costs.dense_total

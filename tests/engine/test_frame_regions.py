@@ -1,0 +1,178 @@
+"""A still camera's change as several boxes per tensor, planned from their cost (incrinf.engine.frame_regions), and
+the cost coefficients that price the plans (incrinf.engine.costs)."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from conftest import zoo_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from incrinf.engine import FrameEngine
+from incrinf.engine.frame_regions import area, bounding, cluster_boxes, grow_box, merge_by_cost
+from incrinf.graph import capture
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SIZE = (96, 128)
+
+
+def _two_walkers(size=SIZE, seed=3) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, list]:
+    """A frame and the next, changed in two distant places (two walkers on either side of a street)."""
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(1, 3, *size, generator=g)
+    x1 = x0.clone()
+    boxes = [(6, 18, 4, 14), (size[0] - 20, size[0] - 8, size[1] - 16, size[1] - 4)]
+    for y0, y1, a, b in boxes:
+        x1[:, :, y0:y1, a:b] = torch.randn(1, 3, y1 - y0, b - a, generator=g)
+    return x0, x1, (x1 != x0).any(dim=1)[0].numpy(), boxes
+
+
+def _close(out, ref):
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "efficientnet_lite0", "googlenet", "densenet121"])
+def test_two_distant_changes_are_two_regions_cheaper_than_their_bounding_box_and_exact(name):
+    model = zoo_model(name)
+    x0, x1, changed, boxes = _two_walkers()
+    engine = FrameEngine(capture(model, x0.shape[1:]))
+    engine.full(x0)
+    plan = engine.plan_boxes(engine.clusters(changed))
+    around = engine.plan_boxes([(boxes[0][0], boxes[1][1], boxes[0][2], boxes[1][3])])
+    assert plan.regions == 2 and around.regions == 1
+    assert plan.flops < around.flops  # the street between them is not computed (multiply-adds from the plan)
+    out = engine.cached(x1, changed, plan=plan)
+    assert engine.last.regions == 2 and engine.last.flops == pytest.approx(plan.flops)
+    with torch.no_grad():
+        ref = model(x1)
+    _close(out, ref)
+    # the cache now stands for x1: the next frame goes on from it
+    x2 = x1.clone()
+    x2[:, :, 40:48, 60:70] += 1.0
+    out = engine.cached(x2, (x2 != x1).any(dim=1)[0].numpy())
+    with torch.no_grad():
+        _close(out, model(x2))
+
+
+def test_boxes_whose_grown_extents_overlap_see_each_others_values():
+    # two changes a few pixels apart: their boxes meet after a few windows, where each must read the other's new
+    # values (one image), whether the plan keeps them apart or merges them
+    model = zoo_model("resnet18")
+    g = torch.Generator().manual_seed(8)
+    x0 = torch.randn(1, 3, *SIZE, generator=g)
+    x1 = x0.clone()
+    x1[:, :, 30:40, 30:40] += 2.0
+    x1[:, :, 30:40, 52:62] -= 2.0
+    changed = (x1 != x0).any(dim=1)[0].numpy()
+    engine = FrameEngine(capture(model, x0.shape[1:]))
+    for break_even in (0.0, 1e9):  # never merge (beyond overlaps), always merge
+        engine.full(x0)
+        for cost in engine.costs.steps:
+            cost.box_call = break_even * cost.per_position
+        plan = engine.plan_boxes(engine.clusters(changed))
+        out = engine.cached(x1, changed, plan=plan)
+        with torch.no_grad():
+            _close(out, model(x1))
+        assert plan.regions == (2 if break_even == 0 else 1)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 80), st.integers(1, 16), st.integers(0, 112), st.integers(1, 16)),
+                min_size=1, max_size=4), st.integers(0, 2 ** 16))
+def test_any_set_of_changed_boxes_equals_full_inference(mobilenet_engine, boxes, seed):
+    engine, model, x0 = mobilenet_engine
+    g = torch.Generator().manual_seed(seed)
+    x1 = x0.clone()
+    for y, h, x, w in boxes:
+        x1[:, :, y:y + h, x:x + w] = torch.randn(1, 3, min(h, SIZE[0] - y), min(w, SIZE[1] - x), generator=g)
+    changed = (x1 != x0).any(dim=1)[0].numpy()
+    engine.full(x0)
+    out = engine.cached(x1, changed)
+    with torch.no_grad():
+        _close(out, model(x1))
+
+
+@pytest.fixture(scope="module")
+def mobilenet_engine():
+    model = zoo_model("mobilenet_v2")
+    x0 = torch.randn(1, 3, *SIZE, generator=torch.Generator().manual_seed(1))
+    return FrameEngine(capture(model, x0.shape[1:])), model, x0
+
+
+def test_clusters_and_merging_by_cost():
+    cells = np.zeros((6, 8), bool)
+    cells[0:2, 0:2] = True
+    cells[2, 2] = True  # touches the first cluster diagonally
+    cells[4:6, 6:8] = True
+    assert cluster_boxes(cells, 16, (90, 128)) == [(0, 48, 0, 48), (64, 90, 96, 128)]
+    a, b = (0, 10, 0, 10), (0, 10, 20, 30)
+    assert merge_by_cost([a, b], break_even=0) == [a, b]  # the merged box would add 100 positions
+    assert merge_by_cost([a, b], break_even=100) == [bounding(a, b)]
+    assert merge_by_cost([a, (2, 8, 2, 8)], break_even=0) == [a]  # a box inside another is computed once
+    merged = merge_by_cost([a, b, (40, 50, 40, 50), (0, 10, 8, 22)], break_even=30)
+    for box in (a, b, (40, 50, 40, 50)):
+        assert any(m[0] <= box[0] and box[1] <= m[1] and m[2] <= box[2] and box[3] <= m[3] for m in merged)
+    for i, m in enumerate(merged):  # no pair left that one box would do cheaper
+        assert all(area(bounding(m, n)) - area(m) - area(n) > 30 for n in merged[i + 1:])
+
+
+def test_grow_box_matches_the_batched_geometry():
+    from incrinf.engine.regions import grow
+    from incrinf.geometry import Boxes
+
+    engine = FrameEngine(capture(zoo_model("resnet18"), (3, *SIZE)))
+    rng = np.random.default_rng(0)
+    for step in [s for s in engine.program.steps if s.window is not None]:
+        dims = engine.program.dims(step.window.source)
+        for _ in range(5):
+            y, x = int(rng.integers(0, dims[0])), int(rng.integers(0, dims[1]))
+            h, w = int(rng.integers(1, dims[0] - y + 1)), int(rng.integers(1, dims[1] - x + 1))
+            ref = grow(Boxes((y, x), (h, w)), step.window, step.dims, quantum=4).bounds
+            assert grow_box((y, y + h, x, x + w), step.window, step.dims, 4) == ref
+
+
+def _convs() -> nn.Module:
+    """A model whose cost is known: four 3x3 convolutions of 32 channels (the multiply-adds dominate)."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 32, 3, padding=1), nn.ReLU()]
+    for _ in range(3):
+        layers += [nn.Conv2d(32, 32, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
+
+
+def test_the_cost_model_tracks_measured_times():
+    size = (96, 128)
+    model = _convs()
+    x0 = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(2))
+    engine = FrameEngine(capture(model, x0.shape[1:]))
+    engine.full(x0)
+    engine.profile(repeats=3)
+    predicted, measured = [], []
+    for side in (8, 24, 48, 96):
+        box = (0, side, 0, min(side * 4 // 3, size[1]))
+        x1 = x0.clone()
+        x1[:, :, box[0]:box[1], box[2]:box[3]] += 1.0
+        changed = (x1 != x0).any(dim=1)[0].numpy()
+        plan = engine.plan_boxes([box])
+        runs = []
+        for _ in range(5):  # the fastest run counts: other jobs share the machine
+            engine.full(x0)
+            start = time.perf_counter()
+            engine.cached(x1, changed, plan=plan)
+            runs.append(time.perf_counter() - start)
+        predicted.append(plan.seconds)
+        measured.append(min(runs))
+        assert engine.last.predicted == pytest.approx(plan.seconds)  # no pruning: the plan is what ran
+    ratios = [m / p for m, p in zip(measured, predicted)]
+    assert max(ratios) / min(ratios) < 3, (predicted, measured)  # one scale factor explains every size
+    assert predicted == sorted(predicted) and measured[0] < measured[-1]
+    full = []
+    for _ in range(5):
+        start = time.perf_counter()
+        engine.full(x0)
+        full.append(time.perf_counter() - start)
+    assert 0.4 < min(full) / engine.costs.dense_total < 2.5
