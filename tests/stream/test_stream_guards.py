@@ -441,9 +441,12 @@ def test_a_sampled_audit_detects_an_injected_drift(frames):
     assert honest and all(s.cause != Cause.AUDIT for s in honest)  # exact propagation: nothing drifts
     # drift: the cached probe tensor's values go stale everywhere (as if many frames of sub-threshold changes had
     # been reused), which no change mask reports
+    # every cached tensor is made stale, not only the probe: the probe is picked by its cone's measured cost, and
+    # when it is a tensor a dense tail recomputes whole each frame, drift injected there alone is overwritten
     engine = next(iter(session._engines.values())).engine
-    rows = engine.cache.buffers[sampler.probe.name]
-    rows.add_(torch.randn(rows.shape, generator=torch.Generator().manual_seed(0)) * rows.abs().mean())
+    noise = torch.Generator().manual_seed(0)
+    for rows in engine.cache.buffers.values():
+        rows.add_(torch.randn(rows.shape, generator=noise) * rows.abs().mean())
     start = len(session.stats)
     for frame in frames[8:14]:
         session(frame)
