@@ -173,7 +173,7 @@ def merge_values(program: Program, step: Step, inputs: dict[str, Any], out: Boxe
         values = step.op(inputs[first])
     else:
         values = program.ops.invoke(step.head, inputs, like=inputs[first])
-    if step.inplace and not step.head.inplace and not fresh and _shares_memory(values, inputs[first]):
+    if step.inplace and not step.head.inplace and not fresh and shares_memory(values, inputs[first]):
         values = values.clone()  # an in-place chain after a head that returned a view of its input
     return values
 
@@ -187,13 +187,8 @@ def chain(step: Step, values: Any) -> Any:
 
 def shares_memory(value: Any, tensor: Any) -> bool:
     """Whether ``value`` (a tensor or a tuple of them, e.g. a split's) is or holds a view of ``tensor``."""
-    return _shares_memory(value, tensor)
-
-
-def _shares_memory(value: Any, tensor: Any) -> bool:
-    """Whether ``value`` (a tensor or a tuple of them, e.g. a split's) is or holds a view of ``tensor``."""
     if isinstance(value, (tuple, list)):
-        return any(_shares_memory(v, tensor) for v in value)
+        return any(shares_memory(v, tensor) for v in value)
     return isinstance(value, torch.Tensor) and isinstance(tensor, torch.Tensor) \
         and value.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
 
