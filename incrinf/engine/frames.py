@@ -185,11 +185,16 @@ class FrameEngine:
         """Full inference of ``x`` without keeping anything: the cache is dropped (a frame whose successor will
         not use it need not fill it)."""
         self.reset()
-        if self._plain is None:
-            self._plain = extract(self.graph, [self.graph.input.name], [self.graph.output.name])
-        out = self._plain(x.to(self.device).contiguous(memory_format=torch.channels_last))
+        out = self.prepare_plain()(x.to(self.device).contiguous(memory_format=torch.channels_last))
         self.last = ExecStats(self.program.full_flops, self.program.full_flops)
         return out
+
+    def prepare_plain(self) -> torch.nn.Module:
+        """The generated module :meth:`plain` runs, generated now if it was not (that costs about a frame's
+        inference: a caller that knows plain frames will come pays it up front, not on the first of them)."""
+        if self._plain is None:
+            self._plain = extract(self.graph, [self.graph.input.name], [self.graph.output.name])
+        return self._plain
 
     # --- planning ----------------------------------------------------------------------------------------
 
