@@ -234,6 +234,16 @@ class FrameEngine:
         y, x = max(h // 2 - q // 2, 0), max(w // 2 - q // 2, 0)
         return self.plan_boxes([(y, min(y + q, h), x, min(x + q, w))])
 
+    def floor(self) -> tuple[float, float]:
+        """``(multiply-adds, predicted seconds)`` of the cheapest cached frame whose change still reaches the
+        output: one position recomputed per step (what value-based pruning can cut a change down to, never below),
+        and the tail (the model after the local part, a global-pooling head, a squeeze-excitation block's rest) on
+        whole maps. A model whose tail is most of a frame cannot pay for a cache, however its changes are pruned."""
+        steps = self.program.steps
+        flops = self.program.tail_flops + sum(step.flops / step.positions for step in steps)
+        seconds = self.costs.frame + sum(self.costs.box(i, 1) for i in range(len(steps))) + self.costs.tail_seconds()
+        return flops, seconds
+
     # --- cached frames -----------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -348,8 +358,11 @@ class FrameEngine:
         dense = [min(run[i] for run in dense_runs) for i in range(n)]
         tail = min(run[n] if len(run) > n else 0.0 for run in dense_runs)
         # the step-by-step runs carry the walk's bookkeeping and whole-map padding copies that the generated full
-        # module (and the dense suffix after a switch) does not: their shares count, the full module's total sets
-        # the scale
+        # module (and the dense suffix after a switch) does not: their shares count, and what the full module
+        # spends besides the tail sets their scale. The tail is the same generated module in a cached frame as in
+        # the walk, so its time stands as measured: scaling it with the steps would make a model whose tail is
+        # most of a frame (a global-pooling head, squeeze-excitation early on) look as if caching the steps before
+        # it could pay
         full = math.inf
         for _ in range(repeats):
             clock = time.perf_counter()
@@ -357,8 +370,9 @@ class FrameEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             full = min(full, time.perf_counter() - clock)
-        scale = full / max(sum(dense) + tail, 1e-12)
-        dense, tail = [d * scale for d in dense], tail * scale
+        tail = min(tail, full)
+        scale = max(full - tail, 0.0) / max(sum(dense), 1e-12)
+        dense = [d * scale for d in dense]
         box_call = [self._one_position(step, repeats + 1) for step in steps]
         h, w = self.dims
         one_cell = np.zeros(self.dims, bool)

@@ -101,10 +101,18 @@ def plan_kind(plan: RegionPlan | BlockPlan) -> RegionKind:
     return RegionKind.BOXES if isinstance(plan, RegionPlan) else RegionKind.BLOCKS
 
 
-def best_saving(engine: FrameEngine) -> float:
-    """Share of a full frame the smallest possible change saves by the plan: in multiply-adds until the costs are
-    profiled, in predicted seconds after."""
+def best_saving(engine: FrameEngine, pruning: bool = False) -> float:
+    """Share of a full frame the smallest possible change saves by the plan, in multiply-adds and, once the costs
+    are profiled, in predicted seconds (the smaller of the two: the noise-free count and the measured time must
+    both see the saving). With value-based ``pruning`` a change may die down to a position per step: the floor
+    (:meth:`~incrinf.engine.FrameEngine.floor`, the tail on whole maps) bounds the saving instead of the exact
+    plan."""
     plan = engine.best_case()
+    flops, seconds = plan.flops, plan.seconds
+    if pruning:
+        floor_flops, floor_seconds = engine.floor()
+        flops, seconds = min(flops, floor_flops), min(seconds, floor_seconds)
+    saving = 1.0 - flops / engine.program.full_flops
     if not engine.costs.profiled:
-        return 1.0 - plan.flops / engine.program.full_flops
-    return 1.0 - plan.seconds / engine.costs.dense_total
+        return saving
+    return min(saving, 1.0 - seconds / engine.costs.dense_total)

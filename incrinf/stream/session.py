@@ -409,7 +409,7 @@ class StreamSession:
         out = engine.full(f.x)
         if self.config.speed_guard and not engine.costs.profiled:
             engine.profile()
-            if best_saving(engine.engine) < self.config.min_saving:
+            if best_saving(engine.engine, self._pruning) < self.config.min_saving:
                 self._no_reuse[tuple(f.x.shape)] = "the plan of the smallest change saves less than " \
                                                    f"{self.config.min_saving:.0%} of a full frame"
             elif self.config.quality_guard and self.config.sampled_audits:
@@ -427,6 +427,11 @@ class StreamSession:
             return False  # this frame's stretch goes on
         quality = self._quality
         return not (cause == Cause.SUSPENDED and quality is not None and quality.suspended_for > 1)
+
+    @property
+    def _pruning(self) -> bool:
+        """Whether cached frames prune by value (a change may then die down to the engine's floor)."""
+        return self.config.still_feature_threshold > 0 or self.config.moving_feature_threshold > 0
 
     def _oracle_due(self) -> bool:
         share = self.config.oracle_sample
@@ -570,7 +575,7 @@ class StreamSession:
                                   feature_threshold=self.config.still_feature_threshold,
                                   moving_feature_threshold=self.config.moving_feature_threshold)
             self._engines[shape] = engine
-            if self.config.speed_guard and best_saving(engine.engine) < self.config.min_saving:
+            if self.config.speed_guard and best_saving(engine.engine, self._pruning) < self.config.min_saving:
                 # the plan's multiply-adds say it before anything runs: no change could pay for the bookkeeping
                 self._no_reuse[shape] = (f"the smallest change computes over {1 - self.config.min_saving:.0%} of a "
                                          "full frame's multiply-adds")

@@ -501,3 +501,55 @@ def test_a_sampled_audit_detects_an_injected_drift(frames):
     assert first.sampled_error > 10 * max(s.sampled_error for s in honest) and first.cause == Cause.AUDIT
     assert first.agreement is not None  # the flagged frame was audited in full (and returned full inference)
     torch.testing.assert_close(session(frames[14]), _full(model, frames[14]), rtol=1e-3, atol=1e-3)
+
+
+def _dilated() -> nn.Module:
+    """A dense model whose exact receptive field soon covers the whole map, with no tail after its local part:
+    exactly propagated, the smallest change recomputes nearly everything; pruned, it may die down to a few
+    positions."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU()]
+    for dilation in (16, 16, 16, 16, 16):
+        layers += [nn.Conv2d(8, 8, 3, padding=dilation, dilation=dilation), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Conv2d(8, 2, 1)).eval()
+
+
+def _heavy_head() -> nn.Module:
+    """A cheap local stem, then a global-pooling branch that scales every position of a heavy head: every change
+    reaches the head, whatever pruning does before it."""
+    torch.manual_seed(0)
+
+    class HeavyHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+            self.fc = nn.Conv2d(8, 8, 1)
+            self.head = nn.Sequential(nn.Conv2d(8, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
+                                      nn.ReLU(), nn.Conv2d(32, 2, 1))
+
+        def forward(self, x):
+            x = torch.relu(self.stem(x))
+            return self.head(x * torch.sigmoid(self.fc(x.mean(dim=(2, 3), keepdim=True))))
+
+    return HeavyHead().eval()
+
+
+def test_the_no_reuse_decision_counts_the_floor_pruning_cannot_cut(frames):
+    from incrinf.engine import FrameEngine
+    from incrinf.stream.decisions import best_saving
+
+    dilated = FrameEngine(capture(_dilated(), (3, H, W)))
+    head = FrameEngine(capture(_heavy_head(), (3, H, W)))
+    # exact: the smallest change already computes most of a frame on both; pruned, only the head's floor stays high
+    assert best_saving(dilated) < 0.3 and best_saving(head) < 0.3
+    assert best_saving(dilated, pruning=True) > 0.9
+    assert best_saving(head, pruning=True) < 0.3
+    floor_flops, _ = head.floor()
+    assert floor_flops >= head.program.tail_flops > 0.7 * head.program.full_flops
+    for model, pruned_reuse in ((_dilated(), True), (_heavy_head(), False)):
+        for threshold, reuse in ((None, pruned_reuse), (0.0, False)):
+            session = StreamSession(model, feature_threshold=threshold)
+            for frame in frames[:5]:
+                torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
+            no_reuse = [s.cause == Cause.NO_REUSE for s in session.stats[1:]]
+            assert not any(no_reuse) if reuse else all(no_reuse), (type(model).__name__, threshold)
