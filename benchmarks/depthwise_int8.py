@@ -5,8 +5,9 @@ Run: ``python benchmarks/depthwise_int8.py`` (a few minutes; ``--sweep 0`` skips
 Speed: for every depthwise layer of MobileNetV2 (torchvision, random weights) and EfficientNet-Lite0 at a
 224x224 input, batch 1, with random int8 data and per-channel quantization, it times at 1 and 2 threads
 (median of ``--repeats`` calls; methods timed together take turns call by call, so load changes hit them
-alike). ``ours`` and ``xnnpack`` are timed warm (they alternate, each with its data in cache, as a layer's
-input is right after the layer before it wrote it) and, with one thread, cold (an 8 MB array is read before
+alike). ``ours`` and ``xnnpack`` are timed warm (with one thread they alternate, each with its data in cache, as
+a layer's input is right after the layer before it wrote it; with more threads each runs alone, since both keep
+pool threads spinning after a call) and, with one thread, cold (an 8 MB array is read before
 every call, which evicts the data and the code path from the core's caches). ``REF`` and ``opt`` take turns in a pass of
 their own with a fifth of the calls: they are slow anchors, and their 10-100x longer calls would evict the
 others' caches. The methods:
@@ -105,7 +106,6 @@ class Timing:
     # "REF", "opt"
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     cpu: dict[tuple[str, int], float] = field(default_factory=dict)  # the same, CPU time of the calling thread
-    work: dict[tuple[str, int], float] = field(default_factory=dict)  # the same, CPU time of all threads
     # threads -> work units each thread of ours computed in the "ours alone" pass (index 0: the calling thread)
     units: dict[int, np.ndarray] = field(default_factory=dict)
 
@@ -221,9 +221,9 @@ def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], ref_order: 
             runner.set_input(x)
         versus = {"ours": ours, "xnnpack": runners["xnnpack"].invoke}
         passes = [
-            (versus, repeats, None, ""),
-            # Each alone, for the thread scaling: both keep their worker threads spinning for a while after a call,
-            # and with two cores one's spinning worker takes the core the other's worker needs.
+            # Turn by turn with one thread. With more, each runs alone: both keep their worker threads spinning
+            # for a while after a call, and on two cores one's spinning worker takes the core the other's needs.
+            *([(versus, repeats, None, "")] if t == 1 else []),
             ({"ours": ours}, repeats, None, " alone"),
             ({"xnnpack": runners["xnnpack"].invoke}, repeats, None, " alone"),
             # Cold, one thread only: a second thread sleeping while the eviction runs would be timed waking up.
@@ -239,14 +239,13 @@ def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], ref_order: 
         pool = depthwise_pool.get_pool(numba.config.NUMBA_NUM_THREADS)
         for fns, n, before, suffix in passes:
             units_before = pool.units_done()
-            wall, cpu, work = interleaved_medians(fns, n, before)
+            wall, cpu, _work = interleaved_medians(fns, n, before)
             if suffix == " alone" and "ours" in fns:
                 after = pool.units_done()
                 timing.units[t] = after - np.pad(units_before, (0, after.size - units_before.size))
             for method in fns:
                 timing.seconds[method + suffix, t] = wall[method]
                 timing.cpu[method + suffix, t] = cpu[method]
-                timing.work[method + suffix, t] = work[method]
         mismatches = int((runners["REF"].output() != ours()).sum())
         if mismatches:
             raise AssertionError(f"{layer.name}, {t} threads: {mismatches} mismatches against BUILTIN_REF")
@@ -302,7 +301,8 @@ def _ms(seconds: float) -> str:
 def print_table(model: str, timings: list[Timing], threads: int, anchors: list[str]) -> None:
     """One row per layer and a total: warm and cold times of ours and XNNPACK, the anchors, and ratios."""
     cpu = threads == 1  # with one thread, the calling thread's CPU time is each method's whole cost
-    print(f"\n### {model}, {threads} thread{'s' if threads > 1 else ''} (median ms)")
+    alone = ", ours and xnnpack each timed alone" if threads > 1 else ""
+    print(f"\n### {model}, {threads} thread{'s' if threads > 1 else ''} (median ms{alone})")
     header = (
         "| layer | HxWxC k s | MMAC | ours | xnnpack | ours/xnnpack | "
         + ("ours cold | xnnpack cold | ours/xnnpack cold | " if cpu else "")
@@ -333,8 +333,10 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
         return f"| {name} | {shape} | {mmac:.2f} | " + " | ".join(cells) + " |"
 
     for t in timings:
-        sec = {m: t.seconds[m, threads] for m in columns}
-        cpu_sec = {m: t.cpu[m, threads] for m in cpu_totals}
+        # several threads: ours and XNNPACK from the passes where each ran alone (see time_layer)
+        sec = {m: t.seconds[m + (" alone" if threads > 1 and m in ("ours", "xnnpack") else ""), threads]
+               for m in columns}
+        cpu_sec = {m: t.cpu[m + ("" if cpu else " alone"), threads] for m in cpu_totals}
         for m in columns:
             totals[m] += sec[m]
         for m in cpu_totals:
