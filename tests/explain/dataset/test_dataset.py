@@ -84,7 +84,7 @@ def test_discovery_errors_name_the_problem(photos, tmp_path) -> None:
         discover_inputs([str(photos / "*.webp")])
     (tmp_path / "empty" / "sub").mkdir(parents=True)
     (tmp_path / "empty" / "sub" / "labels.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match="no image files"):
+    with pytest.raises(ValueError, match="no image or volume files"):
         discover_inputs([str(tmp_path / "empty")])
     with pytest.raises(ValueError, match="no inputs"):
         discover_inputs([])
