@@ -85,11 +85,18 @@ def decode_volume(data: bytes, name: str = "volume", index: int = 0) -> Scan:
 
 
 def _nifti_from_bytes(nibabel, raw: bytes):
-    """A NIfTI-1 image, else a NIfTI-2 one, from uncompressed bytes (the header says which)."""
-    try:
+    """A NIfTI-1 or NIfTI-2 image from uncompressed bytes, told apart by the header's first field (its size: 348
+    or 540 bytes, in either byte order); anything else is refused before nibabel logs its repair attempts."""
+    import struct
+
+    if len(raw) < 4:
+        raise ValueError(f"only {len(raw)} bytes")
+    sizes = {struct.unpack("<i", raw[:4])[0], struct.unpack(">i", raw[:4])[0]}
+    if 348 in sizes:
         return nibabel.Nifti1Image.from_bytes(raw)
-    except nibabel.filebasedimages.ImageFileError:
+    if 540 in sizes:
         return nibabel.Nifti2Image.from_bytes(raw)
+    raise ValueError(f"no NIfTI-1 or NIfTI-2 header (the file starts with {raw[:12]!r})")
 
 
 def resampled(scan: Scan, size: tuple[int, int, int] | None) -> Scan:

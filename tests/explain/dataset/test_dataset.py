@@ -15,6 +15,7 @@ from dataset_fixtures import (
     MODEL,
     OPTIONS,
     SIZE,
+    CountingOcclusion,
     photo,
     photos_fixture,  # noqa: F401 (the photos fixture)
     save,
@@ -40,23 +41,6 @@ def read_table(out: Path) -> list[dict[str, str]]:
 def cli_args(*inputs: str, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
     return ["explain", *inputs, "--out", str(out), "--model", MODEL, "--size", str(SIZE), "--patch", "16",
             "--stride", "16", "--output", "prob", "--quiet", *extra]  # the fixtures' OPTIONS
-
-
-class CountingOcclusion:
-    """Counts calls of the public ``incrinf.occlusion`` (what every job calls once per input); optionally
-    raises KeyboardInterrupt on call ``interrupt_at`` (1-based) as Ctrl-C would."""
-
-    def __init__(self, monkeypatch, interrupt_at: int | None = None) -> None:
-        self.original = incrinf.occlusion
-        self.calls = 0
-        self.interrupt_at = interrupt_at
-        monkeypatch.setattr(incrinf, "occlusion", self)
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.interrupt_at is not None and self.calls == self.interrupt_at:
-            raise KeyboardInterrupt
-        return self.original(*args, **kwargs)
 
 
 # --- discovery ------------------------------------------------------------------------------------------------
