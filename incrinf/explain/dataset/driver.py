@@ -343,23 +343,27 @@ class _MaskCheck:
 def _finish(folder: RunFolder, selection: Selection, records: dict[str, dict[str, Any]], mask_check: _MaskCheck,
             labels: Sequence[str] | None, gallery: bool, report: DatasetReport) -> DatasetReport:
     """Bring masks up to date, derive the table, statistics, summary and gallery from the records."""
-    maps = []
-    for item in selection.items:
-        record = records.get(item.id)
-        if record is None or record["status"] != STATUS_OK:
-            continue
-        pixel = folder.load_pixel_map(record)
-        affine = record.get("affine")
-        maps.append((record["target"], pixel, None if affine is None else np.asarray(affine)))
-        current = mask_check.key(item.id)
-        entry = record.get("mask")
-        stale = {k: v for k, v in (entry or {}).items() if k in ("file", "source", "threshold", "size")}
-        if current != (stale or None):  # masks added, changed or dropped since the record was written
-            record["mask"] = mask_check(item, pixel)
-            folder.write_record(record)
+
+    def maps():
+        """Each complete input's (target, pixel map, affine), one at a time (a run of large volumes does not fit in
+        memory at once), bringing its mask entry up to date on the way."""
+        for item in selection.items:
+            record = records.get(item.id)
+            if record is None or record["status"] != STATUS_OK:
+                continue
+            pixel = folder.load_pixel_map(record)
+            affine = record.get("affine")
+            yield record["target"], pixel, None if affine is None else np.asarray(affine)
+            current = mask_check.key(item.id)
+            entry = record.get("mask")
+            stale = {k: v for k, v in (entry or {}).items() if k in ("file", "source", "threshold", "size")}
+            if current != (stale or None):  # masks added, changed or dropped since the record was written
+                record["mask"] = mask_check(item, pixel)
+                folder.write_record(record)
+
+    report.class_means = class_means(maps(), folder.root, atomic_write_png, atomic_write_nifti)
     report.rows = [table_row(records[item.id], labels) if item.id in records else
                    table_row(base_record(item, "", {}), labels) for item in selection.items]
-    report.class_means = class_means(maps, folder.root, atomic_write_png, atomic_write_nifti)
     report.kind = selection.kind
     report.mask_outside = [row for row in report.rows if row.get("mask_outside")]
     report.skipped_non_images = [str(p) for p in selection.skipped_non_images]
