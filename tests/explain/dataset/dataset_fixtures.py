@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import incrinf
+
 # The real EfficientNet-Lite0 at 64 px with a 4x4 grid of 16-pixel windows: real, varied predictions (cat,
 # astronaut, rocket, ...) at about 0.1 s per input.
 MODEL = "efficientnet_lite0"
@@ -61,3 +63,20 @@ def photos_fixture(tmp_path_factory) -> Path:
 
 GOOD = 7  # photos in data/ and extra/
 BAD = 2  # broken.jpg, notes.png
+
+
+class CountingOcclusion:
+    """Counts calls of the public ``incrinf.occlusion`` (what every job calls once per input); optionally
+    raises KeyboardInterrupt on call ``interrupt_at`` (1-based) as Ctrl-C would."""
+
+    def __init__(self, monkeypatch, interrupt_at: int | None = None) -> None:
+        self.original = incrinf.occlusion
+        self.calls = 0
+        self.interrupt_at = interrupt_at
+        monkeypatch.setattr(incrinf, "occlusion", self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.interrupt_at is not None and self.calls == self.interrupt_at:
+            raise KeyboardInterrupt
+        return self.original(*args, **kwargs)
