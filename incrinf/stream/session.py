@@ -40,7 +40,7 @@ from incrinf.stream.backoff import BackOff
 from incrinf.stream.camera import CameraEngine
 from incrinf.stream.change_mask import ChangeMask, change_mask
 from incrinf.stream.config import StreamConfig
-from incrinf.stream.decisions import Prediction, SpeedGuard, best_saving, plan_kind, predict
+from incrinf.stream.decisions import Prediction, SpeedGuard, best_saving, plan_kind
 from incrinf.stream.guards import Agreement, QualityGuard, Verdict
 from incrinf.stream.inputs import FrameInput
 from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
@@ -235,6 +235,7 @@ class StreamSession:
         since_full = self._index - self._last_full
         audit = f.fallback is None and quality is not None and quality.due(since_full)
         oracle = f.plan is not None and self._oracle_due()
+        audited = quality is not None and quality.audited  # before this frame: near-tie checks are no longer the rule
         try:
             out, comparison, verify, engine_seconds = self._run(f, engine, audit, oracle)
         except BaseException:
@@ -243,6 +244,7 @@ class StreamSession:
         bookkeeping = time.perf_counter()
         if f.fallback is None and engine.full_reason:
             f.fallback = _Fallback(Cause.CACHE_UNUSABLE, engine.full_reason)
+        ran_cached = f.fallback is None and not oracle
         cached = f.fallback is None and comparison is None and not oracle
         refreshed = engine.last.refreshed if cached else None
         # only a moving camera's low saving predicts the next frame's (a still camera's follows the scene)
@@ -258,6 +260,8 @@ class StreamSession:
                                                 f"{verdict.value}")
         if quality is not None:
             quality.tick()
+            if audited and ran_cached and (comparison is None or verify):
+                self._speed.record_check(verify)
         cause = f.fallback.cause if f.fallback is not None else None
         # a near-tie check is a cost of the cached path (a scheduled audit stands in for a keyframe): the frame counts
         # as a cached one whose time includes the check's full run
@@ -310,10 +314,11 @@ class StreamSession:
             return Prediction(costs.full_seconds if costs.profiled else math.nan, math.nan)
         clock = time.perf_counter()
         f.plan = engine.plan(f.mask.pixel_mask, f.matrix, f.mask.clusters() if f.still else None)
-        prediction = predict(costs, f.plan) if costs.profiled else Prediction(math.nan, math.nan)
+        prediction = self._speed.predict(costs, f.plan) if costs.profiled else Prediction(math.nan, math.nan)
         f.times.plan = time.perf_counter() - clock
         if self.config.speed_guard and not self._speed.choose_cached(prediction):
-            f.fallback = _Fallback(Cause.SLOWER, f"predicted {prediction.cached * 1e3:.1f} ms cached vs "
+            checks = f" + {prediction.checks * 1e3:.1f} ms expected near-tie checks" if prediction.checks else ""
+            f.fallback = _Fallback(Cause.SLOWER, f"predicted {prediction.cached * 1e3:.1f} ms cached{checks} vs "
                                                  f"{prediction.full * 1e3:.1f} ms full")
         return prediction
 

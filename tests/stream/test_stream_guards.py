@@ -114,6 +114,37 @@ def test_near_tie_checks_are_charged_to_the_cached_path(frames):
     assert len(near_ties) <= session.config.backoff_after + 1, causes
 
 
+def test_the_speed_guard_charges_the_cached_path_its_expected_near_tie_checks(frames, monkeypatch):
+    """A near-tie check runs full inference on top of the cached frame: once the recent cached frames all needed one,
+    a plan that is cheaper than a full frame no longer makes the cached path cheaper, and the guard runs full."""
+    from incrinf.stream.decisions import Prediction, SpeedGuard
+
+    guard = SpeedGuard()
+    assert guard.check_rate == 0.0
+    for checked in (True, False, True, True):
+        guard.record_check(checked)
+    assert guard.check_rate == 0.75
+    assert Prediction(1.0, 0.3, 0.75).cached_total == pytest.approx(1.05)
+    assert Prediction(1.0, 0.3).cached_faster and not Prediction(1.0, 0.3, 0.75).cached_faster
+
+    model = _wide()
+    session = StreamSession(model, max_backoff=0, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
+                            sampled_audits=False, input_size=(H, W))
+    _frozen_costs(session, monkeypatch)
+    session._quality.risky = lambda margin: True  # every cached frame's top-1 is a near tie
+    for frame in frames[:8]:
+        torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
+    stats = session.stats
+    # frame 1: checked by rule (no audit yet); frame 2: the first cached frame after an audit, checked as well; from
+    # then on the plan (a few percent of a frame) plus a full check per frame costs more than a full frame
+    assert [s.cause for s in stats[1:3]] == [Cause.AUDIT, Cause.AUDIT]
+    assert all(s.reason.startswith("audit: near tie") for s in stats[1:3])
+    later = stats[3:]
+    assert all(s.cause == Cause.SLOWER and "expected near-tie checks" in s.reason for s in later), \
+        [s.reason for s in later]
+    assert all(s.predicted_cached < s.predicted_full for s in later)  # the plan alone would have run cached
+
+
 def test_cost_calibration_takes_medians_of_ratios_per_kind():
     from incrinf.engine import FrameEngine
     from incrinf.engine.costs import RegionKind
