@@ -10,7 +10,10 @@ spinning costs whole milliseconds of CPU after every call and stalls a loaded ma
 This pool works the way XNNPACK's thread pool does, with one difference that matters on a busy machine:
 
 - Workers spin for :data:`SPIN_SECONDS` after their last job (an atomic load and a ``pause`` per turn), so a
-  layer that follows another is picked up at once; then they sleep on an event until a call wakes them.
+  layer that follows another is picked up at once; then they nap in the C library's ``usleep``, for 50 us at
+  first and up to :data:`MAX_NAP_SECONDS`, looking for a job between naps. They never hold the GIL after they
+  start (a worker woken from a Python event would take the GIL, and if the OS preempted it there, the caller
+  would wait milliseconds to get the GIL back).
 - A call publishes its job (the arrays' addresses and the slice count), then takes slices itself from the
   front while workers take them from the back, as XNNPACK's pool gives each thread a contiguous range: a
   thread computes neighbouring rows, and in repeated calls the same rows (their input and output stay in its
@@ -40,12 +43,15 @@ import numpy as np
 from incrinf.extras import require
 from incrinf.kernels.depthwise_kernels import SLICES_PER_THREAD, TILE, UNITS, depthwise_units
 from incrinf.kernels.intrinsics import (
+    SLEEP_ADDRESS,
+    SLEEP_DIVISOR,
     address_of,
     array_at,
     atomic_load,
     atomic_store,
     compare_exchange,
     fetch_add,
+    nap,
     spin_pause,
 )
 
@@ -54,6 +60,7 @@ njit = numba.njit
 
 __all__ = [
     "MAX_SLICES",
+    "MAX_NAP_SECONDS",
     "MIN_SLICE_MACS",
     "SPIN_SECONDS",
     "SpinPool",
@@ -68,6 +75,10 @@ SPIN_SECONDS = 1e-3
 """How long an idle worker spins before it sleeps. Waking a sleeping thread costs tens of microseconds (more
 on a virtual machine), as much as a small layer; a model's depthwise layers come well within a millisecond of
 each other, and a millisecond of spinning after the last one is a small price (XNNPACK's pool spins too)."""
+
+MAX_NAP_SECONDS = 1e-3
+"""Longest nap of an idle worker: a call that comes while its workers nap runs alone until they look (at most
+this long), and an idle worker wakes at most this often."""
 
 WAIT_SECONDS = 2e-5
 """How long a call spins for a worker's last slice before it yields its core to the OS (and spins again)."""
@@ -193,18 +204,22 @@ def finish_call(control, generation, n_slices, spin_turns):
 
 
 @njit(nogil=True, cache=True)
-def _worker_loop(control, thread, spin_turns, like_int8, like_int32, like_int64):
-    """A worker's life between two sleeps: take slices of every job it sees until ``spin_turns`` idle turns.
+def _worker_loop(
+    control, thread, spin_turns, max_nap_us, sleep_address, sleep_divisor, like_int8, like_int32, like_int64
+):
+    """A worker's life: take slices of every job it sees; spin ``spin_turns`` idle turns, then nap (from 50 us
+    up to ``max_nap_us``) between looks. Returns when the pool stops.
 
-    Returns True when asked to stop, False when it goes to sleep (its state is then ``_ASLEEP``).
-    """
+    ``sleep_address`` is an argument, not the module constant: a constant would be compiled into the cached
+    machine code, and the C library sits at another address in every process."""
     acc = np.empty(0, np.int32)
     ind = np.empty(0, np.int64)
     state = _THREAD + _LINE * thread + _STATE
     idle = 0
+    nap_us = 50
     while True:
         if atomic_load(control, _STOP):
-            return True
+            return
         word = atomic_load(control, _CLAIM)
         back = word & _FIELD
         generation = word >> 40
@@ -225,18 +240,16 @@ def _worker_loop(control, thread, spin_turns, like_int8, like_int32, like_int64)
                     ind = np.empty(config[19] * config[5] * config[6], np.int64)
                 _work(xf, weights, params, zero_row, out, config, acc, ind, control, generation, n_slices, s, thread)
                 idle = 0
+                nap_us = 50
+                atomic_store(control, state, _AWAKE)
             continue
         idle += 1
-        if idle >= spin_turns:
-            atomic_store(control, state, _ASLEEP)
-            # A job opened while we decided to sleep: stay (the caller may have seen us awake and not woken us).
-            word = atomic_load(control, _CLAIM)
-            if ((word >> 20) & _FIELD) < (word & _FIELD) and thread <= atomic_load(control, _HELPERS):
-                atomic_store(control, state, _AWAKE)
-                idle = 0
-                continue
-            return False
-        spin_pause()
+        if idle < spin_turns:
+            spin_pause()
+            continue
+        atomic_store(control, state, _ASLEEP)
+        nap(sleep_address, max(nap_us // sleep_divisor, 1))
+        nap_us = min(2 * nap_us, max_nap_us)
 
 
 @njit(nogil=True, cache=True)
@@ -262,7 +275,8 @@ def _seconds_per_turn(control) -> float:
 
 
 class SpinPool:
-    """Worker threads for :func:`depthwise_call`, started on first use and kept for the process.
+    """Worker threads for :func:`depthwise_call`, started on first use and kept for the process (they nap
+    when idle).
 
     ``control`` is the block the calling thread and the workers share. Use :func:`get_pool`.
     """
@@ -272,7 +286,6 @@ class SpinPool:
         self.control = np.zeros(_control_size(max_threads), np.int64)
         self.pid = os.getpid()
         self._workers: list[threading.Thread] = []
-        self._events: list[threading.Event] = []
         self._lock = threading.Lock()  # starting workers
         self._call_lock = threading.Lock()  # one call at a time uses the control block
         self._likes = (np.empty(0, np.int8), np.empty(0, np.int32), np.empty(0, np.int64))
@@ -290,7 +303,8 @@ class SpinPool:
             depthwise_call(xf, weights, params, zero_row, out, config, self.control, 0, 1)
             return
         try:
-            self.wake(helpers)
+            if len(self._workers) < helpers:
+                self._start(helpers)
             generation = depthwise_call(xf, weights, params, zero_row, out, config, self.control, helpers, n_slices)
             # A worker may still compute a slice. If it is not done within WAIT_SECONDS the OS has probably
             # preempted it: give up this core for a moment rather than spin against it.
@@ -299,36 +313,17 @@ class SpinPool:
         finally:
             self._call_lock.release()
 
-    def wake(self, helpers: int) -> None:
-        """Make sure workers ``1..helpers`` exist and are spinning (wake the sleeping ones)."""
-        control = self.control
-        if len(self._workers) < helpers:
-            self._start(helpers)
-        for t in range(1, helpers + 1):
-            if control[_THREAD + _LINE * t + _STATE] == _ASLEEP:
-                self._events[t - 1].set()
-
     def _start(self, helpers: int) -> None:
         with self._lock:
             while len(self._workers) < helpers:
                 thread = len(self._workers) + 1
-                event = threading.Event()
-                worker = threading.Thread(
-                    target=self._run, args=(thread, event), name=f"incrinf-int8-{thread}", daemon=True
-                )
-                self._events.append(event)
+                worker = threading.Thread(target=self._run, args=(thread,), name=f"incrinf-int8-{thread}", daemon=True)
                 self._workers.append(worker)
                 worker.start()
 
-    def _run(self, thread: int, event: threading.Event) -> None:
-        control = self.control
-        state = _THREAD + _LINE * thread + _STATE
-        while True:
-            if _worker_loop(control, thread, self.spin_turns, *self._likes):
-                return
-            event.wait()
-            event.clear()
-            control[state] = _AWAKE
+    def _run(self, thread: int) -> None:
+        max_nap_us = int(MAX_NAP_SECONDS * 1e6)
+        _worker_loop(self.control, thread, self.spin_turns, max_nap_us, SLEEP_ADDRESS, SLEEP_DIVISOR, *self._likes)
 
     def units_done(self) -> np.ndarray:
         """Work units computed so far by each thread (index 0: the calling threads), for balance statistics."""
@@ -343,8 +338,6 @@ class SpinPool:
     def stop(self) -> None:
         """Stop the workers (at exit)."""
         self.control[_STOP] = 1
-        for event in self._events:
-            event.set()
         for worker in self._workers:
             worker.join(timeout=1.0)
 

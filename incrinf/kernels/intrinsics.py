@@ -19,7 +19,9 @@ int32 pairs as int64, an atomic counter, the thread count, a vector-width hint).
   consistent int64 atomics) and :func:`spin_pause` (the x86 ``pause`` hint, nothing elsewhere) are what the
   kernels' own thread pool (:mod:`incrinf.kernels.spin_pool`) hands out work and waits with.
   :func:`array_at` rebuilds a 1-D array from an address and a length, so a pool thread can run a kernel on
-  arrays that the calling thread owns (and keeps alive until the job is done).
+  arrays that the calling thread owns (and keeps alive until the job is done). :func:`nap` sleeps through the C
+  library's ``usleep`` (``Sleep`` on Windows) at an address found once with ctypes and passed in, so an idle
+  pool thread sleeps without the GIL and the function stays cacheable (a ctypes function object would not be).
 - :func:`prefer_wide_vectors` marks the function being compiled with ``"prefer-vector-width"="512"``. LLVM tunes
   AVX-512 CPUs (Skylake-SP onwards) to 256-bit vectors by default; the int8 kernels are integer code that runs
   faster with 512-bit vectors (16 int32 lanes). On CPUs without AVX-512, and on other architectures, the hint
@@ -49,6 +51,9 @@ __all__ = [
     "fetch_add",
     "load_int8",
     "load_pair",
+    "SLEEP_ADDRESS",
+    "SLEEP_DIVISOR",
+    "nap",
     "prefer_wide_vectors",
     "spin_pause",
     "store_pair",
@@ -285,3 +290,48 @@ def prefer_wide_vectors(typingctx):
 
     return sig, codegen
 
+
+
+def _find_sleep() -> tuple[int, int]:
+    """``(address, divisor)``: a C function ``f(unsigned n)`` that sleeps ``n * divisor`` microseconds."""
+    import ctypes
+    import sys
+
+    if sys.platform == "win32":
+        return ctypes.cast(ctypes.windll.kernel32.Sleep, ctypes.c_void_p).value or 0, 1000  # milliseconds
+    try:
+        return ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value or 0, 1
+    except (AttributeError, OSError):
+        return 0, 1
+
+
+SLEEP_ADDRESS, SLEEP_DIVISOR = _find_sleep()
+"""The C sleep function :func:`nap` calls and its unit in microseconds (address 0 when none was found: then
+:func:`nap` only pauses the core)."""
+
+
+@intrinsic
+def nap(typingctx, address, amount):
+    """Call the C sleep function at ``address`` (:data:`SLEEP_ADDRESS`) with ``amount`` (microseconds divided by
+    :data:`SLEEP_DIVISOR`); with ``address`` 0, only the ``pause`` hint."""
+    if not (isinstance(address, types.Integer) and isinstance(amount, types.Integer)):
+        return None
+    sig = types.none(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i32 = llvm_ir.IntType(32)
+        fnty = llvm_ir.FunctionType(i32, [i32])
+        with builder.if_else(builder.icmp_signed("!=", args[0], context.get_constant(types.int64, 0))) as (
+            have,
+            missing,
+        ):
+            with have:
+                fn = builder.inttoptr(args[0], llvm_ir.PointerType(fnty))
+                builder.call(fn, [builder.trunc(args[1], i32)])
+            with missing:
+                if _X86:
+                    pause = llvm_ir.FunctionType(llvm_ir.VoidType(), [])
+                    builder.call(cgutils.get_or_insert_function(builder.module, pause, "llvm.x86.sse2.pause"), [])
+        return context.get_dummy_value()
+
+    return sig, codegen
