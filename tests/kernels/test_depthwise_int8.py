@@ -231,7 +231,7 @@ def test_the_kernel_is_compiled_with_noalias_arguments():
 
 
 def test_slice_count_follows_the_multiply_adds():
-    """One thread, or a layer too small to pay for a second: one slice; otherwise four per thread, never more
+    """One thread, or a layer too small to pay for a second: one slice; otherwise 8 per thread, never more
     than the layer's units, and none below MIN_SLICE_MACS."""
     macs = depthwise_pool.MIN_SLICE_MACS
     assert slice_count(1000, macs, 1) == 1
@@ -241,6 +241,7 @@ def test_slice_count_follows_the_multiply_adds():
     assert slice_count(3, 100 * macs, 2) == 3
     assert slice_count(5, macs, 2) == 5
     assert slice_count(100, macs, 3) == SLICES_PER_THREAD * 3
+    assert slice_count(40, macs // 4, 2) == min(10, SLICES_PER_THREAD * 2)  # slices of 4 units: MIN_SLICE_MACS
 
 
 _THREADS_SCRIPT = textwrap.dedent(
