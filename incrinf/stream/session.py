@@ -254,7 +254,7 @@ class StreamSession:
         if comparison is not None:
             verdict = quality.record(comparison, since_full)
             if f.probes is not None:
-                self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS)
+                self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS, f.sampled)
             why = "near tie, " if verify else ""
             f.fallback = _Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
                                                 f"{verdict.value}")

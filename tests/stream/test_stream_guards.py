@@ -504,14 +504,15 @@ def test_a_sampled_audit_detects_an_injected_drift(frames):
 
 
 def _dilated() -> nn.Module:
-    """A dense model whose exact receptive field soon covers the whole map, with no tail after its local part:
-    exactly propagated, the smallest change recomputes nearly everything; pruned, it may die down to a few
-    positions."""
+    """A dense model whose exact receptive field soon covers its whole (small, deep) map, with no tail after its
+    local part: exactly propagated, the smallest change recomputes nearly everything; pruned, it may die down to a
+    few positions."""
     torch.manual_seed(0)
-    layers = [nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU()]
-    for dilation in (16, 16, 16, 16, 16):
-        layers += [nn.Conv2d(8, 8, 3, padding=dilation, dilation=dilation), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Conv2d(8, 2, 1)).eval()
+    layers = [nn.Conv2d(3, 32, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(32, 96, 3, stride=2, padding=1),
+              nn.ReLU()]
+    for _ in range(9):  # wide enough that a step's fixed cost is small against its map's
+        layers += [nn.Conv2d(96, 96, 3, padding=2, dilation=2), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Conv2d(96, 2, 1)).eval()
 
 
 def _heavy_head() -> nn.Module:
