@@ -65,6 +65,7 @@ except ImportError:  # run from a checkout without `pip install -e .`: use the p
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from incrinf.kernels import depthwise_int8 as dw
 from incrinf.kernels import depthwise_pool
+from incrinf.kernels.depthwise_kernels import TILE
 from incrinf.kernels.quantize import per_channel_multipliers
 from incrinf.testing.depthwise_cases import make_problem, random_case
 from incrinf.testing.quantized_layers import efficientnet_lite0_depthwise_layers, tflite_reference_output
@@ -349,17 +350,39 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
     print(row("**total**", f"{len(timings)} layers", macs / 1e6, totals, outputs, cpu_totals))
 
 
+def planned_share(layer: Layer, threads: int) -> float:
+    """The busiest thread's share of a layer's work units when every thread computes at the same speed.
+
+    From the plan alone (noise-free): the layer's units (output rows x channel tiles, equal multiply-adds), the
+    pool's slice count for it, and slices going to whichever thread is free first.
+    """
+    if threads == 1:
+        return 1.0
+    oh, ow = layer.out_hw()
+    units = oh * layer.depth_multiplier * -(-layer.channels // TILE)
+    n_slices = depthwise_pool.slice_count(units, ow * TILE * layer.kernel[0] * layer.kernel[1], threads)
+    sizes = [(s + 1) * units // n_slices - s * units // n_slices for s in range(n_slices)]
+    loads = [0] * threads
+    for size in sizes:
+        loads[loads.index(min(loads))] += size
+    return max(loads) / units
+
+
 def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
     """Speed-up of more threads over the first thread count, in wall time and from noise-free counts.
 
     Wall: the sums of the "alone" medians (each method timed without the other's spinning pool threads). On a
     shared machine with more runnable threads than cores a call's second thread waits for a core and the wall
-    time says little, so next to it: the calling thread's CPU time (``time.thread_time``: its own computing and
-    waiting, not the time the OS gives to other processes), and the share of the work units each of ours'
-    threads computed (from the pool's counters; units cost equal multiply-adds). With ``t`` threads on idle
-    cores a call takes at least one thread's CPU time times the busiest thread's share, so
-    ``cpu(1) / (cpu(1) * busiest share)`` is the speed-up the slicing allows there; the calling thread's CPU
-    time at ``t`` threads over that bound is what the pool's start and synchronization cost on top.
+    time says little, so for ours next to it:
+
+    - the speed-up the slicing allows on idle cores: one thread's CPU time (``time.thread_time``, which leaves
+      out the time the OS gives to other processes) over the same times the busiest thread's planned share of
+      the units (:func:`planned_share`);
+    - the share of the units each thread computed in this run (the pool's counters): how often the worker got a
+      core while a call ran;
+    - the calling thread's CPU time at ``t`` threads over one thread's CPU time times the calling thread's
+      measured share: what starting the job, claiming slices and waiting for the workers' last slices cost it
+      (1.00x: nothing).
     """
     if len(threads) < 2:
         return
@@ -372,20 +395,19 @@ def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, 
                  for t in threads[1:]]
         if method == "ours":
             for t in threads[1:]:
-                units = sum(x.units.get(t, np.zeros(1, np.int64)).astype(float) for x in timings)
-                spread = np.zeros(t)
-                spread[: min(t, units.size)] = units[:t]
-                shares = spread / max(spread.sum(), 1)
-                # the busiest thread's share of each layer, weighted by the layer's one-thread CPU time
-                bound = sum(
-                    x.cpu[key, base] * (x.units[t].max() / max(x.units[t].sum(), 1) if t in x.units else 1.0)
-                    for x in timings
-                )
+                bound = sum(x.cpu[key, base] * planned_share(x.layer, t) for x in timings)
+                units = np.zeros(t)
+                own_work = 0.0
+                for x in timings:
+                    done = x.units.get(t, np.zeros(1, np.int64))[:t].astype(float)
+                    units[: done.size] += done
+                    own_work += x.cpu[key, base] * (done[0] / done.sum() if done.sum() else 1.0)
+                shares = units / max(units.sum(), 1)
                 parts.append(
-                    f"calling thread's CPU {_ms(caller[base])} -> {_ms(caller[t])} ms; work units per thread "
+                    f"{caller[base] / bound:.2f}x on idle cores (planned split); work units per thread in this run "
                     + " / ".join(f"{share:.0%}" for share in shares)
-                    + f", so {caller[base] / bound:.2f}x on idle cores with this split"
-                    + f" (calling thread's CPU at {t} threads: {caller[t] / bound:.2f}x that bound)"
+                    + f"; calling thread's CPU {_ms(caller[base])} -> {_ms(caller[t])} ms,"
+                    f" {caller[t] / own_work:.2f}x one thread's CPU time for its share of the units"
                 )
         print(f"{model}: {method} speed-up over {base} thread: " + "; ".join(parts))
 

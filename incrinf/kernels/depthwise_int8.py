@@ -38,7 +38,7 @@ from incrinf.kernels.depthwise_geometry import (
 )
 from incrinf.kernels.depthwise_kernels import CONFIG_SIZE, TILE, depthwise_reference_order
 from incrinf.kernels.depthwise_packing import PackedDepthwiseInt8, pack_depthwise_int8
-from incrinf.kernels.depthwise_pool import get_pool, slice_count
+from incrinf.kernels.depthwise_pool import run_depthwise, slice_count
 from incrinf.kernels.quantize import INT8_MAX, INT8_MIN
 
 numba = require("numba", "int8", "the int8 kernels")
@@ -214,7 +214,7 @@ def _run_tiles(xa: np.ndarray, packed: PackedDepthwiseInt8, plan: CallPlan, thre
         n_threads = _thread_count(threads)
         n_slices = slice_count(plan.units, plan.macs_per_unit, n_threads)
         helpers = min(n_threads - 1, n_slices - 1)
-        get_pool(_MAX_THREADS).run(
+        run_depthwise(
             xa.reshape(-1), packed.tile_weights, packed.tile_params, packed.zero_row, out.reshape(-1),
             plan.config, helpers, n_slices,
         )

@@ -68,6 +68,7 @@ __all__ = [
     "depthwise_call",
     "finish_call",
     "get_pool",
+    "run_depthwise",
     "slice_count",
 ]
 
@@ -152,12 +153,12 @@ def _work(xf, weights, params, zero_row, out, config, acc, ind, control, generat
 
 
 @njit(nogil=True, cache=True)
-def depthwise_call(xf, weights, params, zero_row, out, config, control, helpers, n_slices):
+def depthwise_call(xf, weights, params, zero_row, out, config, control, helpers, n_slices, wait_turns):
     """Run the tiled kernel on the calling thread and, with ``helpers > 0`` and ``n_slices > 1``, the pool's
     first ``helpers`` workers (see the module docstring). Arrays as in ``depthwise_units``.
 
-    Returns 0 when the work is done (no helpers), or the job's generation when every slice is claimed but
-    workers may still compute some: then :func:`finish_call` must return True before the arrays are used or
+    Returns 0 when the work is done, or the job's generation when workers still computed a slice after
+    ``wait_turns`` turns of waiting: then :func:`finish_call` must return True before the arrays are used or
     freed and before the next call (:meth:`SpinPool.run` does both).
     """
     out_w = config[19]
@@ -188,19 +189,26 @@ def depthwise_call(xf, weights, params, zero_row, out, config, control, helpers,
     atomic_store(control, _CLAIM, (generation << 40) | n_slices)  # open: the fields above are visible first
     first = _claim(control, generation, False)
     _work(xf, weights, params, zero_row, out, config, acc, ind, control, generation, n_slices, first, 0)
+    if _wait_for_workers(control, generation, n_slices, wait_turns):
+        return 0
     return generation
+
+
+@njit(inline="always")
+def _wait_for_workers(control, generation, n_slices, wait_turns):
+    for _ in range(wait_turns):
+        if atomic_load(control, _DONE) >= n_slices:
+            atomic_store(control, _CLAIM, generation << 40)  # closed: no slice left to claim
+            return True
+        spin_pause()
+    return False
 
 
 @njit(nogil=True, cache=True)
 def finish_call(control, generation, n_slices, spin_turns):
     """Wait up to ``spin_turns`` turns for the slices that workers claimed in job ``generation``; when they are
     done, close the job (before the caller's arrays go away) and return True."""
-    for _ in range(spin_turns):
-        if atomic_load(control, _DONE) >= n_slices:
-            atomic_store(control, _CLAIM, generation << 40)  # closed: no slice left to claim
-            return True
-        spin_pause()
-    return False
+    return _wait_for_workers(control, generation, n_slices, spin_turns)
 
 
 @njit(nogil=True, cache=True)
@@ -300,15 +308,16 @@ class SpinPool:
         """
         n_slices = min(n_slices, MAX_SLICES)
         if helpers <= 0 or n_slices <= 1 or not self._call_lock.acquire(blocking=False):
-            depthwise_call(xf, weights, params, zero_row, out, config, self.control, 0, 1)
+            depthwise_call(xf, weights, params, zero_row, out, config, _NO_JOB, 0, 1, 0)
             return
         try:
             if len(self._workers) < helpers:
                 self._start(helpers)
-            generation = depthwise_call(xf, weights, params, zero_row, out, config, self.control, helpers, n_slices)
-            # A worker may still compute a slice. If it is not done within WAIT_SECONDS the OS has probably
-            # preempted it: give up this core for a moment rather than spin against it.
-            while not finish_call(self.control, generation, n_slices, self.wait_turns):
+            control, wait = self.control, self.wait_turns
+            generation = depthwise_call(xf, weights, params, zero_row, out, config, control, helpers, n_slices, wait)
+            # A worker still computes a slice after WAIT_SECONDS: the OS has probably preempted it. Give up this
+            # core for a moment rather than spin against it.
+            while generation and not finish_call(control, generation, n_slices, wait):
                 os.sched_yield()
         finally:
             self._call_lock.release()
@@ -342,8 +351,19 @@ class SpinPool:
             worker.join(timeout=1.0)
 
 
+_NO_JOB = np.zeros(_control_size(0), np.int64)  # the control block of calls that run alone (never written)
+
 _POOL: SpinPool | None = None
 _POOL_LOCK = threading.Lock()
+
+
+def run_depthwise(xf, weights, params, zero_row, out, config, helpers: int, n_slices: int) -> None:
+    """Run the tiled kernel with ``helpers`` workers of the process's pool (none: on the calling thread alone,
+    without starting the pool); arrays as in :func:`depthwise_call`."""
+    if helpers <= 0 or n_slices <= 1:
+        depthwise_call(xf, weights, params, zero_row, out, config, _NO_JOB, 0, 1, 0)
+    else:
+        get_pool(numba.config.NUMBA_NUM_THREADS).run(xf, weights, params, zero_row, out, config, helpers, n_slices)
 
 
 def get_pool(max_threads: int) -> SpinPool:
