@@ -156,7 +156,7 @@ def class_means(maps: Iterable[tuple[int, np.ndarray, np.ndarray | None]], out_d
         name = f"stats/class-{target}.png"
         volume = None
         if mean.ndim == 3:
-            write_png(out_dir / name, heat_montage(None, mean))
+            write_png(out_dir / name, heat_montage(heat_colours(mean)))
             volume = f"stats/class-{target}.nii.gz"
             write_volume(out_dir / volume, mean, affines[target])
         else:

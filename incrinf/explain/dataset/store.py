@@ -178,7 +178,7 @@ class RunFolder:
             record.update(status=STATUS_ERROR, error_kind=outcome.error_kind, error=outcome.error)
             self.write_record(record)
             return record
-        from incrinf.explain.dataset.stats import blend, grid_positions, pixel_map, thumbnail
+        from incrinf.explain.dataset.stats import blend, grid_positions, heat_colours, pixel_map, thumbnail
         from incrinf.explain.result import OcclusionResult
 
         heat = outcome.heatmap
@@ -202,7 +202,7 @@ class RunFolder:
 
             put("voxels", lambda tmp: write_nifti(tmp, pixel, outcome.affine))
             put("image", lambda tmp: _save_png(tmp, scan_montage(outcome.display)))
-            put("thumb", lambda tmp: _save_png(tmp, thumbnail(heat_montage(outcome.display, pixel), 320)))
+            put("thumb", lambda tmp: _save_png(tmp, thumbnail(heat_montage(heat_colours(pixel), outcome.display), 320)))
         else:
             put("image", lambda tmp: _save_png(tmp, outcome.display))
             put("thumb", lambda tmp: _save_png(tmp, thumbnail(blend(outcome.display, pixel))))

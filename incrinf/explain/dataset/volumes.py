@@ -191,11 +191,10 @@ def scan_montage(voxels: np.ndarray) -> np.ndarray:
     return montage(np.repeat(grey(voxels)[..., None], 3, axis=3), slice_picks(voxels.shape[0]))
 
 
-def heat_montage(voxels: np.ndarray | None, pixel: np.ndarray, alpha: float = 0.5) -> np.ndarray:
-    """Montage of the positive heat (jet, 0 to the volume's maximum) over the scan's slices (or alone)."""
-    from incrinf.explain.dataset.stats import heat_colours
-
-    colours = heat_colours(pixel).astype(np.float32)
+def heat_montage(colours: np.ndarray, voxels: np.ndarray | None = None, alpha: float = 0.5) -> np.ndarray:
+    """Montage of a heat map's (D, H, W, 3) uint8 ``colours`` (e.g. :func:`~.stats.heat_colours` of the voxel
+    map) over the scan's slices, or alone without ``voxels``."""
+    mixed = colours.astype(np.float32)
     if voxels is not None:
-        colours = (1 - alpha) * np.repeat(grey(voxels)[..., None], 3, axis=3) + alpha * colours
-    return montage(colours.round().astype(np.uint8), slice_picks(pixel.shape[0]))
+        mixed = (1 - alpha) * np.repeat(grey(voxels)[..., None], 3, axis=3) + alpha * mixed
+    return montage(mixed.round().astype(np.uint8), slice_picks(colours.shape[0]))

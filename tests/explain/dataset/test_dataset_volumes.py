@@ -233,3 +233,26 @@ def _nifti_bytes(data: np.ndarray, world: np.ndarray, gz: bool = False) -> bytes
 def _corners(grid: tuple[int, ...], stride: tuple[int, ...]) -> np.ndarray:
     axes = np.meshgrid(*[np.arange(n) * s for n, s in zip(grid, stride)], indexing="ij")
     return np.stack([a.ravel() for a in axes], axis=1)
+
+
+def test_volume_index_of_4d_files_and_a_scan_too_thin_for_the_window(tmp_path) -> None:
+    folder = tmp_path / "scans"
+    folder.mkdir()
+    rng = np.random.default_rng(3)
+    series = rng.normal(size=(*SHAPE, 3)).astype(np.float32)  # a 4-D (x, y, z, t) file
+    nibabel.save(nibabel.Nifti1Image(series, affine(0)), folder / "series.nii.gz")
+    nibabel.save(nibabel.Nifti1Image(rng.normal(size=(4, 4, 1)).astype(np.float32), affine(0)),
+                 folder / "thin.nii.gz")  # one slice: thinner than the window
+    model = small_net()
+    out = tmp_path / "run"
+    report = explain_dataset(model, folder, out, volume_index=2, progress=False, **OPTIONS)
+    rows = {Path(r["path"]).name: r for r in read_table(out)}
+    assert report.count("ok") == 1 and rows["thin.nii.gz"]["error_kind"] == "explain"
+    assert "patch 4x4x4 is larger than the 1x4x4 input" in rows["thin.nii.gz"]["error"]
+    want = incrinf.occlusion(model, read_volume(str(folder / "series.nii.gz"), index=2), output="prob", patch=4,
+                             stride=4, spatial_dims=3, progress=False)
+    np.testing.assert_allclose(np.load(out / rows["series.nii.gz"]["heatmap_file"]), want.heatmap, atol=1e-6)
+    explain_dataset(model, folder, out, volume_index=3, progress=False, **OPTIONS)
+    rows = {Path(r["path"]).name: r for r in read_table(out)}
+    assert rows["series.nii.gz"]["error_kind"] == "decode"
+    assert "it holds 3 volumes; volume index 3 is out of range" in rows["series.nii.gz"]["error"]
