@@ -381,10 +381,22 @@ class SpinPool:
         return self.control[_THREAD + _SLICES_DONE : _THREAD + _LINE * threads : _LINE].copy()
 
     def stop(self) -> None:
-        """Stop the workers (at exit); sleeping ones look within 0.1 s."""
+        """Stop the workers (at exit), waking the sleeping ones."""
         self.control[_STOP] = 1
+        if FUTEX_SYSCALL and self._workers:
+            _wake_all(self.control)
         for worker in self._workers:
             worker.join(timeout=1.0)
+
+
+@njit(cache=True)
+def _futex_wake_all(control, syscall, futex):
+    fetch_add(control, _WAKE, 1)
+    syscall6(syscall, futex, address_of(control) + 8 * _WAKE, _FUTEX_WAKE, 1 << 30, 0, 0)
+
+
+def _wake_all(control: np.ndarray) -> None:
+    _futex_wake_all(control, SYSCALL_ADDRESS, FUTEX_SYSCALL)
 
 
 _NO_JOB = np.zeros(_control_size(0), np.int64)  # the control block of calls that run alone (never written)
