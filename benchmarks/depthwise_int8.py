@@ -311,7 +311,7 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
         + " | "
         + " | ".join(f"{m}/ours" for m in anchors)
         + " | ours ns/output |"
-        + (" CPU ours | CPU xnnpack | CPU ours/xnnpack |" if cpu else "")
+        + (" CPU ours | CPU xnnpack | CPU ours/xnnpack |" if cpu else " ours: units by other threads |")
     )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
@@ -319,8 +319,12 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
     totals = dict.fromkeys(columns, 0.0)
     cpu_totals = {"ours": 0.0, "xnnpack": 0.0}
     macs = outputs = 0
+    unit_totals = np.zeros(threads)
 
-    def row(name: str, shape: str, mmac: float, sec: dict[str, float], n_out: int, cpu_sec: dict[str, float]) -> str:
+    def row(
+        name: str, shape: str, mmac: float, sec: dict[str, float], n_out: int, cpu_sec: dict[str, float],
+        units: np.ndarray,
+    ) -> str:
         cells = [_ms(sec["ours"]), _ms(sec["xnnpack"]), f"{sec['ours'] / sec['xnnpack']:.2f}x"]
         if cpu:
             cells += [_ms(sec["ours cold"]), _ms(sec["xnnpack cold"]), f"{sec['ours cold'] / sec['xnnpack cold']:.2f}x"]
@@ -331,6 +335,8 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
         ]
         if cpu:
             cells += [_ms(cpu_sec["ours"]), _ms(cpu_sec["xnnpack"]), f"{cpu_sec['ours'] / cpu_sec['xnnpack']:.2f}x"]
+        else:  # the share of the work units that the pool's workers computed in the "ours alone" pass
+            cells.append(f"{units[1:].sum() / max(units.sum(), 1):.0%}")
         return f"| {name} | {shape} | {mmac:.2f} | " + " | ".join(cells) + " |"
 
     for t in timings:
@@ -346,8 +352,10 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
         macs += lay.macs()
         outputs += lay.outputs()
         shape = f"{lay.height}x{lay.width}x{lay.channels} {lay.kernel[0]}x{lay.kernel[1]} s{lay.stride[0]}"
-        print(row(lay.name, shape, lay.macs() / 1e6, sec, lay.outputs(), cpu_sec))
-    print(row("**total**", f"{len(timings)} layers", macs / 1e6, totals, outputs, cpu_totals))
+        units = t.units.get(threads, np.zeros(1, np.int64))[:threads].astype(float)
+        unit_totals[: units.size] += units
+        print(row(lay.name, shape, lay.macs() / 1e6, sec, lay.outputs(), cpu_sec, units))
+    print(row("**total**", f"{len(timings)} layers", macs / 1e6, totals, outputs, cpu_totals, unit_totals))
 
 
 def planned_share(layer: Layer, threads: int) -> float:

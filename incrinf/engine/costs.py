@@ -187,11 +187,14 @@ class FrameCosts:
 
     def kept(self, name: str) -> float:
         """The share of the positions recomputed at the cached tensor ``name`` that the latest frames' commits
-        kept (value-based pruning; 1 without it, and before three frames said otherwise)."""
+        kept (value-based pruning; 1 without it, and before any commit there). A ratio of the plan's own counts, no
+        timing: no load spike can distort it, so the first frame's share counts alone (with the timing ratios'
+        prior beside it, the second and third cached frames of a dilated segmenter were predicted at nearly a full
+        frame, the pruning they would see unknown, and could be sent to full inference)."""
         value = self._kept_median.get(name)
         if value is None:
             samples = self._kept.get(name)
-            value = self._kept_median[name] = min(_median(samples), 1.0) if samples else 1.0
+            value = self._kept_median[name] = min(statistics.median(samples), 1.0) if samples else 1.0
         return value
 
     # --- calibration -------------------------------------------------------------------------------------

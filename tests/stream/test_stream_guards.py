@@ -171,9 +171,11 @@ def test_cost_calibration_takes_medians_of_ratios_per_kind():
     # pruning: commits at a tensor that kept a fifth of what they computed discount the steps after it
     name = costs.program.cached[0]
     assert costs.kept(name) == 1.0
-    for _ in range(5):
-        costs.record_kept(name, 100, 20)
-    assert costs.kept(name) == pytest.approx(0.2) and costs.kept(costs.program.cached[-1]) == 1.0
+    costs.record_kept(name, 100, 20)  # counts from the plan, no timing: one frame says it
+    assert costs.kept(name) == pytest.approx(0.2)
+    for _ in range(4):
+        costs.record_kept(name, 100, 30)
+    assert costs.kept(name) == pytest.approx(0.3) and costs.kept(costs.program.cached[-1]) == 1.0
 
 
 # --- quality ----------------------------------------------------------------------------------------------------
