@@ -3,17 +3,18 @@ over the same files, side by side in one process.
 
 Writes a folder of scans made from the fMRI file nibabel ships (its two volumes and their left-right mirror
 images: four real scans), resampled to ``--resize``, and explains every scan with the zoo's 3-D DenseNet121
-(MONAI's, random init) both ways: incrinf's dataset mode (reading the files, explaining, writing the heat maps,
-NIfTI voxel maps, montages, table and gallery) and a loop that reads each scan the same way and calls MONAI's
-``OcclusionSensitivity`` with the same windows (``mask_size`` = patch, ``overlap`` = 1 - stride / patch: MONAI's
-sliding window then puts its windows on the same stride grid; a constant 0 occluder, softmax outputs). With
-stride = patch (no overlap, each voxel in one window) it checks that both give the same drops (MONAI's occluded
-probability at each window against incrinf's heat map). It prints scans per minute, the wall-time ratio and
-the multiply-add ratio (naive re-inference of every window against what incrinf's plan ran), per round, with
-the load average. Rounds alternate which side runs first.
+(MONAI's, random init; ``--network resnet10``: MONAI's 3-D ResNet10) both ways: incrinf's dataset mode (reading
+the files, explaining, writing the heat maps, NIfTI voxel maps, montages, table and gallery) and a loop that
+reads each scan the same way and calls MONAI's ``OcclusionSensitivity`` with the same windows (``mask_size`` =
+patch, ``overlap`` = 1 - stride / patch: MONAI's sliding window then puts its windows on the same stride grid; a
+constant 0 occluder, softmax outputs). With stride = patch (no overlap, each voxel in one window) it checks that
+both give the same drops (MONAI's occluded probability at each window against incrinf's heat map). It prints
+scans per minute, the wall-time ratio and the multiply-add ratio (naive re-inference of every window against
+what incrinf's plans ran), per round, with the load average. Rounds alternate which side runs first.
 
     python benchmarks/dataset_volumes.py                       # 4 scans at 32x64x64, patch 16, stride 8, 1 thread
     python benchmarks/dataset_volumes.py --stride 16           # no overlap: MONAI's map checked against incrinf's
+    python benchmarks/dataset_volumes.py --network resnet10    # MONAI's 3-D ResNet10
     python benchmarks/dataset_volumes.py --rounds 3 --resize 48x64x64 --threads 2
 """
 
@@ -39,6 +40,16 @@ from incrinf.cli.volume import read_volume, resize, volume_size  # noqa: E402
 MODEL = "monai_densenet121_3d"
 
 
+def network(name: str) -> torch.nn.Module | str:
+    """The model both sides explain: the zoo's DenseNet121 by name, or MONAI's ResNet10 (random init, seeded)."""
+    if name == "densenet121":
+        return MODEL
+    from monai.networks.nets import resnet10
+
+    torch.manual_seed(0)
+    return resnet10(spatial_dims=3, n_input_channels=1, num_classes=2).eval()
+
+
 def write_scans(folder: Path) -> list[Path]:
     """Four scans: the fMRI file's two volumes and their left-right mirror images."""
     import nibabel
@@ -59,7 +70,7 @@ def write_scans(folder: Path) -> list[Path]:
 def run_incrinf(scans: Path, out: Path, args: argparse.Namespace) -> tuple[float, list[dict[str, str]]]:
     incrinf.runtime_cache().clear()  # cold, as a fresh `incrinf explain scans/ --out results/` starts
     start = time.perf_counter()
-    report = incrinf.explain_dataset(MODEL, scans, out, resize=args.resize, patch=args.patch, stride=args.stride,
+    report = incrinf.explain_dataset(args.model, scans, out, resize=args.resize, patch=args.patch, stride=args.stride,
                                      output="prob", progress=False)
     wall = time.perf_counter() - start
     if report.exit_code != 0:
@@ -71,7 +82,7 @@ def run_incrinf(scans: Path, out: Path, args: argparse.Namespace) -> tuple[float
 def run_monai(paths: list[Path], args: argparse.Namespace) -> tuple[float, list[tuple[torch.Tensor, torch.Tensor]]]:
     from monai.visualize import OcclusionSensitivity
 
-    model = models.load(MODEL)
+    model = models.load(MODEL) if isinstance(args.model, str) else args.model
     start = time.perf_counter()
     maps = []
     for path in paths:
@@ -117,15 +128,18 @@ def main() -> None:
     parser.add_argument("--patch", type=int, default=16, help="window (MONAI: mask_size)")
     parser.add_argument("--stride", type=int, default=8, help="window stride (MONAI: overlap 1 - stride / patch)")
     parser.add_argument("--n-batch", type=int, default=16, help="MONAI's windows per batch")
+    parser.add_argument("--network", choices=["densenet121", "resnet10"], default="densenet121",
+                        help="the zoo's 3-D DenseNet121, or MONAI's 3-D ResNet10 (both random init)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    args.model = network(args.network)
     print(machine())
     if not 0 < args.stride <= args.patch:
         raise SystemExit("--stride must be in 1..patch (MONAI's overlap is 1 - stride / patch)")
     grid = [-(-(n - args.patch) // args.stride) + 1 for n in args.resize]
-    print(f"{MODEL} (random init), 4 scans from nibabel's example4d.nii.gz resampled to "
+    print(f"{args.network} (MONAI's, random init), 4 scans from nibabel's example4d.nii.gz resampled to "
           f"{'x'.join(map(str, args.resize))}, window {args.patch} at stride {args.stride} "
           f"({int(np.prod(grid))} windows per scan), exact, {args.threads} torch thread(s)")
     results = {"incrinf": [], "monai": []}

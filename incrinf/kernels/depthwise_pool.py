@@ -10,10 +10,11 @@ spinning costs whole milliseconds of CPU after every call and stalls a loaded ma
 This pool works the way XNNPACK's thread pool does, with one difference that matters on a busy machine:
 
 - Workers spin for :data:`SPIN_SECONDS` after their last job (an atomic load and a ``pause`` per turn), so a
-  layer that follows another is picked up at once; then they nap in the C library's ``usleep``, for 50 us at
-  first and up to :data:`MAX_NAP_SECONDS`, looking for a job between naps. They never hold the GIL after they
-  start (a worker woken from a Python event would take the GIL, and if the OS preempted it there, the caller
-  would wait milliseconds to get the GIL back).
+  layer that follows another is picked up at once; then they sleep on a futex (Linux) that a call finding them
+  asleep wakes, or elsewhere nap in the C library's sleep function, 50 us at first and up to
+  :data:`MAX_NAP_SECONDS`, looking for a job between naps. They never hold the GIL after they start (a worker
+  woken from a Python event would take the GIL, and if the OS preempted it there, the caller would wait
+  milliseconds to get the GIL back).
 - A call publishes its job (the arrays' addresses and the slice count), then takes slices itself from the
   front while workers take them from the back, as XNNPACK's pool gives each thread a contiguous range: a
   thread computes neighbouring rows, and in repeated calls the same rows (their input and output stay in its
@@ -43,8 +44,10 @@ import numpy as np
 from incrinf.extras import require
 from incrinf.kernels.depthwise_kernels import SLICES_PER_THREAD, TILE, UNITS, depthwise_units
 from incrinf.kernels.intrinsics import (
+    FUTEX_SYSCALL,
     SLEEP_ADDRESS,
     SLEEP_DIVISOR,
+    SYSCALL_ADDRESS,
     address_of,
     array_at,
     atomic_load,
@@ -53,6 +56,7 @@ from incrinf.kernels.intrinsics import (
     fetch_add,
     nap,
     spin_pause,
+    syscall6,
 )
 
 numba = require("numba", "int8", "the int8 kernels")
@@ -96,6 +100,9 @@ _DONE = 8  # slices finished in the current job
 _JOB = 16  # n_slices, helpers, then (address, length) of xf, weights, params, zero_row, out, config
 _N_SLICES, _HELPERS, _ARRAYS = _JOB, _JOB + 1, _JOB + 2
 _STOP = 32
+_WAKE = 33  # futex word (its low 32 bits): a call that finds a worker asleep adds 1 and wakes the workers
+_FUTEX_WAIT, _FUTEX_WAKE = 128, 129  # FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE
+_LONG_SLEEP_NS = 100_000_000  # with futexes an idle worker sleeps until a call wakes it (looking every 0.1 s)
 _THREAD = 40  # per thread t (0: the calling thread), at _THREAD + 8*t: state, units computed, slices computed
 _STATE, _UNITS_DONE, _SLICES_DONE = 0, 1, 2
 _LINE = 8
@@ -153,13 +160,16 @@ def _work(xf, weights, params, zero_row, out, config, acc, ind, control, generat
 
 
 @njit(nogil=True, cache=True)
-def depthwise_call(xf, weights, params, zero_row, out, config, control, helpers, n_slices, wait_turns):
+def depthwise_call(
+    xf, weights, params, zero_row, out, config, control, helpers, n_slices, wait_turns, syscall, futex
+):
     """Run the tiled kernel on the calling thread and, with ``helpers > 0`` and ``n_slices > 1``, the pool's
     first ``helpers`` workers (see the module docstring). Arrays as in ``depthwise_units``.
 
-    Returns 0 when the work is done, or the job's generation when workers still computed a slice after
-    ``wait_turns`` turns of waiting: then :func:`finish_call` must return True before the arrays are used or
-    freed and before the next call (:meth:`SpinPool.run` does both).
+    ``syscall``, ``futex``: :data:`~incrinf.kernels.intrinsics.SYSCALL_ADDRESS` and ``FUTEX_SYSCALL`` (0: workers
+    nap and are not woken). Returns 0 when the work is done, or the job's generation when workers still computed
+    a slice after ``wait_turns`` turns of waiting: then :func:`finish_call` must return True before the arrays
+    are used or freed and before the next call (:meth:`SpinPool.run` does both).
     """
     out_w = config[19]
     n_taps = config[5] * config[6]
@@ -187,6 +197,13 @@ def depthwise_call(xf, weights, params, zero_row, out, config, control, helpers,
     control[_ARRAYS + 11] = config.size
     atomic_store(control, _DONE, 0)
     atomic_store(control, _CLAIM, (generation << 40) | n_slices)  # open: the fields above are visible first
+    if futex != 0:
+        for t in range(1, helpers + 1):
+            if atomic_load(control, _THREAD + _LINE * t + _STATE) == _ASLEEP:
+                # It saw no job before it slept, or we would not see it asleep (both sides store, then load).
+                fetch_add(control, _WAKE, 1)
+                syscall6(syscall, futex, address_of(control) + 8 * _WAKE, _FUTEX_WAKE, helpers, 0, 0)
+                break
     first = _claim(control, generation, False)
     _work(xf, weights, params, zero_row, out, config, acc, ind, control, generation, n_slices, first, 0)
     if _wait_for_workers(control, generation, n_slices, wait_turns):
@@ -213,7 +230,8 @@ def finish_call(control, generation, n_slices, spin_turns):
 
 @njit(nogil=True, cache=True)
 def _worker_loop(
-    control, thread, spin_turns, max_nap_us, sleep_address, sleep_divisor, like_int8, like_int32, like_int64
+    control, thread, spin_turns, max_nap_us, sleep_address, sleep_divisor, syscall, futex, like_int8, like_int32,
+    like_int64,
 ):
     """A worker's life: take slices of every job it sees; spin ``spin_turns`` idle turns, then nap (from 50 us
     up to ``max_nap_us``) between looks. Returns when the pool stops.
@@ -222,6 +240,7 @@ def _worker_loop(
     machine code, and the C library sits at another address in every process."""
     acc = np.empty(0, np.int32)
     ind = np.empty(0, np.int64)
+    timeout = np.empty(2, np.int64)  # struct timespec
     state = _THREAD + _LINE * thread + _STATE
     idle = 0
     nap_us = 50
@@ -255,9 +274,20 @@ def _worker_loop(
         if idle < spin_turns:
             spin_pause()
             continue
+        if futex == 0:
+            atomic_store(control, state, _ASLEEP)
+            nap(sleep_address, max(nap_us // sleep_divisor, 1))
+            nap_us = min(2 * nap_us, max_nap_us)
+            continue
+        wake = atomic_load(control, _WAKE) & 0xFFFFFFFF
         atomic_store(control, state, _ASLEEP)
-        nap(sleep_address, max(nap_us // sleep_divisor, 1))
-        nap_us = min(2 * nap_us, max_nap_us)
+        word = atomic_load(control, _CLAIM)  # a job opened before the caller could see us asleep: take it
+        if ((word >> 20) & _FIELD) >= (word & _FIELD) and atomic_load(control, _STOP) == 0:
+            timeout[0] = 0
+            timeout[1] = _LONG_SLEEP_NS
+            syscall6(syscall, futex, address_of(control) + 8 * _WAKE, _FUTEX_WAIT, wake, address_of(timeout), 0)
+        atomic_store(control, state, _AWAKE)
+        idle = 0
 
 
 @njit(nogil=True, cache=True)
@@ -308,13 +338,16 @@ class SpinPool:
         """
         n_slices = min(n_slices, MAX_SLICES)
         if helpers <= 0 or n_slices <= 1 or not self._call_lock.acquire(blocking=False):
-            depthwise_call(xf, weights, params, zero_row, out, config, _NO_JOB, 0, 1, 0)
+            depthwise_call(xf, weights, params, zero_row, out, config, _NO_JOB, 0, 1, 0, 0, 0)
             return
         try:
             if len(self._workers) < helpers:
                 self._start(helpers)
             control, wait = self.control, self.wait_turns
-            generation = depthwise_call(xf, weights, params, zero_row, out, config, control, helpers, n_slices, wait)
+            generation = depthwise_call(
+                xf, weights, params, zero_row, out, config, control, helpers, n_slices, wait, SYSCALL_ADDRESS,
+                FUTEX_SYSCALL,
+            )
             # A worker still computes a slice after WAIT_SECONDS: the OS has probably preempted it. Give up this
             # core for a moment rather than spin against it.
             while generation and not finish_call(control, generation, n_slices, wait):
@@ -332,7 +365,10 @@ class SpinPool:
 
     def _run(self, thread: int) -> None:
         max_nap_us = int(MAX_NAP_SECONDS * 1e6)
-        _worker_loop(self.control, thread, self.spin_turns, max_nap_us, SLEEP_ADDRESS, SLEEP_DIVISOR, *self._likes)
+        _worker_loop(
+            self.control, thread, self.spin_turns, max_nap_us, SLEEP_ADDRESS, SLEEP_DIVISOR, SYSCALL_ADDRESS,
+            FUTEX_SYSCALL, *self._likes,
+        )
 
     def units_done(self) -> np.ndarray:
         """Work units computed so far by each thread (index 0: the calling threads), for balance statistics."""
@@ -345,10 +381,22 @@ class SpinPool:
         return self.control[_THREAD + _SLICES_DONE : _THREAD + _LINE * threads : _LINE].copy()
 
     def stop(self) -> None:
-        """Stop the workers (at exit)."""
+        """Stop the workers (at exit), waking the sleeping ones."""
         self.control[_STOP] = 1
+        if FUTEX_SYSCALL and self._workers:
+            _wake_all(self.control)
         for worker in self._workers:
             worker.join(timeout=1.0)
+
+
+@njit(cache=True)
+def _futex_wake_all(control, syscall, futex):
+    fetch_add(control, _WAKE, 1)
+    syscall6(syscall, futex, address_of(control) + 8 * _WAKE, _FUTEX_WAKE, 1 << 30, 0, 0)
+
+
+def _wake_all(control: np.ndarray) -> None:
+    _futex_wake_all(control, SYSCALL_ADDRESS, FUTEX_SYSCALL)
 
 
 _NO_JOB = np.zeros(_control_size(0), np.int64)  # the control block of calls that run alone (never written)
@@ -361,7 +409,7 @@ def run_depthwise(xf, weights, params, zero_row, out, config, helpers: int, n_sl
     """Run the tiled kernel with ``helpers`` workers of the process's pool (none: on the calling thread alone,
     without starting the pool); arrays as in :func:`depthwise_call`."""
     if helpers <= 0 or n_slices <= 1:
-        depthwise_call(xf, weights, params, zero_row, out, config, _NO_JOB, 0, 1, 0)
+        depthwise_call(xf, weights, params, zero_row, out, config, _NO_JOB, 0, 1, 0, 0, 0)
     else:
         get_pool(numba.config.NUMBA_NUM_THREADS).run(xf, weights, params, zero_row, out, config, helpers, n_slices)
 

@@ -51,13 +51,16 @@ __all__ = [
     "fetch_add",
     "load_int8",
     "load_pair",
+    "FUTEX_SYSCALL",
     "SLEEP_ADDRESS",
     "SLEEP_DIVISOR",
+    "SYSCALL_ADDRESS",
     "nap",
     "prefer_wide_vectors",
     "spin_pause",
     "store_pair",
     "store_scratch",
+    "syscall6",
 ]
 
 _VECTOR_WIDTH_ATTRIBUTE = '"prefer-vector-width"="512"'
@@ -333,5 +336,43 @@ def nap(typingctx, address, amount):
                     pause = llvm_ir.FunctionType(llvm_ir.VoidType(), [])
                     builder.call(cgutils.get_or_insert_function(builder.module, pause, "llvm.x86.sse2.pause"), [])
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _find_futex() -> tuple[int, int]:
+    """``(address of the C library's syscall function, the futex system call's number)``; ``(0, 0)`` off Linux on
+    x86-64 and AArch64 (the pool then naps with :func:`nap` instead)."""
+    import ctypes
+    import sys
+
+    numbers = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
+    number = numbers.get(platform.machine().lower(), 0)
+    if not sys.platform.startswith("linux") or not number:
+        return 0, 0
+    try:
+        return ctypes.cast(ctypes.CDLL(None).syscall, ctypes.c_void_p).value or 0, number
+    except (AttributeError, OSError):
+        return 0, 0
+
+
+SYSCALL_ADDRESS, FUTEX_SYSCALL = _find_futex()
+"""The C library's ``syscall`` and the futex call's number, for :func:`syscall6` (0, 0 where unavailable)."""
+
+
+@intrinsic
+def syscall6(typingctx, address, number, a1, a2, a3, a4, a5):
+    """``syscall(number, a1, ..., a5)`` through the C library's function at ``address`` (:data:`SYSCALL_ADDRESS`;
+    its integer arguments go in the same registers as a fixed-argument call's on x86-64 and AArch64 Linux)."""
+    args = (address, number, a1, a2, a3, a4, a5)
+    if not all(isinstance(a, types.Integer) for a in args):
+        return None
+    sig = types.int64(*([types.int64] * 7))
+
+    def codegen(context, builder, signature, values):
+        i64 = llvm_ir.IntType(64)
+        fnty = llvm_ir.FunctionType(i64, [i64] * 6)
+        fn = builder.inttoptr(values[0], llvm_ir.PointerType(fnty))
+        return builder.call(fn, list(values[1:]))
 
     return sig, codegen
