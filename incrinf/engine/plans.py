@@ -428,16 +428,18 @@ def order_queries(program: Program, exact: Propagation, sizes: np.ndarray) -> np
 
 
 def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
-    """Batch boundaries over the ordered queries: consecutive runs of ``batch_size // 2`` (at least 1) to
-    ``batch_size`` queries whose packed boxes cost the fewest multiply-adds (dynamic programming; an exact batch
-    computes each step on the per-axis largest of its queries' boxes, so queries of different reach waste work
-    when packed together). Runs never shrink below half the batch size, so per-batch costs at most double.
+    """Batch boundaries over the ordered queries: as many batches as plain batched re-inference runs
+    (``ceil(Q / batch_size)``, each of at most ``batch_size`` queries), cut where the packed boxes cost the fewest
+    multiply-adds (dynamic programming; an exact batch computes each step on the per-axis largest of its queries'
+    boxes, so queries of different reach waste work when packed together). More, smaller batches would save a few
+    multiply-adds but pay what every batch pays whatever its size (a walk over every step, the weights read once
+    per convolution, the tail) on fewer queries, and small batches run the convolutions less efficiently.
 
     Returns:
         ``(first, end)`` positions in ``order`` of each batch, in order.
     """
     q = len(order)
-    smallest = max(1, min(batch_size // 2, q))
+    count = -(-q // batch_size)
     per_position, extents = [], []
     for step in program.steps:
         region = exact.regions[step.out]
@@ -447,28 +449,33 @@ def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: in
         per_position.append(step.flops / step.positions)
         extents.append(np.broadcast_to(dims, (q, len(dims))) if region.kind == RegionKind.FULL
                        else np.minimum(region.boxes.sizes(), dims))
-    if not extents:
+    if not extents or count == 1:
         return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
     weight = np.asarray(per_position)
-    ordered = np.stack(extents, axis=1)[order]  # (Q, steps, d)
-    best = np.full(q + 1, np.inf)
-    best[0] = 0.0
-    cut = np.zeros(q + 1, np.int64)
-    for end in range(1, q + 1):
-        largest = None
-        for first in range(end - 1, max(end - batch_size, 0) - 1, -1):
-            largest = ordered[first] if largest is None else np.maximum(largest, ordered[first])
-            n = end - first
-            if n < smallest and first > 0 and end < q:
-                continue
-            # a batch costs its multiply-adds; ties go to fewer batches
-            cost = best[first] + n * float(weight @ largest.prod(axis=1)) * (1 + 1e-9) + 1e-6
-            if cost < best[end]:
-                best[end], cut[end] = cost, first
+    ordered = np.stack(extents, axis=1)[order].astype(np.float64)  # (Q, steps, d)
+    # run[n - 1, first]: multiply-adds of the run of n queries starting at ``first`` (inf past the end)
+    run = np.full((batch_size, q), np.inf)
+    largest = ordered.copy()
+    for n in range(1, batch_size + 1):
+        if n > 1:
+            largest = np.maximum(largest[:-1], ordered[n - 1:])
+        run[n - 1, :q - n + 1] = n * (largest.prod(axis=2) @ weight)
+    # best[k, end]: the cheapest k batches over the first ``end`` queries; ties go to earlier cuts (stable)
+    best = np.full((count + 1, q + 1), np.inf)
+    best[0, 0] = 0.0
+    cut = np.zeros((count + 1, q + 1), np.int64)
+    ends = np.arange(q + 1)
+    for k in range(1, count + 1):
+        for n in range(1, batch_size + 1):
+            firsts = ends[n:] - n
+            cost = best[k - 1, firsts] + run[n - 1, firsts]
+            better = cost < best[k, n:]
+            best[k, n:] = np.where(better, cost, best[k, n:])
+            cut[k, n:] = np.where(better, firsts, cut[k, n:])
     bounds, end = [], q
-    while end > 0:
-        bounds.append((int(cut[end]), end))
-        end = int(cut[end])
+    for k in range(count, 0, -1):
+        bounds.append((int(cut[k, end]), end))
+        end = int(cut[k, end])
     return bounds[::-1]
 
 
