@@ -50,6 +50,16 @@ def _conv3d(weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, dilati
     return run
 
 
+def _same_layout(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` in ``x``'s channels-last layout: PyTorch's CPU 3-D average pooling returns a contiguous map for a
+    channels-last one, and every later step would then copy its values to read them as rows (a copy of the pooled,
+    smaller map instead)."""
+    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d) \
+            and not y.is_contiguous(memory_format=torch.channels_last_3d):
+        return y.contiguous(memory_format=torch.channels_last_3d)
+    return y
+
+
 def _arg(args: list, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
     return args[index] if len(args) > index else kwargs.get(name, default)
 
@@ -161,6 +171,8 @@ class Operators:
             return lambda x: pool(x, kernel, g.stride, 0, g.dilation)
         if node.operator in (Operator.AVG_POOL, Operator.ADAPTIVE_AVG_POOL):
             pool = _AVG_POOL[d]
+            if d == 3:
+                return lambda x: _same_layout(x, pool(x, kernel, g.stride, 0))
             return lambda x: pool(x, kernel, g.stride, 0)
         raise AssertionError(f"no window operator for {node.name} ({node.op})")
 

@@ -428,6 +428,23 @@ def order_queries(program: Program, exact: Propagation, sizes: np.ndarray) -> np
 
 
 def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
+    """Batch boundaries over the ordered queries: the fewest batches (:func:`_fewest_runs`, as many as plain batched
+    re-inference runs) unless they would be larger than those of the cheapest packing (:func:`_cheapest_runs`,
+    the fewest multiply-adds with runs of half to the full batch size), whose largest batch bounds the working
+    memory: every batch pays the same walk, weight reads and tail whatever its size, so fewer batches run faster
+    (ResNet18, 196 queries at batch 16: 13 batches instead of 23, 8% faster on one thread) where they hold no
+    more memory.
+
+    Returns:
+        ``(first, end)`` positions in ``order`` of each batch, in order.
+    """
+    cheapest = _cheapest_runs(program, exact, order, batch_size)
+    fewest = _fewest_runs(program, exact, order, batch_size)
+    largest = max(end - first for first, end in cheapest)
+    return fewest if max(end - first for first, end in fewest) <= largest else cheapest
+
+
+def _fewest_runs(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
     """Batch boundaries over the ordered queries: as many batches as plain batched re-inference runs
     (``ceil(Q / batch_size)``, each of at most ``batch_size`` queries), cut where the packed boxes cost the fewest
     multiply-adds (dynamic programming; an exact batch computes each step on the per-axis largest of its queries'
@@ -479,6 +496,51 @@ def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: in
     return bounds[::-1]
 
 
+def _cheapest_runs(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
+    """Batch boundaries over the ordered queries: consecutive runs of ``batch_size // 2`` (at least 1) to
+    ``batch_size`` queries whose packed boxes cost the fewest multiply-adds (dynamic programming; an exact batch
+    computes each step on the per-axis largest of its queries' boxes, so queries of different reach waste work
+    when packed together). Runs never shrink below half the batch size, so per-batch costs at most double.
+
+    Returns:
+        ``(first, end)`` positions in ``order`` of each batch, in order.
+    """
+    q = len(order)
+    smallest = max(1, min(batch_size // 2, q))
+    per_position, extents = [], []
+    for step in program.steps:
+        region = exact.regions[step.out]
+        if region.kind == RegionKind.NONE or step.flops == 0:
+            continue
+        dims = np.asarray(step.dims)
+        per_position.append(step.flops / step.positions)
+        extents.append(np.broadcast_to(dims, (q, len(dims))) if region.kind == RegionKind.FULL
+                       else np.minimum(region.boxes.sizes(), dims))
+    if not extents:
+        return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
+    weight = np.asarray(per_position)
+    ordered = np.stack(extents, axis=1)[order]  # (Q, steps, d)
+    best = np.full(q + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros(q + 1, np.int64)
+    for end in range(1, q + 1):
+        largest = None
+        for first in range(end - 1, max(end - batch_size, 0) - 1, -1):
+            largest = ordered[first] if largest is None else np.maximum(largest, ordered[first])
+            n = end - first
+            if n < smallest and first > 0 and end < q:
+                continue
+            # a batch costs its multiply-adds; ties go to fewer batches
+            cost = best[first] + n * float(weight @ largest.prod(axis=1)) * (1 + 1e-9) + 1e-6
+            if cost < best[end]:
+                best[end], cut[end] = cost, first
+    bounds, end = [], q
+    while end > 0:
+        bounds.append((int(cut[end]), end))
+        end = int(cut[end])
+    return bounds[::-1]
+
+
 def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarray, sizes: np.ndarray) -> Plan:
     """The :class:`Plan` for ``key``: ``starts`` and ``sizes`` (Q, d) are the queries' changed input boxes (inside
     the input) whose digest the key holds.
@@ -514,6 +576,7 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
         per_query = max(peak / len(trial), 1.0)
         batch_size = int(max(1, min(cap, key.memory // per_query)))
     batch_size = max(1, min(batch_size, q))
+    store = sum(t.rows * byte_sizes.channels(t.source) * element_size for t in layout.tables.values())
     bounds = pack(program, exact, order, batch_size) if per_axis is not None else \
         [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
     made = []
@@ -524,7 +587,6 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
         made.append((queries, start, steps, boundary, unchanged, macs, peak, estimate))
     peak = max(m[6] for m in made)
     index_bytes = sum(m[7] for m in made)
-    store = sum(t.rows * byte_sizes.channels(t.source) * element_size for t in layout.tables.values())
     weights = sum(p.numel() * p.element_size() for p in graph.module.parameters())
     keep = index_bytes <= INDEX_SHARE * (weights + store + peak)
     batches = []
