@@ -5,8 +5,9 @@ Run: ``python benchmarks/depthwise_int8.py`` (a few minutes; ``--sweep 0`` skips
 Speed: for every depthwise layer of MobileNetV2 (torchvision, random weights) and EfficientNet-Lite0 at a
 224x224 input, batch 1, with random int8 data and per-channel quantization, it times at 1 and 2 threads
 (median of ``--repeats`` calls; methods timed together take turns call by call, so load changes hit them
-alike). ``ours`` and ``xnnpack`` are timed warm (they alternate, each with its data in cache, as a layer's
-input is right after the layer before it wrote it) and, with one thread, cold (an 8 MB array is read before
+alike). ``ours`` and ``xnnpack`` are timed warm (with one thread they alternate, each with its data in cache, as
+a layer's input is right after the layer before it wrote it; with more threads each runs alone, since both keep
+pool threads spinning after a call) and, with one thread, cold (an 8 MB array is read before
 every call, which evicts the data and the code path from the core's caches). ``REF`` and ``opt`` take turns in a pass of
 their own with a fifth of the calls: they are slow anchors, and their 10-100x longer calls would evict the
 others' caches. The methods:
@@ -21,18 +22,21 @@ others' caches. The methods:
 
 Next to the times it prints each layer's multiply-adds (noise-free work) and ours' time per output; with one
 thread, also the median CPU time of the calling thread (``time.thread_time``), which leaves out the time the
-OS gives to other processes on a shared machine. Per model, the speed-up of 2 threads over 1 is printed twice:
-in wall time, and as the CPU time of all threads allows it on idle cores (the work of a call, which the load
-changes little, times the busiest thread's share of the rows; see :func:`print_thread_scaling`). Every timed
-layer's output is checked against ``REF`` at every thread count.
+OS gives to other processes on a shared machine. Per model, the speed-up of 2 threads over 1 comes from passes
+where each method runs alone (both keep pool threads spinning after a call, and on two cores one's spinning
+thread takes the core the other's worker needs): in wall time, and from noise-free counts (the calling thread's
+CPU time and the share of the work units each of ours' threads computed; see :func:`print_thread_scaling`).
+Before the tables it prints the pool's cost on a tiny layer (1 vs 2 threads). Every timed layer's output is
+checked against ``REF`` at every thread count.
 
 Exactness: all 16 EfficientNet-Lite0 depthwise layers with their real weights (BatchNorm folded, calibrated on
 three photos) and ``--sweep`` random configurations (kernels 1-7, strides and dilations 1-3, depth
 multipliers 1-3, SAME/VALID, fused activations, every multiplier regime, batch 1-3), each at every thread
 count, against ``BUILTIN_REF``: the number of mismatching outputs is printed (it must be 0).
 
-Numba's OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): on a shared machine the
-default spin-then-sleep barrier makes a 2-thread call wait for a scheduler slice (~10 ms). Every layer uses
+Ours runs its threads in its own pool (:mod:`incrinf.kernels.depthwise_pool`); the reference-order kernel is
+a numba OpenMP loop whose threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): on a shared machine
+the default spin-then-sleep barrier makes a 2-thread call wait for a scheduler slice (~10 ms). Every layer uses
 TFLite SAME padding (MobileNetV2's symmetric stride-2 padding differs by one pixel; the shapes and work are
 the same).
 """
@@ -60,7 +64,8 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`: use the package next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from incrinf.kernels import depthwise_int8 as dw
-from incrinf.kernels.depthwise_kernels import SLICES_PER_THREAD
+from incrinf.kernels import depthwise_pool
+from incrinf.kernels.depthwise_kernels import TILE
 from incrinf.kernels.quantize import per_channel_multipliers
 from incrinf.testing.depthwise_cases import make_problem, random_case
 from incrinf.testing.quantized_layers import efficientnet_lite0_depthwise_layers, tflite_reference_output
@@ -102,7 +107,8 @@ class Timing:
     # "REF", "opt"
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     cpu: dict[tuple[str, int], float] = field(default_factory=dict)  # the same, CPU time of the calling thread
-    work: dict[tuple[str, int], float] = field(default_factory=dict)  # the same, CPU time of all threads
+    # threads -> work units each thread of ours computed in the "ours alone" pass (index 0: the calling thread)
+    units: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 def depthwise_layers(model_name: str, size: int = 224) -> list[Layer]:
@@ -216,10 +222,11 @@ def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], ref_order: 
             runner.set_input(x)
         versus = {"ours": ours, "xnnpack": runners["xnnpack"].invoke}
         passes = [
-            (versus, repeats, None, ""),
-            # Ours alone, for its CPU work: XNNPACK's pool threads spin after each of its calls, and the process's
-            # CPU time would charge that spinning to the next call of ours.
+            # Turn by turn with one thread. With more, each runs alone: both keep their worker threads spinning
+            # for a while after a call, and on two cores one's spinning worker takes the core the other's needs.
+            *([(versus, repeats, None, "")] if t == 1 else []),
             ({"ours": ours}, repeats, None, " alone"),
+            ({"xnnpack": runners["xnnpack"].invoke}, repeats, None, " alone"),
             # Cold, one thread only: a second thread sleeping while the eviction runs would be timed waking up.
             *([(versus, repeats, evict_caches, " cold")] if t == 1 else []),
             (
@@ -230,12 +237,16 @@ def time_layer(layer: Layer, repeats: int, threads: tuple[int, ...], ref_order: 
                 "",
             ),
         ]
+        pool = depthwise_pool.get_pool(numba.config.NUMBA_NUM_THREADS)
         for fns, n, before, suffix in passes:
-            wall, cpu, work = interleaved_medians(fns, n, before)
+            units_before = pool.units_done()
+            wall, cpu, _work = interleaved_medians(fns, n, before)
+            if suffix == " alone" and "ours" in fns:
+                after = pool.units_done()
+                timing.units[t] = after - np.pad(units_before, (0, after.size - units_before.size))
             for method in fns:
                 timing.seconds[method + suffix, t] = wall[method]
                 timing.cpu[method + suffix, t] = cpu[method]
-                timing.work[method + suffix, t] = work[method]
         mismatches = int((runners["REF"].output() != ours()).sum())
         if mismatches:
             raise AssertionError(f"{layer.name}, {t} threads: {mismatches} mismatches against BUILTIN_REF")
@@ -291,7 +302,8 @@ def _ms(seconds: float) -> str:
 def print_table(model: str, timings: list[Timing], threads: int, anchors: list[str]) -> None:
     """One row per layer and a total: warm and cold times of ours and XNNPACK, the anchors, and ratios."""
     cpu = threads == 1  # with one thread, the calling thread's CPU time is each method's whole cost
-    print(f"\n### {model}, {threads} thread{'s' if threads > 1 else ''} (median ms)")
+    alone = ", ours and xnnpack each timed alone" if threads > 1 else ""
+    print(f"\n### {model}, {threads} thread{'s' if threads > 1 else ''} (median ms{alone})")
     header = (
         "| layer | HxWxC k s | MMAC | ours | xnnpack | ours/xnnpack | "
         + ("ours cold | xnnpack cold | ours/xnnpack cold | " if cpu else "")
@@ -299,7 +311,7 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
         + " | "
         + " | ".join(f"{m}/ours" for m in anchors)
         + " | ours ns/output |"
-        + (" CPU ours | CPU xnnpack | CPU ours/xnnpack |" if cpu else "")
+        + (" CPU ours | CPU xnnpack | CPU ours/xnnpack |" if cpu else " ours: units by other threads |")
     )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
@@ -307,8 +319,12 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
     totals = dict.fromkeys(columns, 0.0)
     cpu_totals = {"ours": 0.0, "xnnpack": 0.0}
     macs = outputs = 0
+    unit_totals = np.zeros(threads)
 
-    def row(name: str, shape: str, mmac: float, sec: dict[str, float], n_out: int, cpu_sec: dict[str, float]) -> str:
+    def row(
+        name: str, shape: str, mmac: float, sec: dict[str, float], n_out: int, cpu_sec: dict[str, float],
+        units: np.ndarray,
+    ) -> str:
         cells = [_ms(sec["ours"]), _ms(sec["xnnpack"]), f"{sec['ours'] / sec['xnnpack']:.2f}x"]
         if cpu:
             cells += [_ms(sec["ours cold"]), _ms(sec["xnnpack cold"]), f"{sec['ours cold'] / sec['xnnpack cold']:.2f}x"]
@@ -319,11 +335,15 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
         ]
         if cpu:
             cells += [_ms(cpu_sec["ours"]), _ms(cpu_sec["xnnpack"]), f"{cpu_sec['ours'] / cpu_sec['xnnpack']:.2f}x"]
+        else:  # the share of the work units that the pool's workers computed in the "ours alone" pass
+            cells.append(f"{units[1:].sum() / max(units.sum(), 1):.0%}")
         return f"| {name} | {shape} | {mmac:.2f} | " + " | ".join(cells) + " |"
 
     for t in timings:
-        sec = {m: t.seconds[m, threads] for m in columns}
-        cpu_sec = {m: t.cpu[m, threads] for m in cpu_totals}
+        # several threads: ours and XNNPACK from the passes where each ran alone (see time_layer)
+        sec = {m: t.seconds[m + (" alone" if threads > 1 and m in ("ours", "xnnpack") else ""), threads]
+               for m in columns}
+        cpu_sec = {m: t.cpu[m + ("" if cpu else " alone"), threads] for m in cpu_totals}
         for m in columns:
             totals[m] += sec[m]
         for m in cpu_totals:
@@ -332,53 +352,97 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
         macs += lay.macs()
         outputs += lay.outputs()
         shape = f"{lay.height}x{lay.width}x{lay.channels} {lay.kernel[0]}x{lay.kernel[1]} s{lay.stride[0]}"
-        print(row(lay.name, shape, lay.macs() / 1e6, sec, lay.outputs(), cpu_sec))
-    print(row("**total**", f"{len(timings)} layers", macs / 1e6, totals, outputs, cpu_totals))
+        units = t.units.get(threads, np.zeros(1, np.int64))[:threads].astype(float)
+        unit_totals[: units.size] += units
+        print(row(lay.name, shape, lay.macs() / 1e6, sec, lay.outputs(), cpu_sec, units))
+    print(row("**total**", f"{len(timings)} layers", macs / 1e6, totals, outputs, cpu_totals, unit_totals))
 
 
-def largest_share(layer: Layer, threads: int) -> float:
-    """The largest fraction of a layer's output rows one thread computes, from the kernel's slicing.
+def planned_share(layer: Layer, threads: int) -> float:
+    """The busiest thread's share of a layer's work units when every thread computes at the same speed.
 
-    The kernel cuts the rows into ``min(SLICES_PER_THREAD * threads, rows)`` slices that idle threads take in
-    turn; with rows of equal cost the busiest thread gets ``ceil(slices / threads)`` of the largest slices.
+    From the plan alone (noise-free): the layer's units (output rows x channel tiles, equal multiply-adds), the
+    pool's slice count for it, and slices going to whichever thread is free first.
     """
-    rows = layer.out_hw()[0]
     if threads == 1:
         return 1.0
-    n_slices = min(SLICES_PER_THREAD * threads, rows)
-    sizes = sorted(((s + 1) * rows // n_slices - s * rows // n_slices for s in range(n_slices)), reverse=True)
+    oh, ow = layer.out_hw()
+    units = oh * layer.depth_multiplier * -(-layer.channels // TILE)
+    n_slices = depthwise_pool.slice_count(units, ow * TILE * layer.kernel[0] * layer.kernel[1], threads)
+    sizes = [(s + 1) * units // n_slices - s * units // n_slices for s in range(n_slices)]
     loads = [0] * threads
-    for size in sizes:  # idle threads take the next slice: the least loaded one gets it
+    for size in sizes:
         loads[loads.index(min(loads))] += size
-    return max(loads) / rows
+    return max(loads) / units
 
 
 def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
-    """Wall-time speed-up over the first thread count, and the speed-up the CPU time allows on idle cores.
+    """Speed-up of more threads over the first thread count, in wall time and from noise-free counts.
 
-    On a shared machine with more runnable threads than cores, a second thread of a call waits for a core and
-    the wall time says little. The CPU time of all threads per call (the work) does not depend much on the load:
-    with ``t`` threads on idle cores a call takes at least the work times the busiest thread's share of the
-    rows (:func:`largest_share`), so ``work(1) / (work(t) * share)`` is the speed-up the kernel allows there.
-    Ours' work comes from a pass of its own; XNNPACK's threads spin while they wait, which counts as its work
-    (its share is taken as ``1 / t``).
+    Wall: the sums of the "alone" medians (each method timed without the other's spinning pool threads). On a
+    shared machine with more runnable threads than cores a call's second thread waits for a core and the wall
+    time says little, so for ours next to it:
+
+    - the speed-up the slicing allows on idle cores: one thread's CPU time (``time.thread_time``, which leaves
+      out the time the OS gives to other processes) over the same times the busiest thread's planned share of
+      the units (:func:`planned_share`);
+    - the share of the units each thread computed in this run (the pool's counters): how often the worker got a
+      core while a call ran;
+    - the calling thread's CPU time at ``t`` threads over one thread's CPU time times the calling thread's
+      measured share: what starting the job, claiming slices and waiting for the workers' last slices cost it
+      (1.00x: nothing).
     """
     if len(threads) < 2:
         return
     base = threads[0]
-    for method, key in (("ours", "ours alone"), ("xnnpack", "xnnpack")):
-        total = {t: sum(x.seconds[method, t] for x in timings) for t in threads}
-        work = {t: sum(x.work[key, t] for x in timings) for t in threads}
-        critical = {
-            t: sum(x.work[key, t] * (largest_share(x.layer, t) if method == "ours" else 1 / t) for x in timings)
-            for t in threads
-        }
-        scaling = ", ".join(
-            f"{t} threads {total[base] / total[t]:.2f}x wall; CPU work {work[t] / work[base]:.2f}x of {base} "
-            f"thread's, so {critical[base] / critical[t]:.2f}x on idle cores"
-            for t in threads[1:]
+    for method in ("ours", "xnnpack"):
+        key = method + " alone"
+        total = {t: sum(x.seconds[key, t] for x in timings) for t in threads}
+        caller = {t: sum(x.cpu[key, t] for x in timings) for t in threads}
+        parts = [f"{t} threads {total[base] / total[t]:.2f}x wall (alone: {_ms(total[base])} -> {_ms(total[t])} ms)"
+                 for t in threads[1:]]
+        if method == "ours":
+            for t in threads[1:]:
+                bound = sum(x.cpu[key, base] * planned_share(x.layer, t) for x in timings)
+                units = np.zeros(t)
+                own_work = 0.0
+                for x in timings:
+                    done = x.units.get(t, np.zeros(1, np.int64))[:t].astype(float)
+                    units[: done.size] += done
+                    own_work += x.cpu[key, base] * (done[0] / done.sum() if done.sum() else 1.0)
+                shares = units / max(units.sum(), 1)
+                parts.append(
+                    f"{caller[base] / bound:.2f}x on idle cores (planned split); work units per thread in this run "
+                    + " / ".join(f"{share:.0%}" for share in shares)
+                    + f"; calling thread's CPU {_ms(caller[base])} -> {_ms(caller[t])} ms,"
+                    f" {caller[t] / own_work:.2f}x one thread's CPU time for its share of the units"
+                )
+        print(f"{model}: {method} speed-up over {base} thread: " + "; ".join(parts))
+
+
+def pool_overhead_us(repeats: int) -> tuple[float, float, float]:
+    """Microseconds per call of a 1x8x8x64 3x3 layer (16 work units, about 2 us of work) at 1 thread, at 2
+    threads through the pool (every layer to the pool for this measurement), and the calling thread's CPU
+    time at 2 threads: the pool's start and synchronization cost when a worker is spinning."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-128, 128, (1, 8, 8, 64), dtype=np.int8)
+    w = rng.integers(-127, 128, (1, 3, 3, 64), dtype=np.int8)
+    packed = dw.pack_depthwise_int8(w, None, input_offset=0, output_multiplier=2**30, output_shift=-8)
+    out = dw.depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=0)
+    previous = depthwise_pool.MIN_SLICE_MACS
+    depthwise_pool.MIN_SLICE_MACS = 1
+    try:
+        wall, cpu, _ = interleaved_medians(
+            {
+                t: (lambda t=t: dw.depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=0,
+                                                                 threads=t, out=out))
+                for t in (1, 2)
+            },
+            repeats * 20,
         )
-        print(f"{model}: {method} speed-up over {base} thread: {scaling}")
+    finally:
+        depthwise_pool.MIN_SLICE_MACS = previous
+    return wall[1] * 1e6, wall[2] * 1e6, cpu[2] * 1e6
 
 
 def check_real_weights(threads: tuple[int, ...]) -> None:
@@ -433,6 +497,13 @@ def main(argv: list[str] | None = None) -> None:
     packed_us, extra_us = call_overhead_us(args.repeats)  # also compiles and starts numba's threading layer
     print_machine()
     print(f"per-call cost on a tiny layer: packed {packed_us:.1f} us; the functional API adds {extra_us:.1f} us")
+    if numba.config.NUMBA_NUM_THREADS >= 2:
+        one_us, two_us, two_cpu_us = pool_overhead_us(args.repeats)
+        print(
+            f"thread pool on a 1x8x8x64 3x3 layer: 1 thread {one_us:.1f} us, 2 threads {two_us:.1f} us wall"
+            f" ({two_cpu_us:.1f} us CPU of the calling thread); the pool splits only layers of at least two"
+            f" slices of {depthwise_pool.MIN_SLICE_MACS:,} multiply-adds"
+        )
     anchors = ["REF", "opt", *(["ref-order"] if args.ref_order else [])]
     for model in args.models.split(","):
         timings = [time_layer(layer, args.repeats, threads, args.ref_order) for layer in depthwise_layers(model)]

@@ -42,17 +42,17 @@ def _child() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from incrinf.kernels import depthwise_int8 as dw
-    from incrinf.kernels.depthwise_kernels import depthwise_tiles
+    from incrinf.kernels.depthwise_kernels import depthwise_units
 
     x = np.zeros((1, 8, 8, 40), np.int8)
     w = np.zeros((1, 3, 3, 40), np.int8)
     dw.depthwise_conv2d_int8(x, w, None, input_offset=0, output_offset=0, output_multiplier=2**30, output_shift=0)
-    sig = depthwise_tiles.signatures[0]
+    sig = depthwise_units.signatures[0]
     sys.stderr.flush()
     print("=== ASM ===")
-    print(depthwise_tiles.inspect_asm(sig))
+    print(depthwise_units.inspect_asm(sig))
     print("=== IR ===")
-    print(depthwise_tiles.inspect_llvm(sig))
+    print(depthwise_units.inspect_llvm(sig))
     print("=== CPU ===")
     print(llvm.get_host_cpu_name())
 

@@ -28,6 +28,9 @@ on all clips.
 facenet-pytorch wheel with ``pip download --no-deps``, skipped with a message when that fails) and torchvision's
 ``fcn_resnet50`` (random init, as the library builds it: no weights can be fetched) on still and moving clips.
 
+``--no-reuse --loo``: the leave-one-out choice of ``min_saving`` over models with and without a tail that
+every change reaches.
+
 ``--no-reuse``: torchvision's ``efficientnet_b0`` (squeeze-excitation in every block) and
 ``lraspp_mobilenet_v3_large`` (a global-pooling branch in its head), random init: the plan shows before the first
 cached frame that no change can pay for the cache.
@@ -364,6 +367,73 @@ def no_reuse(args: argparse.Namespace) -> None:
                 _dense_case(title, model, *imagenet, load_clip(name, args.frames), args)
 
 
+# --no-reuse --loo: (model, clip) pairs, and the candidate values of min_saving
+SAVING_CASES = (("lraspp_mobilenet_v3_large", "carphone"), ("lraspp_mobilenet_v3_large", "hall"),
+                ("deeplabv3_mobilenet_v3_large", "hall"), ("mobilenet_v3_large", "carphone"),
+                ("mobilenet_v3_large", "hall"), ("efficientnet_b0", "hall"), ("efficientnet_lite0", "carphone"),
+                ("efficientnet_lite0", "hall"), ("resnet18", "hall"), ("pnet", "hall"), ("fcn_resnet50", "walkers"))
+SAVING_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+
+
+def _saving_model(name: str, cache: Path) -> tuple[torch.nn.Module, tuple, tuple] | None:
+    import torchvision
+
+    torch.manual_seed(0)
+    imagenet = (models.info("resnet50").mean, models.info("resnet50").std)
+    if name == "efficientnet_lite0":
+        meta = models.info(name)
+        return models.load(name), meta.mean, meta.std
+    if name == "pnet":
+        from incrinf.testing.pnet import MEAN, STD, load_pnet
+
+        wheel = _pnet_wheel(cache)
+        return (load_pnet(wheel), MEAN, STD) if wheel is not None else None
+    if name in ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large", "fcn_resnet50"):
+        model = getattr(torchvision.models.segmentation, name)(weights=None, weights_backbone=None)
+    else:
+        model = getattr(torchvision.models, name)(weights=None)
+    return model.eval(), *imagenet
+
+
+def saving_loo(args: argparse.Namespace) -> None:
+    """Leave-one-out choice of ``min_saving``: per (model, clip), the saving the plan gives for the smallest change
+    (what the session compares with ``min_saving``) and whether the cache paid (the session with the cache forced
+    on against the same session with it forced off, in lockstep); a held-out case gets the threshold that
+    classifies the other cases best (flag exactly those the cache lost on; ties: the smallest threshold)."""
+    from incrinf.stream.decisions import best_saving
+
+    print(f"leave-one-out choice of min_saving over {len(SAVING_CASES)} (model, clip) cases, {args.frames} frames")
+    cases = []
+    for name, clip_name in SAVING_CASES:
+        loaded = _saving_model(name, Path(args.cache))
+        if loaded is None or not _wanted(args, clip_name):
+            continue
+        model, mean, std = loaded
+        clip = load_clip(clip_name, args.frames)
+        rows = summarise(run_clip(model, clip, {"cache": {"min_saving": 0.0}, "no cache": {"min_saving": 0.999}},
+                                  args.rounds, mean, std))
+        session = StreamSession(model, mean=mean, std=std, min_saving=0.0)
+        session(clip.frames[0])  # the first frame profiles the engine's costs
+        engine = next(iter(session._engines.values())).engine
+        saving = best_saving(engine, pruning=True)
+        paid = rows["no cache"].mean_ms / rows["cache"].mean_ms
+        cases.append((f"{name} on {clip_name}", saving, paid))
+        print(f"| {name} on {clip_name} | {saving:.3f} | {rows['cache'].median_x:.2f}x / {rows['cache'].mean_x:.2f}x "
+              f"| {rows['no cache'].median_x:.2f}x / {rows['no cache'].mean_x:.2f}x | {paid:.2f} | load {_load()} |",
+              flush=True)
+
+    def correct(threshold: float, among: list) -> int:
+        return sum((saving < threshold) == (paid < 1.0) for _, saving, paid in among)
+
+    print("\n| held-out case | min_saving chosen on the others | flagged | cache paid (mean, cache / no cache) |")
+    print("| --- | --- | --- | --- |")
+    for i, (title, saving, paid) in enumerate(cases):
+        others = cases[:i] + cases[i + 1:]
+        chosen = max(SAVING_GRID, key=lambda t: (correct(t, others), -t))
+        print(f"| {title} | {chosen:g} | {'yes' if saving < chosen else 'no'} | {paid:.2f} |")
+    print(f"\nchosen on all cases: {max(SAVING_GRID, key=lambda t: (correct(t, cases), -t)):g}; load {_load()}")
+
+
 def _wanted(args: argparse.Namespace, name: str) -> bool:
     return args.clips == list(CLIP_NAMES) or name in args.clips
 
@@ -416,7 +486,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(machine())
     print(f"load average at start: {_load()}")
-    if args.loo:
+    if args.loo and args.no_reuse:
+        saving_loo(args)
+    elif args.loo:
         leave_one_out(args)
     elif args.dense:
         dense(args)

@@ -11,7 +11,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from incrinf.cli.common import positive_int, share
 
@@ -67,30 +66,57 @@ def is_dataset_run(args: argparse.Namespace) -> bool:
     return any(getattr(args, name, None) not in (None, False, 1) for name in _DATASET_ONLY)
 
 
-def run_dataset(args: argparse.Namespace, occlusion_options: dict[str, Any] | None = None) -> int:
+def run_dataset(args: argparse.Namespace) -> int:
     """The body of ``incrinf explain`` in dataset mode; returns the exit status (0 all done, 1 some input
     failed or is not done, 130 interrupted).
 
+    The inputs' kind picks the defaults: images get ``efficientnet_lite0``, a 16-pixel window and stride 4 and
+    the image options; NIfTI volumes get ``monai_densenet121_3d``, a 16-voxel window and stride 16 and the volume
+    options (``--volume-index``, ``--resize``). An option of the other kind is an error.
+
     Args:
         args: the parsed ``explain`` arguments (``image`` a list, ``out`` the folder).
-        occlusion_options: keyword arguments for :func:`incrinf.occlusion` built by the single-image path from
-            its own options (``tau``, ``drill_down``, ...), so that options added there flow through here too.
     """
+    from incrinf.cli.approx_options import apply_explain_options
+    from incrinf.cli.volume import DEFAULT_VOLUME_MODEL
     from incrinf.explain.dataset import DatasetInterrupted, explain_dataset
+    from incrinf.explain.dataset.inputs import KIND_VOLUMES, discover_inputs
 
     if not args.image:
-        raise ValueError("a dataset run needs inputs: image files, directories or glob patterns")
+        raise ValueError("a dataset run needs inputs: image or NIfTI files, directories or glob patterns")
     if Path(args.out).suffix.lower() in _PICTURE_SUFFIXES and not Path(args.out).is_dir():
         raise ValueError(f"several inputs write a folder: give --out DIR (not the picture name {args.out!r})")
-    options = dict(occlusion_options or {})
-    options.update(target=args.target, patch=args.patch, stride=args.stride, output=args.output,
+    if args.feature_mask:
+        raise ValueError("--feature-mask explains one input's features; a dataset run slides windows")
+    if args.target == "all":
+        raise ValueError("--target all makes a map per class of one input; a dataset run explains one class per "
+                         "input (the predicted one, or --target K)")
+    volumes = discover_inputs(args.image).kind == KIND_VOLUMES
+    options = apply_explain_options(args)  # the single-input options (tau, drill-down, ...) flow through here too
+    if args.baseline != 0.0:
+        options["baseline"] = args.baseline
+    if volumes:
+        for option in ("target_ssim", "profile", "drill_down", "target_speedup", "size", "masks"):
+            if getattr(args, option, None) is not None:
+                raise ValueError(f"--{option.replace('_', '-')} is for images; these inputs are NIfTI volumes")
+        defaults = {"model": DEFAULT_VOLUME_MODEL, "patch": 16, "stride": 16}
+        volume_options = {"volume_index": args.volume_index, "resize": args.resize}
+    else:
+        if args.volume_index != 0 or args.resize is not None:
+            raise ValueError("--volume-index and --resize are for NIfTI volumes; these inputs are images "
+                             "(use --size)")
+        defaults = {"model": "efficientnet_lite0", "patch": 16, "stride": 4}
+        volume_options = {}
+    options.update(target=args.target, patch=args.patch or defaults["patch"],
+                   stride=args.stride or defaults["stride"], output=args.output,
                    batch_size=args.batch_size if args.batch_size else "auto")
     try:
         report = explain_dataset(
-            args.model, args.image, args.out, weights=args.weights, size=args.size, masks=args.masks,
-            mask_threshold=args.mask_threshold, workers=args.workers or 1,
+            args.model or defaults["model"], args.image, args.out, weights=args.weights, size=args.size,
+            masks=args.masks, mask_threshold=args.mask_threshold, workers=args.workers or 1,
             ray=(True if args.ray == "local" else args.ray) if args.ray else None,
-            cpus_per_worker=args.cpus_per_worker, overwrite=args.overwrite, progress=not args.quiet, **options)
+            cpus_per_worker=args.cpus_per_worker, overwrite=args.overwrite, progress=not args.quiet,
+            **volume_options, **options)
     except DatasetInterrupted as stop:
         print("\ninterrupted: every finished input is kept; run the same command again to do the rest",
               file=sys.stderr)

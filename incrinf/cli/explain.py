@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from incrinf.cli.approx_options import add_explain_options, apply_explain_options, describe_approximation
-from incrinf.cli.common import model_name, positive_int
+from incrinf.cli.common import model_name, non_negative_int, positive_int
 from incrinf.cli.feature_mask import print_summary, target_value
 from incrinf.cli.volume import is_volume_path, run_volume, volume_size
 
@@ -44,8 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``explain`` subcommand."""
     p = subparsers.add_parser("explain", help="occlusion heat map by incremental inference")
     p.add_argument("image", nargs="*", help="image file (default: a shipped photo of a cat), or a NIfTI volume "
-                   "(.nii, .nii.gz; needs the [nifti] extra); several image files, directories or glob patterns "
-                   "explain a dataset (see --out DIR)")
+                   "(.nii, .nii.gz; needs the [nifti] extra); several files, directories or glob patterns explain "
+                   "a dataset of images or of volumes (see --out DIR)")
     p.add_argument("--model", type=model_name,
                    help="zoo model (default: efficientnet_lite0 for images, monai_densenet121_3d for volumes)")
     p.add_argument("--weights", help="state-dict file for a zoo architecture")
@@ -69,7 +69,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="colour limits from the map's minimum to maximum, not symmetric about zero (for a "
                         "sequential colour map such as viridis)")
     volumes = p.add_argument_group("volumes (NIfTI)")
-    volumes.add_argument("--volume-index", type=int, default=0, help="which volume of a 4-D (x, y, z, t) file")
+    volumes.add_argument("--volume-index", type=non_negative_int, default=0,
+                         help="which volume of a 4-D (x, y, z, t) file")
     volumes.add_argument("--resize", type=volume_size, metavar="DxHxW",
                          help="resample the volume (trilinear), e.g. to fit the model's downsampling")
     add_explain_options(p)
@@ -97,23 +98,15 @@ def run(args: argparse.Namespace) -> int:
     from incrinf.cli.dataset import is_dataset_run, run_dataset
     from incrinf.explain.occlusion import occlusion
 
+    if is_dataset_run(args):
+        return run_dataset(args)
     volumes = [path for path in args.image or [] if is_volume_path(path)]
     if volumes:
-        if len(args.image) > 1:
-            raise ValueError("NIfTI volumes are explained one at a time: give a single .nii/.nii.gz file")
         return run_volume(args, volumes[0], args.baseline)
     name = args.model or "efficientnet_lite0"
     if models.is_volume_model(name):
         raise ValueError(f"{name} explains 3-D volumes: give a NIfTI file (.nii, .nii.gz)")
     options = apply_explain_options(args)
-    if is_dataset_run(args):
-        if args.feature_mask:
-            raise ValueError("--feature-mask explains one input; a dataset run slides windows")
-        # the dataset path reads the same options as one image: fill in the image defaults it would not know
-        args.model, args.patch, args.stride = name, args.patch or 16, args.stride or 4
-        if args.baseline != 0.0:
-            options["baseline"] = args.baseline
-        return run_dataset(args, options)
     image = _read_image(args.image[0] if args.image else None)
     model = models.load(name, args.weights)
     x = models.preprocess(image, name)

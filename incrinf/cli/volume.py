@@ -28,29 +28,23 @@ def read_volume(path: str, index: int = 0) -> torch.Tensor:
     The file's axes (x, y, z) become (D, H, W) = (z, y, x), so the montage shows axial slices; a 4-D file
     (x, y, z, t) gives its volume ``index``.
 
+    Reads the file's bytes with :func:`incrinf.explain.dataset.volumes.decode_volume`, as a dataset run of volumes
+    does, so both explain the same tensor.
+
     Raises:
         FileNotFoundError: no such file. ValueError: unreadable, not 3-D or 4-D, ``index`` out of range, or not
             finite. MissingExtraError: nibabel is not installed.
     """
-    nibabel = require("nibabel", "nifti", "NIfTI volumes")
+    from incrinf.explain.dataset.volumes import decode_volume
+
+    require("nibabel", "nifti", "NIfTI volumes")
     if not Path(path).is_file():
         raise FileNotFoundError(f"volume not found: {path}")
     try:
-        data = np.asarray(nibabel.load(path).dataobj, dtype=np.float32)
-    except Exception as exc:  # nibabel raises many types for a bad file: all mean "cannot read"
-        raise ValueError(f"cannot read volume {path}: {type(exc).__name__}: {exc}") from None
-    if data.ndim == 4:
-        if not 0 <= index < data.shape[3]:
-            raise ValueError(f"{path} holds {data.shape[3]} volumes; --volume-index {index} is out of range")
-        data = data[..., index]
-    elif data.ndim != 3:
-        raise ValueError(f"{path} is not a 3-D volume (shape {data.shape})")
-    if not np.isfinite(data).all():
-        raise ValueError(f"{path} contains NaN or infinite values")
-    data = np.ascontiguousarray(data.transpose(2, 1, 0))
-    spread = float(data.std())
-    data = (data - float(data.mean())) / (spread if spread > 0 else 1.0)
-    return torch.from_numpy(data)[None]
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read volume {path}: {exc.strerror or exc}") from None
+    return torch.from_numpy(decode_volume(data, path, index).voxels)[None]
 
 
 def resize(volume: torch.Tensor, size: tuple[int, int, int]) -> torch.Tensor:

@@ -112,6 +112,10 @@ class FrameCosts:
         self._kept: dict[str, deque[float]] = {}
         self._ratios: dict[tuple[str, RegionKind], float] = {}
         self._full: deque[float] = deque(maxlen=SAMPLES)
+        # medians kept until their next sample: plans ask for them at every step and box (a median per call cost
+        # about 2 ms a frame at 144x176, a tenth of a full frame there)
+        self._full_median: float | None = None
+        self._kept_median: dict[str, float] = {}
         self._suffix: dict[str, float] = {}
         self._reindex()
 
@@ -179,13 +183,19 @@ class FrameCosts:
     @property
     def full_seconds(self) -> float:
         """A full frame's engine time: the median of the latest full frames, else the profile's."""
-        return statistics.median(self._full) if self._full else self.dense_total
+        return self._median_full() if self._full else self.dense_total
 
     def kept(self, name: str) -> float:
         """The share of the positions recomputed at the cached tensor ``name`` that the latest frames' commits
-        kept (value-based pruning; 1 without it, and before three frames said otherwise)."""
-        samples = self._kept.get(name)
-        return min(_median(samples), 1.0) if samples else 1.0
+        kept (value-based pruning; 1 without it, and before any commit there). A ratio of the plan's own counts, no
+        timing: no load spike can distort it, so the first frame's share counts alone (with the timing ratios'
+        prior beside it, the second and third cached frames of a dilated segmenter were predicted at nearly a full
+        frame, the pruning they would see unknown, and could be sent to full inference)."""
+        value = self._kept_median.get(name)
+        if value is None:
+            samples = self._kept.get(name)
+            value = self._kept_median[name] = min(statistics.median(samples), 1.0) if samples else 1.0
+        return value
 
     # --- calibration -------------------------------------------------------------------------------------
 
@@ -207,11 +217,17 @@ class FrameCosts:
         """Measured full frames over the profile's full frame (1 before any)."""
         if not self._full or not self.profiled:
             return 1.0
-        return statistics.median(self._full) / max(self.dense_total, 1e-12)
+        return self._median_full() / max(self.dense_total, 1e-12)
+
+    def _median_full(self) -> float:
+        if self._full_median is None:
+            self._full_median = statistics.median(self._full)
+        return self._full_median
 
     def record_full(self, seconds: float) -> None:
         if math.isfinite(seconds):
             self._full.append(seconds)
+            self._full_median = None
 
     def record_steps(self, kind: RegionKind, samples: list[tuple[float, float, float]]) -> None:
         """A cached frame's measured steps: ``(fixed, arithmetic, measured)`` seconds each (the first two as
@@ -227,3 +243,4 @@ class FrameCosts:
         """A commit at the cached tensor ``name`` kept ``kept`` of the ``computed`` positions."""
         if computed > 0:
             self._kept.setdefault(name, deque(maxlen=SAMPLES)).append(kept / computed)
+            self._kept_median.pop(name, None)

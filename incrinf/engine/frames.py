@@ -185,11 +185,16 @@ class FrameEngine:
         """Full inference of ``x`` without keeping anything: the cache is dropped (a frame whose successor will
         not use it need not fill it)."""
         self.reset()
-        if self._plain is None:
-            self._plain = extract(self.graph, [self.graph.input.name], [self.graph.output.name])
-        out = self._plain(x.to(self.device).contiguous(memory_format=torch.channels_last))
+        out = self.prepare_plain()(x.to(self.device).contiguous(memory_format=torch.channels_last))
         self.last = ExecStats(self.program.full_flops, self.program.full_flops)
         return out
+
+    def prepare_plain(self) -> torch.nn.Module:
+        """The generated module :meth:`plain` runs, generated now if it was not (that costs about a frame's
+        inference: a caller that knows plain frames will come pays it up front, not on the first of them)."""
+        if self._plain is None:
+            self._plain = extract(self.graph, [self.graph.input.name], [self.graph.output.name])
+        return self._plain
 
     # --- planning ----------------------------------------------------------------------------------------
 
@@ -228,6 +233,16 @@ class FrameEngine:
         q = self.box_quantum
         y, x = max(h // 2 - q // 2, 0), max(w // 2 - q // 2, 0)
         return self.plan_boxes([(y, min(y + q, h), x, min(x + q, w))])
+
+    def floor(self) -> tuple[float, float]:
+        """``(multiply-adds, predicted seconds)`` of the cheapest cached frame whose change still reaches the
+        output: one position recomputed per step (what value-based pruning can cut a change down to, never below),
+        and the tail (the model after the local part, a global-pooling head, a squeeze-excitation block's rest) on
+        whole maps. A model whose tail is most of a frame cannot pay for a cache, however its changes are pruned."""
+        steps = self.program.steps
+        flops = self.program.tail_flops + sum(step.flops / step.positions for step in steps)
+        seconds = self.costs.frame + sum(self.costs.box(i, 1) for i in range(len(steps))) + self.costs.tail_seconds()
+        return flops, seconds
 
     # --- cached frames -----------------------------------------------------------------------------------
 
@@ -343,8 +358,11 @@ class FrameEngine:
         dense = [min(run[i] for run in dense_runs) for i in range(n)]
         tail = min(run[n] if len(run) > n else 0.0 for run in dense_runs)
         # the step-by-step runs carry the walk's bookkeeping and whole-map padding copies that the generated full
-        # module (and the dense suffix after a switch) does not: their shares count, the full module's total sets
-        # the scale
+        # module (and the dense suffix after a switch) does not: their shares count, and what the full module
+        # spends besides the tail sets their scale. The tail is the same generated module in a cached frame as in
+        # the walk, so its time stands as measured: scaling it with the steps would make a model whose tail is
+        # most of a frame (a global-pooling head, squeeze-excitation early on) look as if caching the steps before
+        # it could pay
         full = math.inf
         for _ in range(repeats):
             clock = time.perf_counter()
@@ -352,8 +370,9 @@ class FrameEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             full = min(full, time.perf_counter() - clock)
-        scale = full / max(sum(dense) + tail, 1e-12)
-        dense, tail = [d * scale for d in dense], tail * scale
+        tail = min(tail, full)
+        scale = max(full - tail, 0.0) / max(sum(dense), 1e-12)
+        dense = [d * scale for d in dense]
         box_call = [self._one_position(step, repeats + 1) for step in steps]
         h, w = self.dims
         one_cell = np.zeros(self.dims, bool)

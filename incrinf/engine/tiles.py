@@ -113,32 +113,57 @@ class _Scratch:
         return self.maps[name]
 
 
-def exact_tiles(program: Program, frame: torch.Tensor, probe: Probe, tiles: list[Box]) -> list[torch.Tensor]:
+def exact_tiles(program: Program, frame: torch.Tensor, probe: Probe, tiles: list[Box],
+                costs: FrameCosts | None = None) -> list[torch.Tensor]:
     """The exact values (1, C, th, tw) of the probe's ``tiles``, recomputed from ``frame`` (1, C, H, W) through
-    their cones (one cone per tile)."""
+    their cones: one cone per tile, or (with ``costs``) one cone around all of them when that costs less (deep
+    probes of a large receptive field: the tiles' cones overlap in most of the early maps)."""
+    cones = [cone(program, probe.step, tile) for tile in tiles]
+    if costs is not None and len(cones) > 1:
+        union: dict[str, Box] = {}
+        for needed in cones:
+            for name, box in needed.items():
+                union[name] = bounding(union[name], box) if name in union else box
+        if _cones_seconds(program, costs, probe.step, [union]) <= _cones_seconds(program, costs, probe.step, cones):
+            scratch = _run_cone(program, frame, probe, union)
+            return [scratch.map(probe.name)[..., a:b, c:d].clone() for a, b, c, d in tiles]
     out = []
-    graph = program.graph
-    for tile in tiles:
-        needed = cone(program, probe.step, tile)
-        scratch = _Scratch(program, frame)
-        for index in range(probe.step + 1):
-            step = program.steps[index]
-            box = needed.get(step.out)
-            if box is None:
-                continue
-            regions = {}
-            if step.window is None and len(step.inputs) == 1:  # its input's values, in this box
-                source = step.inputs[0]
-                regions[source] = [Boxes((box[0], box[2]), (box[1] - box[0], box[3] - box[2]),
-                                         take(scratch.map(source), _as_boxes(box)))]
-            values = run_box(program, scratch, step, regions, box).values
-            shape = graph.by_name[step.out].shape or values.shape
-            full = torch.empty((1, *values.shape[1:-2], *shape[-2:]), dtype=values.dtype, device=values.device)
-            full[..., box[0]:box[1], box[2]:box[3]] = values
-            scratch.maps[step.out] = full
-        t = scratch.map(probe.name)
+    for tile, needed in zip(tiles, cones):
+        t = _run_cone(program, frame, probe, needed).map(probe.name)
         out.append(t[..., tile[0]:tile[1], tile[2]:tile[3]].clone())
     return out
+
+
+def _cones_seconds(program: Program, costs: FrameCosts, step: int, cones: list[dict[str, Box]]) -> float:
+    return sum(costs.box(index, area(needed[program.steps[index].out]))
+               for needed in cones for index in range(step + 1) if program.steps[index].out in needed)
+
+
+def _run_cone(program: Program, frame: torch.Tensor, probe: Probe, needed: dict[str, Box]) -> _Scratch:
+    """Every step up to the probe's on its box of ``needed`` (the maps hold values only there)."""
+    graph = program.graph
+    scratch = _Scratch(program, frame)
+    for index in range(probe.step + 1):
+        step = program.steps[index]
+        box = needed.get(step.out)
+        if box is None:
+            continue
+        regions = {}
+        if step.window is None and len(step.inputs) == 1:  # its input's values, in this box
+            source = step.inputs[0]
+            regions[source] = [Boxes((box[0], box[2]), (box[1] - box[0], box[3] - box[2]),
+                                     take(scratch.map(source), _as_boxes(box)))]
+        values = run_box(program, scratch, step, regions, box).values
+        shape = graph.by_name[step.out].shape or values.shape
+        # in the layout the values come in (channels-last, as the cache's): a copy across layouts, and every later
+        # crop of a map in the other layout, would cost more than the cone's arithmetic
+        layout = torch.channels_last if values.dim() == 4 and values.is_contiguous(
+            memory_format=torch.channels_last) else torch.contiguous_format
+        full = torch.empty((1, *values.shape[1:-2], *shape[-2:]), dtype=values.dtype, device=values.device,
+                           memory_format=layout)
+        full[..., box[0]:box[1], box[2]:box[3]] = values
+        scratch.maps[step.out] = full
+    return scratch
 
 
 def _as_boxes(box: Box) -> Boxes:

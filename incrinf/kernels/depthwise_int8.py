@@ -12,10 +12,11 @@ The fast kernel (:mod:`incrinf.kernels.depthwise_kernels`) is numba code that LL
 int32 accumulators, weights packed per tile, unipass 3x3 and 5x5 filters, padding read from a zero row through
 an indirection buffer, and TFLite's double-rounding requantization vectorized per tile.
 
-Threads: the kernels are numba ``prange`` loops over output rows (and batch images). They use ``threads=``
-numba threads for the call, or ``numba.get_num_threads()``; results are identical for every thread count. On
-an oversubscribed machine (more busy threads than cores) GNU OpenMP's spin-waiting can stall a multi-threaded
-call for a whole scheduler slice; use one thread there, or set ``OMP_WAIT_POLICY=PASSIVE``.
+Threads: ``threads=`` threads per call (default ``numba.get_num_threads()``); results are identical for every
+thread count. The tiled kernel runs on the calling thread helped by a pool of spinning workers
+(:mod:`incrinf.kernels.depthwise_pool`), which start within a microsecond and never make the caller wait for a
+worker the OS has not scheduled. The reference-order kernel is a numba ``prange`` loop; on an oversubscribed
+machine GNU OpenMP's spin-waiting can stall it for a scheduler slice (set ``OMP_WAIT_POLICY=PASSIVE``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from incrinf.kernels.depthwise_geometry import (
     depthwise_output_size,
     resolve_padding,
 )
-from incrinf.kernels.depthwise_kernels import CONFIG_SIZE, depthwise_reference_order, depthwise_tiles
+from incrinf.kernels.depthwise_kernels import CONFIG_SIZE, TILE, depthwise_reference_order
 from incrinf.kernels.depthwise_packing import PackedDepthwiseInt8, pack_depthwise_int8
+from incrinf.kernels.depthwise_pool import run_depthwise, slice_count
 from incrinf.kernels.quantize import INT8_MAX, INT8_MIN
 
 numba = require("numba", "int8", "the int8 kernels")
@@ -45,7 +47,9 @@ _MAX_CALL_PLANS = 256
 _INT8 = np.dtype(np.int8)
 
 __all__ = [
+    "CallPlan",
     "PackedDepthwiseInt8",
+    "call_plan",
     "depthwise_conv2d_int8",
     "depthwise_conv2d_int8_packed",
     "depthwise_conv2d_int8_reference_order",
@@ -108,15 +112,17 @@ def _prepare(x, packed: PackedDepthwiseInt8, stride, padding, dilation, region, 
     return xa, geo, quant, out
 
 
-class _CallPlan(NamedTuple):
+class CallPlan(NamedTuple):
     """What a call of the tiled kernel needs besides the arrays, for one input shape and set of arguments."""
 
     config: np.ndarray  # int64 (CONFIG_SIZE,): the kernel's scalars
     out_shape: tuple[int, int, int, int]
     size: int  # outputs (0: nothing to compute)
+    units: int  # work units: output rows x depth-multiplier planes x channel tiles
+    macs_per_unit: int  # multiply-adds of a unit (a full tile's; every tap counted)
 
 
-def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation, region, quant_args) -> _CallPlan:
+def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation, region, quant_args) -> CallPlan:
     """Check the call's arguments (raising on bad ones) and lay out the kernel's scalars."""
     n, in_h, in_w, in_c = x_shape
     geo = conv_geometry((in_h, in_w), packed.kernel_size, stride, padding, dilation, region)
@@ -124,14 +130,16 @@ def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation,
     (sh, sw), (dh, dw), pads, (y0, y1, x0, x1) = geo
     kh, kw = packed.kernel_size
     dm = packed.depth_multiplier
+    units = n * (y1 - y0) * dm * -(-in_c // TILE)
     config = np.array(
         [n, in_h, in_w, in_c, dm, kh, kw, sh, sw, dh, dw, pads[0], pads[2], out_off, lo, hi]
-        + [y0, x0, y1 - y0, x1 - x0, 0],
+        + [y0, x0, y1 - y0, x1 - x0, 0, units],
         np.int64,
     )
     assert config.size == CONFIG_SIZE
     out_shape = (n, y1 - y0, x1 - x0, in_c * dm)
-    return _CallPlan(config, out_shape, n * (y1 - y0) * (x1 - x0) * in_c * dm)
+    size = n * (y1 - y0) * (x1 - x0) * in_c * dm
+    return CallPlan(config, out_shape, size, units, (x1 - x0) * TILE * kh * kw)
 
 
 def _plain_arguments(args: tuple) -> bool:
@@ -151,7 +159,7 @@ def _plain_arguments(args: tuple) -> bool:
     return True
 
 
-def _call_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation, region, quant_args) -> _CallPlan:
+def call_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation, region, quant_args) -> CallPlan:
     """:func:`_build_plan`, kept in the packed layer's ``call_plans`` when the arguments are plain values.
 
     Checking and laying out the arguments costs more than the convolution of a small layer (tens of
@@ -189,14 +197,26 @@ def _check_out(out, shape: tuple[int, int, int, int], x: np.ndarray) -> np.ndarr
     return out
 
 
-def _run_tiles(xa: np.ndarray, packed: PackedDepthwiseInt8, plan: _CallPlan, threads, out=None) -> np.ndarray:
-    """Run the tiled kernel into ``out`` (new when ``None``); returns it."""
+def _thread_count(threads: int | None) -> int:
+    if threads is None:
+        return numba.get_num_threads()
+    return check_int(threads, "threads", 1, _MAX_THREADS)
+
+
+def _run_tiles(xa: np.ndarray, packed: PackedDepthwiseInt8, plan: CallPlan, threads, out=None) -> np.ndarray:
+    """Run the tiled kernel into ``out`` (new when ``None``) on ``threads`` threads; returns it.
+
+    The calling thread computes and the pool's workers help (:mod:`incrinf.kernels.depthwise_pool`); a layer
+    too small to pay for a second thread (:func:`~incrinf.kernels.depthwise_pool.slice_count`) runs alone.
+    """
     out = np.empty(plan.out_shape, np.int8) if out is None else _check_out(out, plan.out_shape, xa)
     if plan.size:
-        flat_out = out.reshape(-1)
-        _run_with_threads(
-            threads, depthwise_tiles, xa.reshape(-1), packed.tile_weights, packed.tile_params, packed.zero_row,
-            flat_out, plan.config,
+        n_threads = _thread_count(threads)
+        n_slices = slice_count(plan.units, plan.macs_per_unit, n_threads)
+        helpers = min(n_threads - 1, n_slices - 1)
+        run_depthwise(
+            xa.reshape(-1), packed.tile_weights, packed.tile_params, packed.zero_row, out.reshape(-1),
+            plan.config, helpers, n_slices,
         )
     return out
 
@@ -228,7 +248,7 @@ def depthwise_conv2d_int8_packed(
             _check_x(x, packed.in_channels)  # raises the channel mismatch
     else:
         xa = _check_x(x, packed.in_channels)
-    plan = _call_plan(xa.shape, packed, stride, padding, dilation, region, (output_offset, act_min, act_max))
+    plan = call_plan(xa.shape, packed, stride, padding, dilation, region, (output_offset, act_min, act_max))
     if out is not None:
         _run_tiles(xa, packed, plan, threads, out)
         return out

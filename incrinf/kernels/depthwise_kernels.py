@@ -7,10 +7,11 @@ Both compute TFLite's reference arithmetic (``reference_integer_ops::DepthwiseCo
 
 with ``oc = ic * M + m`` (``M`` the depth multiplier), so their results are identical bit for bit.
 
-:func:`depthwise_tiles` follows the TFLM design (NHWC, channels innermost, int32 accumulators in chunks) laid
+:func:`depthwise_units` follows the TFLM design (NHWC, channels innermost, int32 accumulators in chunks) laid
 out the way XNNPACK's micro-kernels are (see :mod:`incrinf.kernels.depthwise_packing` for the packed weights):
 
-- The output rows of all batch images are shared among the threads in slices (see :func:`depthwise_tiles`). For each
+- The work is cut into units (one output row of one channel tile; see :func:`depthwise_units`) that threads take
+  in slices (:mod:`incrinf.kernels.depthwise_pool`). For each
   row the kernel first builds the row's *indirection buffer*: for every output pixel and tap, the address of the
   input pixel the tap reads, or of a *zero row* when the tap falls outside the image. The zero row holds the input
   zero point, whose contribution ``filter * (zero_point + input_offset)`` is 0, so padding costs no bounds test; and
@@ -39,8 +40,6 @@ import numpy as np
 from incrinf.extras import require
 from incrinf.kernels.intrinsics import (
     address_of,
-    current_num_threads,
-    fetch_add,
     load_int8,
     load_pair,
     prefer_wide_vectors,
@@ -58,8 +57,9 @@ __all__ = [
     "TAP_GROUP",
     "TILE",
     "UNIPASS_TAPS",
+    "UNITS",
     "depthwise_reference_order",
-    "depthwise_tiles",
+    "depthwise_units",
     "requantize_block",
 ]
 
@@ -69,8 +69,10 @@ TILE = 32
 TAP_GROUP = 4
 """Taps accumulated per pass over a tile's accumulators when the filter has no unipass kernel."""
 
-SLICES_PER_THREAD = 4
-"""Slices of output rows per thread when several threads run (taken one at a time; see depthwise_tiles)."""
+SLICES_PER_THREAD = 8
+"""Slices of work units per thread when several threads run (taken one at a time; see depthwise_pool). A thread
+that finds no slice left waits for the others' last ones, about half a slice on average: with 8 slices per
+thread that idle tail is about 1/32 of a two-thread call (the minimum slice size keeps claims cheap)."""
 
 UNIPASS_TAPS = (9, 25)
 """Tap counts (3x3, 5x5) whose kernels sum every tap in one pass, the accumulator held in registers."""
@@ -79,8 +81,11 @@ UNIPASS_TAPS = (9, 25)
 BASE, MULT, LEFT, RIGHT, ROUND_MASK, ROUND_THRESHOLD = range(6)
 PARAM_ROWS = 6
 
-CONFIG_SIZE = 21
-"""Length of :func:`depthwise_tiles`'s ``config`` (the last entry is 0: see :func:`_high_mul`'s ``s32``)."""
+CONFIG_SIZE = 22
+"""Length of :func:`depthwise_units`'s ``config`` (entry 20 is 0: see :func:`_high_mul`'s ``s32``)."""
+
+UNITS = 21
+"""Index in ``config`` of the layer's work units (output rows x depth-multiplier planes x channel tiles)."""
 
 _HALF = TILE // 2
 _LOW_WORDS = np.int64(0xFFFFFFFF)
@@ -194,9 +199,15 @@ def _round_store(
             out[o_base + ju * step] = np.int8(min(max(q, act_min), act_max))
 
 
-@njit(parallel=True, cache=True)
-def depthwise_tiles(xf, weights, params, zero_row, out, config):
-    """The tiled kernel on flat arrays, parallel over slices of output rows (see the module docstring).
+@njit(nogil=True, cache=True, _nrt=False)
+def depthwise_units(xf, weights, params, zero_row, out, config, acc, ind, u0, u1):
+    """The tiled kernel on flat arrays, for work units ``u0 <= u < u1`` (see the module docstring).
+
+    A work unit is one output row of one channel tile of one depth-multiplier plane: unit ``u`` is row
+    ``u // (M * n_tiles)`` (rows of all batch images in turn) and tile ``u % (M * n_tiles)``; every unit of a
+    layer costs the same multiply-adds (but the last, narrower tile of a plane). The threads of a call
+    (:mod:`incrinf.kernels.depthwise_pool`) take ranges of units; every unit is computed the same way whichever
+    thread takes it, so results do not depend on the number of threads.
 
     Args:
         xf: int8 ``(N*H*W*C,)``, the NHWC input.
@@ -208,21 +219,19 @@ def depthwise_tiles(xf, weights, params, zero_row, out, config):
         zero_row: int8 ``(>= n_tiles * TILE,)`` filled with the input zero point.
         out: int8 ``(N*OHr*OWr*C*M,)``, NHWC: output rows ``y0:y0+OHr`` and columns ``x0:x0+OWr``.
         config: int64 ``(CONFIG_SIZE,)``: N, H, W, C, M, KH, KW, stride (h, w), dilation (h, w), padding (top,
-            left), output_offset, act_min, act_max, y0, x0, OHr, OWr (one array rather than tuples: numba
-            types an array argument faster than tuples, which matters on small layers).
+            left), output_offset, act_min, act_max, y0, x0, OHr, OWr, 0, units (one array rather than tuples:
+            numba types an array argument faster than tuples, which matters on small layers).
+        acc: int32 scratch ``(>= OWr * TILE,)``: one row's accumulators of one tile.
+        ind: int64 scratch ``(>= OWr * T,)``: one row's indirection buffer.
 
-    Threads: the ``R = N*OHr`` output rows are cut into slices (one with one thread, four per thread
-    otherwise; slice ``s`` is rows ``s*R//S`` to ``(s+1)*R//S - 1``). One worker per thread takes slices one at a
-    time from an atomic counter, so a thread that the OS preempts on a busy machine holds up only its current
-    slice. Every slice computes its rows the same way: results do not depend on the number of threads.
-
-    Scratch (the accumulators, int32 ``(workers * OWr * TILE,)``, and the indirection buffer, int64
-    ``(workers * OWr * T,)``) is allocated here, outside the parallel loop, and no array is unpacked from a
-    tuple or aliased: numba then marks every array of the parallel loop ``noalias``, so LLVM knows that the
-    accumulators never overwrite the indirection buffer, hoists the tap addresses out of the channel loop and
-    vectorizes it.
+    The function is compiled with every array argument ``noalias`` (:func:`_assume_no_alias`): LLVM then knows
+    that the accumulators never overwrite the indirection buffer or the weights, hoists the tap addresses out of
+    the channel loop and vectorizes it. The caller guarantees it (``out`` never overlaps the input; the scratch
+    is the calling thread's own). It allocates nothing and is compiled without numba's reference counting, which
+    would otherwise count the arrays in and out of every inlined helper (two calls per pixel and tile).
     """
-    n_batch, in_h, in_w, in_c = config[0], config[1], config[2], config[3]
+    prefer_wide_vectors()
+    in_h, in_w, in_c = config[1], config[2], config[3]
     dm, kh, kw = config[4], config[5], config[6]
     sh, sw, dh, dw, pad_t, pad_l = config[7], config[8], config[9], config[10], config[11], config[12]
     out_off, act_min, act_max = np.int32(config[13]), np.int32(config[14]), np.int32(config[15])
@@ -230,79 +239,92 @@ def depthwise_tiles(xf, weights, params, zero_row, out, config):
     s32 = np.int64(32) + config[20]
     n_taps = kh * kw
     n_tiles = (in_c + TILE - 1) // TILE
+    planes = dm * n_tiles
     pixel_stride = np.uint64(in_c * dm)
-    n_rows = n_batch * out_h
-    n_threads = current_num_threads()
-    n_slices = 1 if n_threads == 1 else min(SLICES_PER_THREAD * n_threads, n_rows)
-    n_workers = min(n_threads, n_slices)
-    acc = np.empty(n_workers * out_w * TILE, np.int32)
-    ind = np.empty(n_workers * out_w * n_taps, np.int64)
-    next_slice = np.empty(1, np.int64)  # not np.zeros: in a parallel function that is a parallel loop of its own
-    next_slice[0] = 0
     ow = np.uint64(out_w)
     x_address = address_of(xf)
     zero_address = address_of(zero_row)
-    for worker in prange(n_workers):
-        prefer_wide_vectors()
-        acc0 = np.uint64(worker * out_w * TILE)
-        ind0 = np.uint64(worker * out_w * n_taps)
-        while True:
-            s = fetch_add(next_slice, 0, 1)
-            if s >= n_slices:
-                break
-            for row in range(s * n_rows // n_slices, (s + 1) * n_rows // n_slices):
-                n = row // out_h
-                r = row % out_h
-                iy0 = (y0 + r) * sh - pad_t
-                # Indirection buffer, tap-major (ind[ind0 + t*OWr + col]): the address of every tap's input
-                # pixel, or of the zero row. (Bounds as unsigned compares joined with `&`: a bool copied by `and`
-                # or `x if c else y` counts as an array alias for numba, which would drop the noalias flags.)
-                for ky in range(kh):
-                    iy = iy0 + ky * dh
-                    row_address = x_address + (n * in_h + iy) * in_w * in_c
-                    for kx in range(kw):
-                        slots = ind0 + np.uint64((ky * kw + kx) * out_w)
-                        for col in range(out_w):
-                            ix = (x0 + col) * sw - pad_l + kx * dw
-                            if (np.uint64(iy) < np.uint64(in_h)) & (np.uint64(ix) < np.uint64(in_w)):
-                                ind[slots + np.uint64(col)] = row_address + ix * in_c
-                            else:
-                                ind[slots + np.uint64(col)] = zero_address
-                out_row = np.uint64(row * out_w) * pixel_stride
-                for m in range(dm):
-                    for k in range(n_tiles):
-                        c0 = k * TILE
-                        width = min(TILE, in_c - c0)
-                        tile = np.uint64(m * n_tiles + k)
-                        w_base = tile * np.uint64(n_taps * TILE)
-                        p_base = tile * np.uint64(PARAM_ROWS * TILE)
-                        for col in range(out_w):
-                            a_base = acc0 + np.uint64(col * TILE)
-                            i_base = ind0 + np.uint64(col)
-                            if width == TILE and n_taps == 9:
-                                _accumulate_9(acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE)
-                            elif width == TILE and n_taps == 25:
-                                _accumulate_25(acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE)
-                            elif width == TILE:
-                                _accumulate_groups(
-                                    acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE, n_taps
-                                )
-                            else:
-                                _accumulate_groups(
-                                    acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, width, n_taps
-                                )
-                        _high_mul(acc, acc0, out_w, params, p_base, s32)
-                        out_base = out_row + np.uint64(c0 * dm)
-                        if width == TILE:
-                            _round_store(
-                                acc, acc0, out_w, params, p_base, TILE, out, out_base, pixel_stride, dm, m,
-                                out_off, act_min, act_max,
-                            )
-                        else:
-                            _round_store(
-                                acc, acc0, out_w, params, p_base, width, out, out_base, pixel_stride, dm, m,
-                                out_off, act_min, act_max,
-                            )
+    acc0 = np.uint64(0)
+    ind0 = np.uint64(0)
+    if u1 <= u0:
+        return
+    for row in range(u0 // planes, (u1 - 1) // planes + 1):
+        n = row // out_h
+        r = row % out_h
+        iy0 = (y0 + r) * sh - pad_t
+        # Indirection buffer, tap-major (ind[t*OWr + col]): the address of every tap's input pixel, or of the
+        # zero row. (Bounds as unsigned compares joined with `&`: branch-free, and a bool copied by `and` or
+        # `x if c else y` would count as an array alias for numba.)
+        for ky in range(kh):
+            iy = iy0 + ky * dh
+            row_address = x_address + (n * in_h + iy) * in_w * in_c
+            for kx in range(kw):
+                slots = ind0 + np.uint64((ky * kw + kx) * out_w)
+                for col in range(out_w):
+                    ix = (x0 + col) * sw - pad_l + kx * dw
+                    if (np.uint64(iy) < np.uint64(in_h)) & (np.uint64(ix) < np.uint64(in_w)):
+                        ind[slots + np.uint64(col)] = row_address + ix * in_c
+                    else:
+                        ind[slots + np.uint64(col)] = zero_address
+        out_row = np.uint64(row * out_w) * pixel_stride
+        for plane in range(max(u0 - row * planes, 0), min(u1 - row * planes, planes)):
+            m = plane // n_tiles
+            k = plane % n_tiles
+            c0 = k * TILE
+            width = min(TILE, in_c - c0)
+            tile = np.uint64(plane)
+            w_base = tile * np.uint64(n_taps * TILE)
+            p_base = tile * np.uint64(PARAM_ROWS * TILE)
+            for col in range(out_w):
+                a_base = acc0 + np.uint64(col * TILE)
+                i_base = ind0 + np.uint64(col)
+                if width == TILE and n_taps == 9:
+                    _accumulate_9(acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE)
+                elif width == TILE and n_taps == 25:
+                    _accumulate_25(acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE)
+                elif width == TILE:
+                    _accumulate_groups(
+                        acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, TILE, n_taps
+                    )
+                else:
+                    _accumulate_groups(
+                        acc, a_base, ind, i_base, ow, c0, weights, w_base, params, p_base, width, n_taps
+                    )
+            _high_mul(acc, acc0, out_w, params, p_base, s32)
+            out_base = out_row + np.uint64(c0 * dm)
+            if width == TILE:
+                _round_store(
+                    acc, acc0, out_w, params, p_base, TILE, out, out_base, pixel_stride, dm, m,
+                    out_off, act_min, act_max,
+                )
+            else:
+                _round_store(
+                    acc, acc0, out_w, params, p_base, width, out, out_base, pixel_stride, dm, m,
+                    out_off, act_min, act_max,
+                )
+
+
+def _assume_no_alias(dispatcher) -> None:
+    """Compile ``dispatcher`` with its array arguments marked ``noalias``, as numba marks a parallel loop's.
+
+    numba has no public option for it; its compiler asks the dispatcher to customize the compile flags, and
+    this sets the ``noalias`` flag there. If numba's internals change, the kernel compiles without it: slower
+    (about 6x: the channel loops stop vectorizing), never different.
+    """
+    compiler = getattr(dispatcher, "_compiler", None)
+    customize = getattr(compiler, "_customize_flags", None)
+    if customize is None:
+        return
+
+    def with_noalias(flags):
+        flags = customize(flags)
+        flags.noalias = True
+        return flags
+
+    compiler._customize_flags = with_noalias
+
+
+_assume_no_alias(depthwise_units)
 
 
 @njit(cache=True)
@@ -340,7 +362,7 @@ def depthwise_reference_order(x, w, bias, mult, left, right, dm, geometry, quant
 
     The baseline the tiled kernel is measured against. ``x`` (N,H,W,C), ``w`` (KH,KW,C*M), ``out``
     (N,OHr,OWr,C*M); per-channel ``(C*M,)`` ``bias``, ``mult``, ``left`` = max(shift, 0), ``right`` =
-    max(-shift, 0); ``geometry`` as in :func:`depthwise_tiles`, ``quant`` = ``(input_offset, output_offset,
+    max(-shift, 0); ``geometry`` as in :func:`depthwise_units`, ``quant`` = ``(input_offset, output_offset,
     act_min, act_max)``, ``origin`` = ``(y0, x0)``.
     """
     sh, sw, dh, dw, pad_t, pad_l = geometry

@@ -15,11 +15,13 @@ int32 pairs as int64, an atomic counter, the thread count, a vector-width hint).
   loop can treat pairs of int32 lanes as int64 lanes. They do what ``array.view(np.int64)`` does without
   creating a second array object, which numba's parallel alias analysis would count as an alias (dropping the
   ``noalias`` flags that let LLVM vectorize the kernel's loops).
-- :func:`fetch_add` (an atomic add returning the old value) lets the threads of a parallel loop take work
-  items one at a time; :func:`current_num_threads` is the thread count that ``numba.set_num_threads`` set for
-  the calling thread. Both call into numba's threading layer directly, as numba's own parallel launcher does:
-  ``numba.get_num_threads()`` in compiled code would stop numba from caching the kernel, and from Python it
-  costs tens of microseconds when the caches are cold.
+- :func:`fetch_add`, :func:`atomic_load`, :func:`atomic_store` and :func:`compare_exchange` (sequentially
+  consistent int64 atomics) and :func:`spin_pause` (the x86 ``pause`` hint, nothing elsewhere) are what the
+  kernels' own thread pool (:mod:`incrinf.kernels.spin_pool`) hands out work and waits with.
+  :func:`array_at` rebuilds a 1-D array from an address and a length, so a pool thread can run a kernel on
+  arrays that the calling thread owns (and keeps alive until the job is done). :func:`nap` sleeps through the C
+  library's ``usleep`` (``Sleep`` on Windows) at an address found once with ctypes and passed in, so an idle
+  pool thread sleeps without the GIL and the function stays cacheable (a ctypes function object would not be).
 - :func:`prefer_wide_vectors` marks the function being compiled with ``"prefer-vector-width"="512"``. LLVM tunes
   AVX-512 CPUs (Skylake-SP onwards) to 256-bit vectors by default; the int8 kernels are integer code that runs
   faster with 512-bit vectors (16 int32 lanes). On CPUs without AVX-512, and on other architectures, the hint
@@ -29,6 +31,8 @@ int32 pairs as int64, an atomic counter, the thread count, a vector-width hint).
 """
 
 from __future__ import annotations
+
+import platform
 
 from incrinf.extras import require
 
@@ -40,13 +44,23 @@ cgutils = numba.core.cgutils
 
 __all__ = [
     "address_of",
-    "current_num_threads",
+    "array_at",
+    "atomic_load",
+    "atomic_store",
+    "compare_exchange",
     "fetch_add",
     "load_int8",
     "load_pair",
+    "FUTEX_SYSCALL",
+    "SLEEP_ADDRESS",
+    "SLEEP_DIVISOR",
+    "SYSCALL_ADDRESS",
+    "nap",
     "prefer_wide_vectors",
+    "spin_pause",
     "store_pair",
     "store_scratch",
+    "syscall6",
 ]
 
 _VECTOR_WIDTH_ATTRIBUTE = '"prefer-vector-width"="512"'
@@ -147,35 +161,120 @@ def store_pair(typingctx, array, index, value):
     return sig, codegen
 
 
+def _is_int64_vector(array) -> bool:
+    return isinstance(array, types.Array) and array.dtype == types.int64 and array.ndim == 1
+
+
+def _int64_slot(context, builder, array_type, array, index):
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.gep(data, [index], inbounds=True)
+
+
 @intrinsic
 def fetch_add(typingctx, array, index, value):
     """Atomically add ``value`` to ``array[index]`` (a 1-D int64 array) and return the value it had before."""
-    if not (
-        isinstance(array, types.Array)
-        and array.dtype == types.int64
-        and array.ndim == 1
-        and isinstance(index, types.Integer)
-        and isinstance(value, types.Integer)
-    ):
+    if not (_is_int64_vector(array) and isinstance(index, types.Integer) and isinstance(value, types.Integer)):
         return None
     sig = types.int64(array, types.intp, types.int64)
 
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        return builder.atomic_rmw("add", builder.gep(data, [args[1]], inbounds=True), args[2], "monotonic")
+        slot = _int64_slot(context, builder, signature.args[0], args[0], args[1])
+        return builder.atomic_rmw("add", slot, args[2], "seq_cst")
 
     return sig, codegen
 
 
 @intrinsic
-def current_num_threads(typingctx):
-    """The number of threads parallel loops use now (``numba.get_num_threads()``), from compiled code."""
-    sig = types.intp()
+def atomic_load(typingctx, array, index):
+    """``array[index]`` of a 1-D int64 array, read atomically (it may be written by another thread)."""
+    if not (_is_int64_vector(array) and isinstance(index, types.Integer)):
+        return None
+    sig = types.int64(array, types.intp)
 
     def codegen(context, builder, signature, args):
-        intp = llvm_ir.IntType(types.intp.bitwidth)
-        fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(intp, []), "get_num_threads")
-        return builder.call(fn, [])
+        slot = _int64_slot(context, builder, signature.args[0], args[0], args[1])
+        return builder.load_atomic(slot, "seq_cst", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def atomic_store(typingctx, array, index, value):
+    """``array[index] = value`` for a 1-D int64 array, atomically; writes before it are visible before it."""
+    if not (_is_int64_vector(array) and isinstance(index, types.Integer) and isinstance(value, types.Integer)):
+        return None
+    sig = types.none(array, types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        slot = _int64_slot(context, builder, signature.args[0], args[0], args[1])
+        builder.store_atomic(args[2], slot, "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def compare_exchange(typingctx, array, index, expected, value):
+    """Atomically set ``array[index]`` (1-D int64) to ``value`` if it holds ``expected``; whether it did."""
+    if not (
+        _is_int64_vector(array)
+        and isinstance(index, types.Integer)
+        and isinstance(expected, types.Integer)
+        and isinstance(value, types.Integer)
+    ):
+        return None
+    sig = types.boolean(array, types.intp, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        slot = _int64_slot(context, builder, signature.args[0], args[0], args[1])
+        pair = builder.cmpxchg(slot, args[2], args[3], "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 1)
+
+    return sig, codegen
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@intrinsic
+def spin_pause(typingctx):
+    """The ``pause`` hint of a spin-wait loop on x86 (saves power, frees the core's sibling); nothing elsewhere."""
+    sig = types.none()
+
+    def codegen(context, builder, signature, args):
+        if _X86:  # numba's JIT has no inline-assembly parser: LLVM's intrinsic for the instruction
+            fnty = llvm_ir.FunctionType(llvm_ir.VoidType(), [])
+            builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse2.pause"), [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def array_at(typingctx, address, length, like):
+    """A 1-D C array of ``like``'s dtype over ``length`` elements at ``address`` (from :func:`address_of`).
+
+    The array does not own its memory: the owner must keep it alive while the array is used.
+    """
+    if not (
+        isinstance(address, types.Integer)
+        and isinstance(length, types.Integer)
+        and isinstance(like, types.Array)
+        and like.ndim == 1
+    ):
+        return None
+    array_type = types.Array(like.dtype, 1, "C")
+    sig = array_type(types.int64, types.intp, like)
+
+    def codegen(context, builder, signature, args):
+        ltype = context.get_value_type(array_type.dtype)
+        data = builder.inttoptr(args[0], llvm_ir.PointerType(ltype))
+        array = context.make_array(array_type)(context, builder)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(ltype))
+        shape = cgutils.pack_array(builder, [args[1]])
+        strides = cgutils.pack_array(builder, [itemsize])
+        context.populate_array(array, data=data, shape=shape, strides=strides, itemsize=itemsize, meminfo=None)
+        return array._getvalue()
 
     return sig, codegen
 
@@ -191,5 +290,89 @@ def prefer_wide_vectors(typingctx):
         except Exception:  # llvmlite's attribute set changed shape: go without the hint
             pass
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+
+def _find_sleep() -> tuple[int, int]:
+    """``(address, divisor)``: a C function ``f(unsigned n)`` that sleeps ``n * divisor`` microseconds."""
+    import ctypes
+    import sys
+
+    if sys.platform == "win32":
+        return ctypes.cast(ctypes.windll.kernel32.Sleep, ctypes.c_void_p).value or 0, 1000  # milliseconds
+    try:
+        return ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value or 0, 1
+    except (AttributeError, OSError):
+        return 0, 1
+
+
+SLEEP_ADDRESS, SLEEP_DIVISOR = _find_sleep()
+"""The C sleep function :func:`nap` calls and its unit in microseconds (address 0 when none was found: then
+:func:`nap` only pauses the core)."""
+
+
+@intrinsic
+def nap(typingctx, address, amount):
+    """Call the C sleep function at ``address`` (:data:`SLEEP_ADDRESS`) with ``amount`` (microseconds divided by
+    :data:`SLEEP_DIVISOR`); with ``address`` 0, only the ``pause`` hint."""
+    if not (isinstance(address, types.Integer) and isinstance(amount, types.Integer)):
+        return None
+    sig = types.none(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i32 = llvm_ir.IntType(32)
+        fnty = llvm_ir.FunctionType(i32, [i32])
+        with builder.if_else(builder.icmp_signed("!=", args[0], context.get_constant(types.int64, 0))) as (
+            have,
+            missing,
+        ):
+            with have:
+                fn = builder.inttoptr(args[0], llvm_ir.PointerType(fnty))
+                builder.call(fn, [builder.trunc(args[1], i32)])
+            with missing:
+                if _X86:
+                    pause = llvm_ir.FunctionType(llvm_ir.VoidType(), [])
+                    builder.call(cgutils.get_or_insert_function(builder.module, pause, "llvm.x86.sse2.pause"), [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _find_futex() -> tuple[int, int]:
+    """``(address of the C library's syscall function, the futex system call's number)``; ``(0, 0)`` off Linux on
+    x86-64 and AArch64 (the pool then naps with :func:`nap` instead)."""
+    import ctypes
+    import sys
+
+    numbers = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
+    number = numbers.get(platform.machine().lower(), 0)
+    if not sys.platform.startswith("linux") or not number:
+        return 0, 0
+    try:
+        return ctypes.cast(ctypes.CDLL(None).syscall, ctypes.c_void_p).value or 0, number
+    except (AttributeError, OSError):
+        return 0, 0
+
+
+SYSCALL_ADDRESS, FUTEX_SYSCALL = _find_futex()
+"""The C library's ``syscall`` and the futex call's number, for :func:`syscall6` (0, 0 where unavailable)."""
+
+
+@intrinsic
+def syscall6(typingctx, address, number, a1, a2, a3, a4, a5):
+    """``syscall(number, a1, ..., a5)`` through the C library's function at ``address`` (:data:`SYSCALL_ADDRESS`;
+    its integer arguments go in the same registers as a fixed-argument call's on x86-64 and AArch64 Linux)."""
+    args = (address, number, a1, a2, a3, a4, a5)
+    if not all(isinstance(a, types.Integer) for a in args):
+        return None
+    sig = types.int64(*([types.int64] * 7))
+
+    def codegen(context, builder, signature, values):
+        i64 = llvm_ir.IntType(64)
+        fnty = llvm_ir.FunctionType(i64, [i64] * 6)
+        fn = builder.inttoptr(values[0], llvm_ir.PointerType(fnty))
+        return builder.call(fn, list(values[1:]))
 
     return sig, codegen

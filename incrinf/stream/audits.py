@@ -110,7 +110,7 @@ class SampledAudit:
     def check(self, engine: FrameEngine, x: torch.Tensor, mask: ChangeMask | None) -> SampleResult:
         """Compare the cache (after this frame's cached run) with the probe's tiles recomputed from ``x``."""
         tiles = self.tiles(mask, tuple(x.shape[-2:]))
-        exact = exact_tiles(engine.program, x, self.probe, tiles)
+        exact = exact_tiles(engine.program, x, self.probe, tiles, engine.costs)
         cached = engine.cache.map(self.probe.name)
         error = relative_error([cached[..., a:b, c:d] for a, b, c, d in tiles], exact)
         return SampleResult(error, self.flags(error), len(tiles))
@@ -122,14 +122,20 @@ class SampledAudit:
             return True
         return error > self.config.sample_tolerance * max(self._held, default=0.0)
 
-    def record(self, cached_probe: torch.Tensor, full_probe: torch.Tensor, mask: ChangeMask | None, missed: bool
-               ) -> float:
-        """A full audit: the sampled error between the cached tensor and full inference's, kept as a reference."""
+    def record(self, cached_probe: torch.Tensor, full_probe: torch.Tensor, mask: ChangeMask | None, missed: bool,
+               flagged: float = math.nan) -> float:
+        """A full audit: the sampled error between the cached tensor and full inference's, kept as a reference;
+        ``flagged``: the error of this frame's sample that called the audit. When the audit held, that error was a
+        false alarm: the output met the target with the cache that far off, so it is a held reference too (the
+        drift a still camera's cache accumulates between keyframes grows its sample error steadily, and without
+        this every sample past the first reference's age would call a full frame)."""
         tiles = self.tiles(mask, self._frame_size(mask, full_probe))
         error = relative_error([cached_probe[..., a:b, c:d] for a, b, c, d in tiles],
                                [full_probe[..., a:b, c:d] for a, b, c, d in tiles])
         if math.isfinite(error):
             (self._missed if missed else self._held).append(error)
+        if not missed and math.isfinite(flagged):
+            self._held.append(flagged)
         return error
 
     def _frame_size(self, mask: ChangeMask | None, probe: torch.Tensor) -> tuple[int, int]:

@@ -116,8 +116,10 @@ class CameraEngine:
         return self.engine.plain(x)
 
     def profile(self) -> None:
-        """Measure the engine's cost coefficients on the cached frame (after :meth:`full`)."""
+        """Measure the engine's cost coefficients on the cached frame (after :meth:`full`), and generate the module
+        of plain frames (back-off stretches, no-reuse frames): the first of them would otherwise pay for it."""
         self.engine.profile()
+        self.engine.prepare_plain()
 
     @property
     def costs(self) -> FrameCosts:

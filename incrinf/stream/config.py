@@ -101,8 +101,12 @@ class StreamConfig:
         speed_guard: choose cached or full inference per frame from the plan's predicted cost (the cost model,
             calibrated on the frames run); False: always try the cache.
         min_saving: when the plan of the smallest possible change saves less than this share of a full frame (a
-            model where every change soon reaches the whole output: squeeze-excitation, a global branch early on),
-            every frame runs plain inference, without matching, masks or a cache.
+            model where every change soon reaches the whole output: squeeze-excitation, a global branch early on;
+            under value-based pruning the floor a change can be pruned down to, the model after its local part on
+            whole maps), every frame runs plain inference, without matching, masks or a cache. The default is the
+            leave-one-out choice over eleven (model, clip) cases (``benchmarks/stream.py --no-reuse --loo``): on
+            every case whose smallest change saved under 25% (MobileNetV3 heads, squeeze-excitation) the cache
+            lost to plain frames; of those above 80%, the losses came from per-frame fixed costs, not the floor.
         quality_guard: audit frames (run full inference as well, compare, keep the result as a keyframe) and adapt
             ``pixel_threshold``, the feature threshold and the audit interval to hold ``target_agreement``; False:
             fixed settings, a keyframe every ``keyframe_interval`` frames.
@@ -146,7 +150,7 @@ class StreamConfig:
     max_backoff: int = 64
     background_update: bool = False
     speed_guard: bool = True
-    min_saving: float = 0.1
+    min_saving: float = 0.3
     quality_guard: bool = True
     target_agreement: float = 0.99
     target_error: float | None = None

@@ -17,6 +17,7 @@ matching, masks or a cache.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from incrinf.engine import FrameEngine
@@ -27,15 +28,22 @@ from incrinf.engine.frame_regions import RegionPlan
 
 @dataclass(frozen=True)
 class Prediction:
-    """A frame's predicted engine seconds, full and cached (NaN: unknown)."""
+    """A frame's predicted engine seconds, full and cached (NaN: unknown), and what the cached path is expected to
+    spend on top in near-tie checks (a full run each, times the share of recent cached frames that needed one)."""
 
     full: float
     cached: float
+    checks: float = 0.0
+
+    @property
+    def cached_total(self) -> float:
+        """The cached path's expected seconds: the plan's, and the expected near-tie checks."""
+        return self.cached + self.checks
 
     @property
     def cached_faster(self) -> bool:
         """Whether the cached path is predicted to be faster (True while either prediction is unknown)."""
-        return math.isnan(self.full) or math.isnan(self.cached) or self.cached < self.full
+        return math.isnan(self.full) or math.isnan(self.cached) or self.cached_total < self.full
 
 
 # A frame the guard sends to full inference although its predicted cached time is within this factor of a full
@@ -43,20 +51,44 @@ class Prediction:
 # ran, and those samples may be stale (a load spike that has passed, new content).
 PROBE_WITHIN = 1.5
 PROBE_EVERY = 8
+# Latest cached frames (after the quality guard's first audit) whose near-tie checks give the expected check rate.
+CHECK_WINDOW = 8
 
 
 class SpeedGuard:
     """Cached or full per frame: cached when the plan's prediction is faster, with a probe now and then when the
-    two are close."""
+    two are close.
+
+    A classifier's cached frame whose top-1 is a near tie is checked by full inference on the spot (see
+    :meth:`~incrinf.stream.guards.QualityGuard.risky`): on a clip where that happens often, each cached frame costs
+    its plan *and* a full frame. The guard charges the cached path the measured share of recent cached frames that
+    needed a check (:meth:`record_check`; the frames before the first audit, all checked by rule, do not count)
+    times a full frame.
+    """
 
     def __init__(self) -> None:
         self._rejected = 0
+        self._checks: deque[bool] = deque(maxlen=CHECK_WINDOW)
+
+    def record_check(self, checked: bool) -> None:
+        """A cached frame ran after the first audit; ``checked``: its near tie was checked by full inference."""
+        self._checks.append(checked)
+
+    @property
+    def check_rate(self) -> float:
+        """Share of the latest cached frames whose near tie was checked by full inference (0 before any)."""
+        return sum(self._checks) / len(self._checks) if self._checks else 0.0
+
+    def predict(self, costs: FrameCosts, plan: RegionPlan | BlockPlan) -> Prediction:
+        """The full frame's and the planned cached frame's expected engine seconds, the expected checks included."""
+        full = costs.full_seconds
+        return Prediction(full, plan.seconds, self.check_rate * full)
 
     def choose_cached(self, prediction: Prediction) -> bool:
         if prediction.cached_faster:
             self._rejected = 0
             return True
-        if not prediction.cached < PROBE_WITHIN * prediction.full:
+        if not prediction.cached_total < PROBE_WITHIN * prediction.full:
             return False
         self._rejected += 1
         if self._rejected >= PROBE_EVERY:
@@ -69,15 +101,18 @@ def plan_kind(plan: RegionPlan | BlockPlan) -> RegionKind:
     return RegionKind.BOXES if isinstance(plan, RegionPlan) else RegionKind.BLOCKS
 
 
-def predict(costs: FrameCosts, plan: RegionPlan | BlockPlan) -> Prediction:
-    """The full frame's and the planned cached frame's expected engine seconds."""
-    return Prediction(costs.full_seconds, plan.seconds)
-
-
-def best_saving(engine: FrameEngine) -> float:
-    """Share of a full frame the smallest possible change saves by the plan: in multiply-adds until the costs are
-    profiled, in predicted seconds after."""
+def best_saving(engine: FrameEngine, pruning: bool = False) -> float:
+    """Share of a full frame the smallest possible change saves by the plan, in multiply-adds and, once the costs
+    are profiled, in predicted seconds (the smaller of the two: the noise-free count and the measured time must
+    both see the saving). With value-based ``pruning`` a change may die down to a position per step: the floor
+    (:meth:`~incrinf.engine.FrameEngine.floor`, the tail on whole maps) bounds the saving instead of the exact
+    plan."""
     plan = engine.best_case()
+    flops, seconds = plan.flops, plan.seconds
+    if pruning:
+        floor_flops, floor_seconds = engine.floor()
+        flops, seconds = min(flops, floor_flops), min(seconds, floor_seconds)
+    saving = 1.0 - flops / engine.program.full_flops
     if not engine.costs.profiled:
-        return 1.0 - plan.flops / engine.program.full_flops
-    return 1.0 - plan.seconds / engine.costs.dense_total
+        return saving
+    return min(saving, 1.0 - seconds / engine.costs.dense_total)

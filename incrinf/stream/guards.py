@@ -105,6 +105,11 @@ class QualityGuard:
     def moving_feature_threshold(self) -> float:
         return self.config.moving_feature_threshold * self.scale
 
+    @property
+    def audited(self) -> bool:
+        """Whether any audit has been recorded (before the first, every cached label output is checked)."""
+        return bool(self._comparisons)
+
     def due(self, frames_since_full: int) -> bool:
         """Whether a frame this many frames after the last full one is audited."""
         return frames_since_full >= self.interval

@@ -40,7 +40,7 @@ from incrinf.stream.backoff import BackOff
 from incrinf.stream.camera import CameraEngine
 from incrinf.stream.change_mask import ChangeMask, change_mask
 from incrinf.stream.config import StreamConfig
-from incrinf.stream.decisions import Prediction, SpeedGuard, best_saving, plan_kind, predict
+from incrinf.stream.decisions import Prediction, SpeedGuard, best_saving, plan_kind
 from incrinf.stream.guards import Agreement, QualityGuard, Verdict
 from incrinf.stream.inputs import FrameInput
 from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
@@ -235,6 +235,7 @@ class StreamSession:
         since_full = self._index - self._last_full
         audit = f.fallback is None and quality is not None and quality.due(since_full)
         oracle = f.plan is not None and self._oracle_due()
+        audited = quality is not None and quality.audited  # before this frame: near-tie checks are no longer the rule
         try:
             out, comparison, verify, engine_seconds = self._run(f, engine, audit, oracle)
         except BaseException:
@@ -243,6 +244,7 @@ class StreamSession:
         bookkeeping = time.perf_counter()
         if f.fallback is None and engine.full_reason:
             f.fallback = _Fallback(Cause.CACHE_UNUSABLE, engine.full_reason)
+        ran_cached = f.fallback is None and not oracle
         cached = f.fallback is None and comparison is None and not oracle
         refreshed = engine.last.refreshed if cached else None
         # only a moving camera's low saving predicts the next frame's (a still camera's follows the scene)
@@ -252,12 +254,14 @@ class StreamSession:
         if comparison is not None:
             verdict = quality.record(comparison, since_full)
             if f.probes is not None:
-                self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS)
+                self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS, f.sampled)
             why = "near tie, " if verify else ""
             f.fallback = _Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
                                                 f"{verdict.value}")
         if quality is not None:
             quality.tick()
+            if audited and ran_cached and (comparison is None or verify):
+                self._speed.record_check(verify)
         cause = f.fallback.cause if f.fallback is not None else None
         # a near-tie check is a cost of the cached path (a scheduled audit stands in for a keyframe): the frame counts
         # as a cached one whose time includes the check's full run
@@ -310,10 +314,11 @@ class StreamSession:
             return Prediction(costs.full_seconds if costs.profiled else math.nan, math.nan)
         clock = time.perf_counter()
         f.plan = engine.plan(f.mask.pixel_mask, f.matrix, f.mask.clusters() if f.still else None)
-        prediction = predict(costs, f.plan) if costs.profiled else Prediction(math.nan, math.nan)
+        prediction = self._speed.predict(costs, f.plan) if costs.profiled else Prediction(math.nan, math.nan)
         f.times.plan = time.perf_counter() - clock
         if self.config.speed_guard and not self._speed.choose_cached(prediction):
-            f.fallback = _Fallback(Cause.SLOWER, f"predicted {prediction.cached * 1e3:.1f} ms cached vs "
+            checks = f" + {prediction.checks * 1e3:.1f} ms expected near-tie checks" if prediction.checks else ""
+            f.fallback = _Fallback(Cause.SLOWER, f"predicted {prediction.cached * 1e3:.1f} ms cached{checks} vs "
                                                  f"{prediction.full * 1e3:.1f} ms full")
         return prediction
 
@@ -404,7 +409,7 @@ class StreamSession:
         out = engine.full(f.x)
         if self.config.speed_guard and not engine.costs.profiled:
             engine.profile()
-            if best_saving(engine.engine) < self.config.min_saving:
+            if best_saving(engine.engine, self._pruning) < self.config.min_saving:
                 self._no_reuse[tuple(f.x.shape)] = "the plan of the smallest change saves less than " \
                                                    f"{self.config.min_saving:.0%} of a full frame"
             elif self.config.quality_guard and self.config.sampled_audits:
@@ -422,6 +427,11 @@ class StreamSession:
             return False  # this frame's stretch goes on
         quality = self._quality
         return not (cause == Cause.SUSPENDED and quality is not None and quality.suspended_for > 1)
+
+    @property
+    def _pruning(self) -> bool:
+        """Whether cached frames prune by value (a change may then die down to the engine's floor)."""
+        return self.config.still_feature_threshold > 0 or self.config.moving_feature_threshold > 0
 
     def _oracle_due(self) -> bool:
         share = self.config.oracle_sample
@@ -565,7 +575,7 @@ class StreamSession:
                                   feature_threshold=self.config.still_feature_threshold,
                                   moving_feature_threshold=self.config.moving_feature_threshold)
             self._engines[shape] = engine
-            if self.config.speed_guard and best_saving(engine.engine) < self.config.min_saving:
+            if self.config.speed_guard and best_saving(engine.engine, self._pruning) < self.config.min_saving:
                 # the plan's multiply-adds say it before anything runs: no change could pay for the bookkeeping
                 self._no_reuse[shape] = (f"the smallest change computes over {1 - self.config.min_saving:.0%} of a "
                                          "full frame's multiply-adds")

@@ -69,5 +69,10 @@ def test_volume_approximation_options_and_several_inputs(tmp_path, capsys) -> No
     assert "approximate: feature threshold 0.5" in text and "vs the exact map" in text and "max |error|" in text
     assert cli.main(["explain", EXAMPLE, "--drill-down", "0.25", "--quiet"]) == 2
     assert "--drill-down is for images" in capsys.readouterr().err
-    assert cli.main(["explain", EXAMPLE, EXAMPLE, "--out", str(tmp_path / "run"), "--quiet"]) == 2
-    assert "one at a time" in capsys.readouterr().err
+    # several volumes are a dataset run (tests/explain/dataset/test_dataset_volumes.py); with an image, an error
+    photo = tmp_path / "photo.png"
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(photo)
+    assert cli.main(["explain", EXAMPLE, str(photo), "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    assert "mix 1 NIfTI volume(s)" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import skimage.data
 import torch
 import torch.nn as nn
 
+from incrinf.engine.costs import PRIOR_CALL
 from incrinf.graph import capture
 from incrinf.stream.agreement import Comparison, OutputKind, compare
 from incrinf.stream.config import StreamConfig
@@ -58,31 +59,44 @@ def _wide() -> nn.Module:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 10)).eval()
 
 
-def test_speed_guard_switches_to_full_inference_when_the_cached_path_is_slow(frames):
+def _frozen_costs(session: StreamSession, monkeypatch: pytest.MonkeyPatch):
+    """The session's cost coefficients set from the plan's multiply-adds and bytes (the engine's priors) and kept
+    there: no profile, no calibration from wall-clock timings, so the speed guard's decisions are a function of the
+    plans alone, whatever the machine's load."""
+    costs = next(iter(session._engines.values())).costs
+    n = len(costs.steps)
+    calls = [PRIOR_CALL] * n
+    costs.set_profile([s.dense for s in costs.steps], calls, calls, costs.tail, costs.move, 0.0)
+    for name in ("record_full", "record_steps", "record_kept"):
+        monkeypatch.setattr(costs, name, lambda *args: None)
+    return costs
+
+
+def test_speed_guard_switches_to_full_inference_when_the_cached_path_is_slow(frames, monkeypatch):
     model = _wide()
-    session = StreamSession(model, quality_guard=False, max_backoff=0, feature_threshold=0.0)
+    session = StreamSession(model, quality_guard=False, max_backoff=0, feature_threshold=0.0, input_size=(H, W))
+    costs = _frozen_costs(session, monkeypatch)
     for frame in frames[:8]:
         session(frame)
-    assert [s.mode for s in session.stats[1:8]].count("cached") >= 5  # a small change: cached is cheaper
-    assert all(s.predicted_cached < s.predicted_full for s in session.stats[1:8] if s.mode == "cached")
-    costs = next(iter(session._engines.values())).costs
+    # a small change: its plan computes a few percent of the frame, so every frame with a plan runs cached
+    early = session.stats[1:8]
+    assert all(s.mode == "cached" for s in early), [s.reason for s in early]
+    assert all(0 < s.predicted_cached < s.predicted_full for s in early if s.regions)
     for step in costs.steps:  # every box of the cached path now costs more than a full frame
         step.box_call = 2 * costs.full_seconds
     for frame in frames[8:20]:
         out = session(frame)
         if session.stats[-1].mode == "full":
             torch.testing.assert_close(out, _full(model, frame), rtol=1e-4, atol=1e-4)
-    # every later frame with anything to compute runs full (one whose change died before the model has nothing to
-    # compute and costs nothing: cached), as its plan's cost says, but for at most one probe of the cached path
-    # (every 8th rejected frame within 1.5x of a full frame's time runs cached: the ratios learn only from frames
-    # that ran)
+    # every later frame with anything to compute runs full, as its plan's cost says (the predicted cached time is
+    # far beyond 1.5x a full frame's, so the guard never probes the cached path)
     late = [s for s in session.stats[8:] if s.predicted_cached > 0]
-    assert len(late) >= 8 and sum(s.cause not in (Cause.SLOWER, Cause.CACHE_UNUSABLE) for s in late) <= 1, \
-        [s.reason for s in late]
+    assert len(late) >= 8 and all(s.cause == Cause.SLOWER for s in late), [s.reason for s in late]
     for s in late:  # the decision and both estimates are in the stats
-        if s.cause == Cause.SLOWER:
-            assert s.predicted_cached > s.predicted_full > 0 and s.reason.startswith("cached slower: predicted")
-    assert math.isnan(session.stats[0].predicted_full)  # nothing measured before the first frame
+        assert s.predicted_cached > s.predicted_full > 0 and s.reason.startswith("cached slower: predicted")
+    first = StreamSession(model, quality_guard=False)
+    first(frames[0])
+    assert math.isnan(first.stats[0].predicted_full)  # nothing measured before the first frame
 
 
 def test_near_tie_checks_are_charged_to_the_cached_path(frames):
@@ -98,6 +112,37 @@ def test_near_tie_checks_are_charged_to_the_cached_path(frames):
     near_ties = [s for s in session.stats[1:] if s.audit]
     assert near_ties and all(s.reason.startswith("audit: near tie") for s in near_ties)
     assert len(near_ties) <= session.config.backoff_after + 1, causes
+
+
+def test_the_speed_guard_charges_the_cached_path_its_expected_near_tie_checks(frames, monkeypatch):
+    """A near-tie check runs full inference on top of the cached frame: once the recent cached frames all needed one,
+    a plan that is cheaper than a full frame no longer makes the cached path cheaper, and the guard runs full."""
+    from incrinf.stream.decisions import Prediction, SpeedGuard
+
+    guard = SpeedGuard()
+    assert guard.check_rate == 0.0
+    for checked in (True, False, True, True):
+        guard.record_check(checked)
+    assert guard.check_rate == 0.75
+    assert Prediction(1.0, 0.3, 0.75).cached_total == pytest.approx(1.05)
+    assert Prediction(1.0, 0.3).cached_faster and not Prediction(1.0, 0.3, 0.75).cached_faster
+
+    model = _wide()
+    session = StreamSession(model, max_backoff=0, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
+                            sampled_audits=False, input_size=(H, W))
+    _frozen_costs(session, monkeypatch)
+    session._quality.risky = lambda margin: True  # every cached frame's top-1 is a near tie
+    for frame in frames[:8]:
+        torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
+    stats = session.stats
+    # frame 1: checked by rule (no audit yet); frame 2: the first cached frame after an audit, checked as well; from
+    # then on the plan (a few percent of a frame) plus a full check per frame costs more than a full frame
+    assert [s.cause for s in stats[1:3]] == [Cause.AUDIT, Cause.AUDIT]
+    assert all(s.reason.startswith("audit: near tie") for s in stats[1:3])
+    later = stats[3:]
+    assert all(s.cause == Cause.SLOWER and "expected near-tie checks" in s.reason for s in later), \
+        [s.reason for s in later]
+    assert all(s.predicted_cached < s.predicted_full for s in later)  # the plan alone would have run cached
 
 
 def test_cost_calibration_takes_medians_of_ratios_per_kind():
@@ -126,9 +171,11 @@ def test_cost_calibration_takes_medians_of_ratios_per_kind():
     # pruning: commits at a tensor that kept a fifth of what they computed discount the steps after it
     name = costs.program.cached[0]
     assert costs.kept(name) == 1.0
-    for _ in range(5):
-        costs.record_kept(name, 100, 20)
-    assert costs.kept(name) == pytest.approx(0.2) and costs.kept(costs.program.cached[-1]) == 1.0
+    costs.record_kept(name, 100, 20)  # counts from the plan, no timing: one frame says it
+    assert costs.kept(name) == pytest.approx(0.2)
+    for _ in range(4):
+        costs.record_kept(name, 100, 30)
+    assert costs.kept(name) == pytest.approx(0.3) and costs.kept(costs.program.cached[-1]) == 1.0
 
 
 # --- quality ----------------------------------------------------------------------------------------------------
@@ -456,3 +503,56 @@ def test_a_sampled_audit_detects_an_injected_drift(frames):
     assert first.sampled_error > 10 * max(s.sampled_error for s in honest) and first.cause == Cause.AUDIT
     assert first.agreement is not None  # the flagged frame was audited in full (and returned full inference)
     torch.testing.assert_close(session(frames[14]), _full(model, frames[14]), rtol=1e-3, atol=1e-3)
+
+
+def _dilated() -> nn.Module:
+    """A dense model whose exact receptive field soon covers its whole (small, deep) map, with no tail after its
+    local part: exactly propagated, the smallest change recomputes nearly everything; pruned, it may die down to a
+    few positions."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 32, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(32, 96, 3, stride=2, padding=1),
+              nn.ReLU()]
+    for _ in range(9):  # wide enough that a step's fixed cost is small against its map's
+        layers += [nn.Conv2d(96, 96, 3, padding=2, dilation=2), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Conv2d(96, 2, 1)).eval()
+
+
+def _heavy_head() -> nn.Module:
+    """A cheap local stem, then a global-pooling branch that scales every position of a heavy head: every change
+    reaches the head, whatever pruning does before it."""
+    torch.manual_seed(0)
+
+    class HeavyHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+            self.fc = nn.Conv2d(8, 8, 1)
+            self.head = nn.Sequential(nn.Conv2d(8, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
+                                      nn.ReLU(), nn.Conv2d(32, 2, 1))
+
+        def forward(self, x):
+            x = torch.relu(self.stem(x))
+            return self.head(x * torch.sigmoid(self.fc(x.mean(dim=(2, 3), keepdim=True))))
+
+    return HeavyHead().eval()
+
+
+def test_the_no_reuse_decision_counts_the_floor_pruning_cannot_cut(frames):
+    from incrinf.engine import FrameEngine
+    from incrinf.stream.decisions import best_saving
+
+    dilated = FrameEngine(capture(_dilated(), (3, H, W)))
+    head = FrameEngine(capture(_heavy_head(), (3, H, W)))
+    # exact: the smallest change already computes most of a frame on both; pruned, only the head's floor stays high
+    assert best_saving(dilated) < 0.3 and best_saving(head) < 0.3
+    assert best_saving(dilated, pruning=True) > 0.9
+    assert best_saving(head, pruning=True) < 0.3
+    floor_flops, _ = head.floor()
+    assert floor_flops >= head.program.tail_flops > 0.7 * head.program.full_flops
+    for model, pruned_reuse in ((_dilated(), True), (_heavy_head(), False)):
+        for threshold, reuse in ((None, pruned_reuse), (0.0, False)):
+            session = StreamSession(model, feature_threshold=threshold)
+            for frame in frames[:5]:
+                torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
+            no_reuse = [s.cause == Cause.NO_REUSE for s in session.stats[1:]]
+            assert not any(no_reuse) if reuse else all(no_reuse), (type(model).__name__, threshold)

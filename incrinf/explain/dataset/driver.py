@@ -20,7 +20,7 @@ import numpy as np
 import torch.nn as nn
 
 from incrinf.explain.dataset.executors import Executor, InProcessExecutor, ProcessExecutor, RayExecutor
-from incrinf.explain.dataset.inputs import InputItem, Selection, discover_inputs, find_masks
+from incrinf.explain.dataset.inputs import KIND_VOLUMES, InputItem, Selection, discover_inputs, find_masks
 from incrinf.explain.dataset.job import ExplainSpec, ModelSource, Preprocessing, Task
 from incrinf.explain.dataset.report import DatasetReport
 from incrinf.explain.dataset.stats import class_means, inside_share, load_mask
@@ -30,11 +30,13 @@ from incrinf.explain.dataset.store import (
     STATUS_PENDING,
     RunFolder,
     atomic_write_bytes,
+    atomic_write_nifti,
     atomic_write_png,
     base_record,
     source_signature,
     table_row,
 )
+from incrinf.explain.dataset.volumes import VolumePreprocessing
 
 
 class DatasetInterrupted(KeyboardInterrupt):
@@ -53,6 +55,8 @@ def explain_dataset(
     weights: str | None = None,
     normalization: str | None = None,
     size: int | None = None,
+    volume_index: int = 0,
+    resize: tuple[int, int, int] | None = None,
     masks: str | os.PathLike | None = None,
     mask_threshold: float = 0.5,
     workers: int = 1,
@@ -65,21 +69,28 @@ def explain_dataset(
     callback: Callable[[dict[str, Any]], None] | None = None,
     **occlusion_options: Any,
 ) -> DatasetReport:
-    """Occlusion heat maps for every image of a dataset, written to ``out`` with a table and a gallery.
+    """Occlusion heat maps for every image (or NIfTI volume) of a dataset, written to ``out`` with a table and a
+    gallery.
+
+    A run explains images or volumes (``.nii``, ``.nii.gz``), not both. A volume is read as ``incrinf explain
+    VOLUME`` reads one (axes (x, y, z) -> (D, H, W), standardised), explained with ``spatial_dims=3``, and its
+    outputs add the voxel heat map as NIfTI with the scan's affine; the gallery shows montages of slices.
 
     Re-running with the same arguments skips complete inputs (see :meth:`RunFolder.is_complete`) and redoes
     failed and partial ones; an unreadable input becomes an error row and the run goes on.
 
     Args:
         model: a zoo name (``"efficientnet_lite0"``, ``"resnet18"``, ...) or a module (pickled to workers).
-        inputs: image files, directories (walked recursively) and glob patterns (``**`` recursive).
+        inputs: image or NIfTI files, directories (walked recursively) and glob patterns (``**`` recursive).
         out: the run's folder (created).
         weights: state-dict file for a zoo architecture.
         normalization: zoo name whose mean/std preprocess the images (default: ``model`` when it is a name,
             else ImageNet's).
         size: shorter side the images are resized to, then centre-cropped square (default: the model's).
-        masks: a mask image for every input, or a folder of masks matched by relative path or stem; the share
-            of positive heat inside each mask goes into the table.
+        volume_index: volumes: which volume of a 4-D (x, y, z, t) file.
+        resize: volumes: (D, H, W) every scan is resampled to (trilinear), e.g. to fit the model's downsampling.
+        masks: images: a mask image for every input, or a folder of masks matched by relative path or stem; the
+            share of positive heat inside each mask goes into the table.
         mask_threshold: inputs with more than this share of their positive heat outside their mask are listed.
         workers: local processes (1 = in-process); with ``ray``, the number of actors (default: one per
             ``cpus_per_worker`` CPUs of the cluster).
@@ -87,7 +98,7 @@ def explain_dataset(
             connects to a cluster.
         cpus_per_worker: CPUs (and torch threads) per Ray actor.
         overwrite: recompute every input.
-        labels: class names by index (default: ImageNet's for zoo models, none for modules).
+        labels: class names by index (default: ImageNet's for zoo image models, none otherwise).
         gallery: write ``index.html``.
         progress: progress bars (over inputs; in-process also per input).
         callback: called with each input's table row as soon as its outputs are written.
@@ -98,16 +109,26 @@ def explain_dataset(
         A :class:`DatasetReport` (its ``exit_code`` is what ``incrinf explain`` returns).
 
     Raises:
-        FileNotFoundError / ValueError: missing inputs or masks, no images, bad options.
+        FileNotFoundError / ValueError: missing inputs or masks, no inputs, images and volumes mixed, bad
+            options (an image option for volumes or the reverse, ``target="all"``, ``feature_mask``).
         RuntimeError: the out folder is in use by another run, or workers cannot load the model.
         DatasetInterrupted: Ctrl-C; its ``report`` describes the folder as left (every finished input kept).
     """
     selection = discover_inputs([inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs))
-    spec = _spec(model, weights, normalization, size, occlusion_options)
+    volumes = selection.kind == KIND_VOLUMES
+    if volumes:
+        if masks is not None:
+            raise ValueError("masks= (the shortcut check) compares heat with image masks; a volume run has none "
+                             "(explain one scan with feature_mask= to score anatomical labels)")
+        spec = _volume_spec(model, weights, normalization, size, volume_index, resize, occlusion_options)
+    else:
+        if volume_index != 0 or resize is not None:
+            raise ValueError("volume_index= and resize= are for NIfTI volumes; these inputs are images (use size=)")
+        spec = _spec(model, weights, normalization, size, occlusion_options)
     if not 0.0 <= mask_threshold <= 1.0:
         raise ValueError(f"mask_threshold must be in [0, 1], got {mask_threshold}")
     mask_check = _MaskCheck(find_masks(selection.items, masks), spec.preprocessing, mask_threshold)
-    if labels is None and isinstance(model, str):
+    if labels is None and isinstance(model, str) and not volumes:
         labels = imagenet_labels()
     settings = spec.settings_digest()
     items = selection.items
@@ -150,24 +171,65 @@ def _spec(model: nn.Module | str, weights: str | None, normalization: str | None
           options: dict[str, Any]) -> ExplainSpec:
     from incrinf import models
 
-    if isinstance(model, str):
-        if model not in models.available():
-            raise ValueError(f"unknown model {model!r}; try one of: {', '.join(models.ZOO)}")
-        source = ModelSource(name=model, weights=weights)
-    elif isinstance(model, nn.Module):
-        if weights is not None:
-            raise ValueError("weights= goes with a zoo model name; load them into the module yourself")
-        source = ModelSource(module=model)
-    else:
-        raise TypeError(f"model must be a zoo name or an nn.Module, got {type(model).__name__}")
+    source = _source(model, weights)
+    if isinstance(model, str) and models.is_volume_model(model):
+        raise ValueError(f"{model} explains 3-D volumes, and these inputs are images: give NIfTI files "
+                         "(.nii, .nii.gz) or an image model")
     normalization = normalization or (model if isinstance(model, str) else "imagenet")
     size = size if size is not None else models.info(normalization).input_size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"size must be a positive int, got {size!r}")
+    _check_options(options)
+    return ExplainSpec(source, Preprocessing(normalization, size), dict(options))
+
+
+def _volume_spec(model: nn.Module | str, weights: str | None, normalization: str | None, size: int | None,
+                 volume_index: int, resize: tuple[int, int, int] | None, options: dict[str, Any]) -> ExplainSpec:
+    from incrinf import models
+
+    source = _source(model, weights)
+    if isinstance(model, str) and not models.is_volume_model(model):
+        raise ValueError(f"{model} explains RGB images, and these inputs are NIfTI volumes: give a 3-D model "
+                         f"({', '.join(models.VOLUME_MODELS)}) or a module")
+    if normalization is not None or size is not None:
+        raise ValueError("normalization= and size= are for images; volumes are standardised per scan (use "
+                         "resize=(D, H, W) to resample them)")
+    if isinstance(volume_index, bool) or not isinstance(volume_index, int) or volume_index < 0:
+        raise ValueError(f"volume_index must be an int >= 0, got {volume_index!r}")
+    if resize is not None:
+        if len(tuple(resize)) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in resize):
+            raise ValueError(f"resize must be three positive ints (D, H, W), got {resize!r}")
+        resize = tuple(resize)
+    if options.get("spatial_dims", 3) != 3:
+        raise ValueError(f"volumes have 3 spatial axes, got spatial_dims={options['spatial_dims']!r}")
+    _check_options(options)
+    return ExplainSpec(source, VolumePreprocessing(volume_index, resize), dict(options))
+
+
+def _source(model: nn.Module | str, weights: str | None) -> ModelSource:
+    from incrinf import models
+
+    if isinstance(model, str):
+        if model not in models.available():
+            raise ValueError(f"unknown model {model!r}; try one of: {', '.join((*models.ZOO, *models.VOLUME_MODELS))}")
+        return ModelSource(name=model, weights=weights)
+    if isinstance(model, nn.Module):
+        if weights is not None:
+            raise ValueError("weights= goes with a zoo model name; load them into the module yourself")
+        return ModelSource(module=model)
+    raise TypeError(f"model must be a zoo name or an nn.Module, got {type(model).__name__}")
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Refuse, before any work, options a dataset run cannot honour per input."""
     if "progress" in options:
         raise TypeError("pass progress= to explain_dataset itself (it controls both progress bars)")
+    if options.get("target") == "all":
+        raise ValueError("target='all' makes a map per class of one input; a dataset run explains one class per "
+                         "input (the predicted one, or target=K)")
+    if options.get("feature_mask") is not None:
+        raise ValueError("feature_mask= explains one input's features; a dataset run slides windows")
     _check_option_names(options)
-    return ExplainSpec(source, Preprocessing(normalization, size), dict(options))
 
 
 def _check_option_names(options: dict[str, Any]) -> None:
@@ -281,22 +343,28 @@ class _MaskCheck:
 def _finish(folder: RunFolder, selection: Selection, records: dict[str, dict[str, Any]], mask_check: _MaskCheck,
             labels: Sequence[str] | None, gallery: bool, report: DatasetReport) -> DatasetReport:
     """Bring masks up to date, derive the table, statistics, summary and gallery from the records."""
-    maps = []
-    for item in selection.items:
-        record = records.get(item.id)
-        if record is None or record["status"] != STATUS_OK:
-            continue
-        pixel = folder.load_pixel_map(record)
-        maps.append((record["target"], pixel))
-        current = mask_check.key(item.id)
-        entry = record.get("mask")
-        stale = {k: v for k, v in (entry or {}).items() if k in ("file", "source", "threshold", "size")}
-        if current != (stale or None):  # masks added, changed or dropped since the record was written
-            record["mask"] = mask_check(item, pixel)
-            folder.write_record(record)
+
+    def maps():
+        """Each complete input's (target, pixel map, affine), one at a time (a run of large volumes does not fit in
+        memory at once), bringing its mask entry up to date on the way."""
+        for item in selection.items:
+            record = records.get(item.id)
+            if record is None or record["status"] != STATUS_OK:
+                continue
+            pixel = folder.load_pixel_map(record)
+            affine = record.get("affine")
+            yield record["target"], pixel, None if affine is None else np.asarray(affine)
+            current = mask_check.key(item.id)
+            entry = record.get("mask")
+            stale = {k: v for k, v in (entry or {}).items() if k in ("file", "source", "threshold", "size")}
+            if current != (stale or None):  # masks added, changed or dropped since the record was written
+                record["mask"] = mask_check(item, pixel)
+                folder.write_record(record)
+
+    report.class_means = class_means(maps(), folder.root, atomic_write_png, atomic_write_nifti)
     report.rows = [table_row(records[item.id], labels) if item.id in records else
                    table_row(base_record(item, "", {}), labels) for item in selection.items]
-    report.class_means = class_means(maps, folder.root, atomic_write_png)
+    report.kind = selection.kind
     report.mask_outside = [row for row in report.rows if row.get("mask_outside")]
     report.skipped_non_images = [str(p) for p in selection.skipped_non_images]
     folder.write_table(report.rows)
@@ -310,7 +378,8 @@ def _finish(folder: RunFolder, selection: Selection, records: dict[str, dict[str
 
 def _write_summary(folder: RunFolder, report: DatasetReport) -> None:
     summary = {
-        "inputs": len(report.rows), "ok": report.count(STATUS_OK), "failed": report.count(STATUS_ERROR),
+        "inputs": len(report.rows), "kind": report.kind, "ok": report.count(STATUS_OK),
+        "failed": report.count(STATUS_ERROR),
         "pending": report.count(STATUS_PENDING), "computed_this_run": report.computed,
         "skipped_complete": report.skipped, "seconds": report.seconds, "inputs_per_minute": report.inputs_per_minute,
         "startup_seconds": report.startup_seconds, "executor": report.executor, "workers": report.workers,

@@ -49,10 +49,11 @@ def _card(row: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": item_id, "name": Path(row["path"]).name, "path": row["path"], "target": row["target"],
         "label": row.get("class_name") or "", "score": row["score"], "drop": row["largest_drop"],
-        "at": [row["drop_y"], row["drop_x"]], "patch": row["patch"], "seconds": row["seconds"],
+        "at": [v for v in (row.get("drop_z"), row["drop_y"], row["drop_x"]) if v is not None],
+        "patch": row["patch"], "seconds": row["seconds"],
         "maskInside": row.get("mask_inside_share"),
         "thumb": f"items/{item_id}.thumb.png", "overlay": f"items/{item_id}.overlay.png",
-        "image": f"items/{item_id}.image.png",
+        "image": f"items/{item_id}.image.png", "voxels": row.get("voxels_file"),
     }
 
 
@@ -106,7 +107,7 @@ h1{font-size:1.3em;margin:.2em 0}h2{font-size:1.1em;margin-top:1.6em}
 .card:hover{border-color:#246}.card img{width:100%;height:auto;display:block;image-rendering:auto}
 .card .name{font-weight:600;overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
 .means{display:flex;gap:1em;flex-wrap:wrap}.mean{margin:0;cursor:pointer;font-size:.82em;text-align:center}
-.mean img{width:128px;height:128px}
+.mean img{height:128px;width:auto}
 table{border-collapse:collapse;font-size:.85em}td,th{border:1px solid #ddd;padding:.2em .5em;text-align:left}
 #viewer{position:fixed;inset:0;background:rgba(0,0,0,.8);display:flex;flex-direction:column;
  align-items:center;justify-content:center;z-index:2;color:#fff}
@@ -182,10 +183,12 @@ function figure(src, caption) {
 }
 function openViewer(it) {
   const pair = viewer.querySelector(".pair");
-  pair.replaceChildren(figure(it.overlay, "occlusion heat map"), figure(it.image, "model input"));
+  pair.replaceChildren(figure(it.overlay, "occlusion heat map"),
+    figure(it.image, it.voxels ? "model input (slices)" : "model input"));
   viewer.querySelector(".details").textContent = it.path + " \\u2014 class " + it.target +
     (it.label ? " (" + it.label + ")" : "") + ", score " + fmt(it.score) + ", largest drop " + fmt(it.drop) +
-    " at y=" + it.at[0] + ", x=" + it.at[1] + " (window " + it.patch + "), " + fmt(it.seconds) + " s";
+    " at " + it.at.map((v, i) => (it.at.length === 3 ? "zyx" : "yx")[i] + "=" + v).join(", ") +
+    " (window " + it.patch + "), " + fmt(it.seconds) + " s" + (it.voxels ? "; voxel heat map " + it.voxels : "");
   viewer.hidden = false;
 }
 function closeViewer() { viewer.hidden = true; viewer.querySelector(".pair").replaceChildren(); }
@@ -224,7 +227,8 @@ _PAGE = """<!doctype html>
 </header>
 <main id="grid"></main>
 <section id="class-means"><h2>Mean heat map per class</h2>
-<p>Pixel-wise mean over the inputs explained for each class (same input size); click one to show its inputs.</p>
+<p>Pixel-wise (voxel-wise for volumes: a montage of slices) mean over the inputs explained for each class (same
+input size); click one to show its inputs.</p>
 {class_means}
 </section>
 {mask_section}

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from incrinf.explain.dataset.volumes import VOLUME_SUFFIXES, is_volume_name
+
 # Suffixes a directory walk takes (case-insensitive). Files named directly or matched by a glob are taken
 # whatever their suffix: the user asked for them, so one that is not an image becomes an error row.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm")
@@ -43,12 +45,22 @@ class InputItem:
     id: str
 
 
+# What a run's inputs are: every input of a run is of one kind (a model explains either RGB images or volumes).
+KIND_IMAGES, KIND_VOLUMES = "images", "volumes"
+
+
 @dataclass(frozen=True)
 class Selection:
-    """The inputs of a run, in a stable order, and what a directory walk passed over."""
+    """The inputs of a run, in a stable order, and what a directory walk passed over.
+
+    Attributes:
+        kind: :data:`KIND_VOLUMES` when the inputs are NIfTI files (``.nii``, ``.nii.gz``), else
+            :data:`KIND_IMAGES`.
+    """
 
     items: tuple[InputItem, ...]
     skipped_non_images: tuple[Path, ...]
+    kind: str = KIND_IMAGES
 
 
 def is_pattern(spec: str) -> bool:
@@ -59,14 +71,16 @@ def is_pattern(spec: str) -> bool:
 def discover_inputs(specs: Sequence[str | os.PathLike]) -> Selection:
     """Expand files, directories (recursively) and glob patterns into the inputs of a dataset run.
 
-    Directories contribute the files with an image suffix (:data:`IMAGE_SUFFIXES`), hidden files and folders
-    excluded; the others are listed in ``skipped_non_images``. Patterns follow :func:`glob.glob` with
-    ``recursive=True`` (``**`` crosses folders); a directory they match is walked. A file reached twice is
-    explained once. Order: the order of ``specs``, sorted by relative name within each.
+    Directories contribute the files with an image suffix (:data:`IMAGE_SUFFIXES`) or a NIfTI one (``.nii``,
+    ``.nii.gz``), hidden files and folders excluded; the others are listed in ``skipped_non_images``. A run
+    explains images or volumes, never both: a selection with both is a ``ValueError`` naming one of each.
+    Patterns follow :func:`glob.glob` with ``recursive=True`` (``**`` crosses folders); a directory they match
+    is walked. A file reached twice is explained once. Order: the order of ``specs``, sorted by relative name
+    within each.
 
     Raises:
         FileNotFoundError: a path that does not exist, or a pattern that matches nothing.
-        ValueError: no specs, or no input file at all.
+        ValueError: no specs, no input file at all, or images and volumes mixed.
     """
     if isinstance(specs, (str, os.PathLike)):
         specs = [specs]
@@ -84,9 +98,22 @@ def discover_inputs(specs: Sequence[str | os.PathLike]) -> Selection:
                 items.append(InputItem(path, rel, item_id(path, rel)))
     if not items:
         listed = ", ".join(os.fspath(s) for s in specs)
-        raise ValueError(f"no image files in {listed} (a directory contributes files ending in "
-                         f"{', '.join(IMAGE_SUFFIXES)})")
-    return Selection(tuple(items), tuple(skipped))
+        raise ValueError(f"no image or volume files in {listed} (a directory contributes files ending in "
+                         f"{', '.join(IMAGE_SUFFIXES + VOLUME_SUFFIXES)})")
+    return Selection(tuple(items), tuple(skipped), _kind(items))
+
+
+def _kind(items: Sequence[InputItem]) -> str:
+    """The selection's kind; a ValueError when it mixes images and volumes (one model cannot explain both)."""
+    volumes = [item for item in items if is_volume_name(item.path.name)]
+    if not volumes:
+        return KIND_IMAGES
+    if len(volumes) < len(items):
+        image = next(item for item in items if not is_volume_name(item.path.name))
+        raise ValueError(f"the inputs mix {len(volumes)} NIfTI volume(s) (e.g. {volumes[0].rel}) with "
+                         f"{len(items) - len(volumes)} other file(s) (e.g. {image.rel}): a dataset run explains "
+                         "images or volumes with one model, so run each kind into its own --out folder")
+    return KIND_VOLUMES
 
 
 def _expand(spec: str) -> tuple[list[tuple[Path, str]], list[Path]]:
@@ -123,7 +150,7 @@ def _walk(root: Path) -> tuple[list[tuple[Path, str]], list[Path]]:
             if name.startswith("."):
                 continue
             path = Path(folder) / name
-            if path.suffix.lower() in IMAGE_SUFFIXES:
+            if path.suffix.lower() in IMAGE_SUFFIXES or is_volume_name(name):
                 found.append((path.resolve(), _relative(path, root)))
             else:
                 skipped.append(path)

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from incrinf.explain.dataset.volumes import VolumePreprocessing
+
 # How a task failed; the driver branches on these, never on messages.
 ERROR_READ = "read"  # the driver could not read the file
 ERROR_DECODE = "decode"  # not an image, corrupt or truncated
@@ -80,6 +82,10 @@ class Preprocessing:
     normalization: str
     size: int
 
+    def key(self) -> list:
+        """What the settings digest records of it."""
+        return [self.normalization, self.size]
+
     def apply(self, rgb: np.ndarray) -> torch.Tensor:
         from incrinf import models
 
@@ -97,15 +103,20 @@ class ExplainSpec:
     """Everything a worker needs besides the inputs: the model, preprocessing and occlusion options."""
 
     model: ModelSource
-    preprocessing: Preprocessing
+    preprocessing: Preprocessing | VolumePreprocessing
     options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def volumes(self) -> bool:
+        """Whether the inputs are NIfTI volumes (else RGB images)."""
+        return isinstance(self.preprocessing, VolumePreprocessing)
 
     def settings_digest(self) -> str:
         """Digest of what determines the outputs (model, preprocessing, occlusion options); see
         ``_HOW_NOT_WHAT`` for the options left out."""
         options = {k: _canonical(v) for k, v in sorted(self.options.items()) if k not in _HOW_NOT_WHAT}
-        text = json.dumps({"model": self.model.digest(), "pre": [self.preprocessing.normalization,
-                           self.preprocessing.size], "options": options}, sort_keys=True)
+        text = json.dumps({"model": self.model.digest(), "pre": self.preprocessing.key(), "options": options},
+                          sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -153,7 +164,9 @@ class Outcome:
             :class:`incrinf.OcclusionResult`.
         score: the model's ``output`` ("logit" or "prob") for ``target`` on the unoccluded input;
             ``probability`` its softmax probability; ``predicted`` the top-1 class.
-        display: (H, W, 3) uint8 picture of the model's input (the crop the heat map is aligned with).
+        display: (H, W, 3) uint8 picture of the model's input (the crop the heat map is aligned with); for a
+            volume the (D, H, W) float32 standardised scan the model saw.
+        affine: volumes only: (4, 4) voxel -> world affine of ``display``'s grid (the scan's, resampled).
         seconds: wall time of the job in the worker. ``worker``: ``pid@host``.
     """
 
@@ -173,6 +186,7 @@ class Outcome:
     probability: float | None = None
     predicted: int | None = None
     display: np.ndarray | None = None
+    affine: np.ndarray | None = None
     seconds: float = 0.0
     worker: str = ""
 
@@ -201,23 +215,31 @@ class Explainer:
 
         if task.data is None:
             return Outcome(task.index, task.id, ERROR_READ, task.read_error)
+        preprocessing = self.spec.preprocessing
         try:
-            rgb = decode_rgb(task.data, task.name)
+            if isinstance(preprocessing, VolumePreprocessing):
+                scan = preprocessing.apply(task.data, task.name)
+                x, display, affine = torch.from_numpy(scan.voxels)[None], scan.voxels, scan.affine
+            else:
+                x = preprocessing.apply(decode_rgb(task.data, task.name))
+                display, affine = preprocessing.display(x), None
         except ValueError as exc:
             return Outcome(task.index, task.id, ERROR_DECODE, str(exc))
         try:
-            return self._explain(task, rgb)
+            return self._explain(task, x, display, affine)
         except Exception as exc:  # one bad input must not end the run: its error goes in the table
             where = traceback.extract_tb(exc.__traceback__)[-1]
             return Outcome(task.index, task.id, ERROR_EXPLAIN,
                            f"{type(exc).__name__}: {exc} ({Path(where.filename).name}:{where.lineno})")
 
-    def _explain(self, task: Task, rgb: np.ndarray) -> Outcome:
+    def _explain(self, task: Task, x: torch.Tensor, display: np.ndarray, affine: np.ndarray | None) -> Outcome:
+        """Explain the model's input ``x`` ((C, H, W) image or (1, D, H, W) volume)."""
         import incrinf  # the public entry point, looked up per call so options that land later flow through
 
-        x = self.spec.preprocessing.apply(rgb)
         options = dict(self.spec.options)
         options.setdefault("progress", self.progress)
+        if self.spec.volumes:
+            options.setdefault("spatial_dims", 3)
         result = incrinf.occlusion(self.model, x, **options)
         with torch.no_grad():
             logits = self.model(x[None].to(options.get("device") or x.device)).reshape(1, -1).float().cpu()
@@ -231,7 +253,7 @@ class Explainer:
             patch=tuple(int(v) for v in result.patch), stride=tuple(int(v) for v in result.stride),
             image_shape=tuple(int(v) for v in result.image_shape), stats=_plain(result.stats.as_dict()),
             score=float(score), probability=float(probs[result.target]), predicted=int(probs.argmax()),
-            display=self.spec.preprocessing.display(x))
+            display=display, affine=affine)
 
 
 def _plain(stats: dict[str, Any]) -> dict[str, Any]:

@@ -25,8 +25,9 @@ class DatasetReport:
         executor: "in-process", "processes" or "ray"; workers, workers_lost and retried describe it.
         class_means: mean heat map per class. mask_outside: rows whose positive heat falls mostly outside
             their mask. mask_threshold: the outside share above which a row is listed.
-        skipped_non_images: files a directory walk passed over (no image suffix).
+        skipped_non_images: files a directory walk passed over (no image or NIfTI suffix).
         interrupted: the run was stopped (Ctrl-C) before every input was done.
+        kind: ``"images"`` or ``"volumes"`` (NIfTI scans).
     """
 
     out: Path
@@ -44,6 +45,7 @@ class DatasetReport:
     skipped_non_images: list[str] = field(default_factory=list)
     interrupted: bool = False
     startup_seconds: float = 0.0
+    kind: str = "images"
 
     def count(self, status: str) -> int:
         return sum(row["status"] == status for row in self.rows)
@@ -75,7 +77,7 @@ class DatasetReport:
         if self.workers_lost:
             lines.append(f"{self.workers_lost} worker(s) lost; {self.retried} input(s) retried on other workers")
         if self.skipped_non_images:
-            lines.append(f"passed over {len(self.skipped_non_images)} file(s) without an image suffix, e.g. "
+            lines.append(f"passed over {len(self.skipped_non_images)} file(s) without an image or NIfTI suffix, e.g. "
                          f"{self.skipped_non_images[0]}")
         for row in [r for r in self.rows if r["status"] == STATUS_ERROR][:10]:
             lines.append(f"  failed: {row['path']}: {row['error']}")

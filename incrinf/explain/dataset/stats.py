@@ -12,40 +12,45 @@ from pathlib import Path
 import numpy as np
 
 
-def pixel_map(heatmap: np.ndarray, positions: np.ndarray, patch: tuple[int, int], image_shape: tuple[int, int]
+def pixel_map(heatmap: np.ndarray, positions: np.ndarray, patch: tuple[int, ...], image_shape: tuple[int, ...]
               ) -> np.ndarray:
-    """(H, W) mean heat of the windows covering each pixel; equals :meth:`incrinf.OcclusionResult.pixel_map`.
+    """(*image_shape) mean heat of the windows covering each element; equals
+    :meth:`incrinf.OcclusionResult.pixel_map`, for images (H, W) and volumes (D, H, W) alike.
 
-    Vectorised with summed-area tables (the method's loop over thousands of windows takes 10-50 ms per map).
+    Vectorised with summed-area tables (the method's loop over thousands of windows takes 10-50 ms per map): each
+    window adds its value at its 2^d corners with alternating signs, and cumulative sums along every axis spread
+    it over exactly the window.
 
     Args:
-        heatmap: (rows, cols) values, row-major over ``positions``.
-        positions: (rows*cols, 2) window corners (y, x); windows may reach past the image (clipped).
-        patch: (h, w) window size. image_shape: (H, W).
+        heatmap: (*grid) values, row-major over ``positions``.
+        positions: (prod(grid), d) window corners; windows may reach past the input (clipped).
+        patch: (d,) window size. image_shape: (d,) spatial extents.
     """
-    h, w = image_shape
-    ys, xs = positions[:, 0], positions[:, 1]
-    y1, x1 = np.minimum(ys + patch[0], h), np.minimum(xs + patch[1], w)
+    import itertools
+
+    shape = tuple(int(v) for v in image_shape)
+    starts = [positions[:, axis] for axis in range(len(shape))]
+    ends = [np.minimum(positions[:, axis] + patch[axis], shape[axis]) for axis in range(len(shape))]
     values = np.asarray(heatmap, np.float64).ravel()
 
     def cover(weights: np.ndarray) -> np.ndarray:
-        corners = np.zeros((h + 1, w + 1), np.float64)
-        np.add.at(corners, (ys, xs), weights)
-        np.add.at(corners, (ys, x1), -weights)
-        np.add.at(corners, (y1, xs), -weights)
-        np.add.at(corners, (y1, x1), weights)
-        return corners.cumsum(0).cumsum(1)[:h, :w]
+        corners = np.zeros(tuple(n + 1 for n in shape), np.float64)
+        for upper in itertools.product((False, True), repeat=len(shape)):
+            index = tuple(end if up else start for up, start, end in zip(upper, starts, ends))
+            np.add.at(corners, index, -weights if sum(upper) % 2 else weights)
+        for axis in range(len(shape)):
+            corners = corners.cumsum(axis)
+        return corners[tuple(slice(0, n) for n in shape)]
 
     total = cover(values)
     count = np.rint(cover(np.ones_like(values)))  # integer counts; rint drops cumsum round-off
-    return np.divide(total, count, out=np.zeros((h, w)), where=count > 0)
+    return np.divide(total, count, out=np.zeros(shape), where=count > 0)
 
 
-def grid_positions(grid: tuple[int, int], stride: tuple[int, int]) -> np.ndarray:
-    """(rows*cols, 2) corners of a regular occlusion grid, row-major (the layout of every heat map)."""
-    rows, cols = grid
-    ys, xs = np.meshgrid(np.arange(rows) * stride[0], np.arange(cols) * stride[1], indexing="ij")
-    return np.stack([ys.ravel(), xs.ravel()], axis=1).astype(np.int64)
+def grid_positions(grid: tuple[int, ...], stride: tuple[int, ...]) -> np.ndarray:
+    """(prod(grid), d) corners of a regular occlusion grid, row-major (the layout of every heat map)."""
+    axes = np.meshgrid(*[np.arange(n) * s for n, s in zip(grid, stride)], indexing="ij")
+    return np.stack([a.ravel() for a in axes], axis=1).astype(np.int64)
 
 
 def heat_colours(pixel: np.ndarray, vmax: float | None = None) -> np.ndarray:
@@ -101,34 +106,46 @@ def inside_share(pixel: np.ndarray, mask: np.ndarray) -> float | None:
 
 @dataclass(frozen=True)
 class ClassMean:
-    """Mean pixel map of the inputs explained for one class (with the same input size).
+    """Mean pixel (or voxel) map of the inputs explained for one class (with the same input size).
 
     Attributes:
-        target: the class. count: inputs averaged. picture: file name of its PNG (relative to the run's folder).
-        peak: the mean map's maximum (the colour scale's top).
+        target: the class. count: inputs averaged. picture: file name of its PNG (relative to the run's folder;
+            a montage of slices for volumes). peak: the mean map's maximum (the colour scale's top).
+        volume: volumes only: the mean as a NIfTI file (relative name), with the affine of the class's first scan.
     """
 
     target: int
     count: int
     picture: str
     peak: float
+    volume: str | None = None
 
 
-def class_means(maps: Iterable[tuple[int, np.ndarray]], out_dir: Path, write_png) -> list[ClassMean]:
-    """Average pixel maps per class and write one picture per class.
+def class_means(maps: Iterable[tuple[int, np.ndarray, np.ndarray | None]], out_dir: Path, write_png,
+                write_volume=None) -> list[ClassMean]:
+    """Average pixel (voxel) maps per class and write one picture per class (and, for volumes, a NIfTI file).
+
+    The mean is taken element by element, so it means something for inputs on one grid: images cropped to one
+    size, or scans registered to one template (a class's scans of another shape are left out).
 
     Args:
-        maps: (target, pixel map) pairs; maps whose shape differs from the class's first are left out (only
-            aligned images are averaged).
-        out_dir: the run's folder; pictures go to ``stats/class-<target>.png``.
+        maps: (target, pixel map, affine) triples: (H, W) maps with affine None, or (D, H, W) maps with the
+            (4, 4) affine of their scan's grid.
+        out_dir: the run's folder; pictures go to ``stats/class-<target>.png``, volumes to
+            ``stats/class-<target>.nii.gz``.
         write_png: ``write_png(path, rgb_array)``, an atomic writer.
+        write_volume: ``write_volume(path, values, affine)``, an atomic NIfTI writer (needed for volumes).
     """
+    from incrinf.explain.dataset.volumes import heat_montage
+
     sums: dict[int, np.ndarray] = {}
     counts: dict[int, int] = {}
-    for target, pixel in maps:
+    affines: dict[int, np.ndarray | None] = {}
+    for target, pixel, affine in maps:
         if target not in sums:
             sums[target] = np.zeros_like(pixel, np.float64)
             counts[target] = 0
+            affines[target] = affine
         if pixel.shape != sums[target].shape:
             continue
         sums[target] += pixel
@@ -137,6 +154,12 @@ def class_means(maps: Iterable[tuple[int, np.ndarray]], out_dir: Path, write_png
     for target in sorted(sums):
         mean = sums[target] / counts[target]
         name = f"stats/class-{target}.png"
-        write_png(out_dir / name, heat_colours(mean))
-        means.append(ClassMean(target, counts[target], name, float(mean.max())))
+        volume = None
+        if mean.ndim == 3:
+            write_png(out_dir / name, heat_montage(heat_colours(mean)))
+            volume = f"stats/class-{target}.nii.gz"
+            write_volume(out_dir / volume, mean, affines[target])
+        else:
+            write_png(out_dir / name, heat_colours(mean))
+        means.append(ClassMean(target, counts[target], name, float(mean.max()), volume))
     return means

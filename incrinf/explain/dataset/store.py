@@ -5,12 +5,15 @@ Layout of ``DIR``::
     results.csv            one row per input of the run (derived from the records: never the only copy)
     summary.json           counts, dataset statistics, run info
     index.html             the gallery
-    items/<id>.heatmap.npy (rows, cols) float32 heat map
-    items/<id>.overlay.png heat map over the input with a colour bar (OcclusionResult.save)
-    items/<id>.image.png   the model's input crop
-    items/<id>.thumb.png   small overlay for the gallery
+    items/<id>.heatmap.npy (rows, cols) float32 heat map; (depth, rows, cols) for a volume
+    items/<id>.heatmap.nii.gz  volumes: the voxel heat map (mean of the windows covering each voxel) as NIfTI, on
+                           the scan's grid (resampled with --resize) with the scan's affine
+    items/<id>.overlay.png heat map over the input with a colour bar (OcclusionResult.save; a montage of slices
+                           for a volume)
+    items/<id>.image.png   the model's input crop (a volume: a montage of its slices)
+    items/<id>.thumb.png   small overlay for the gallery (a volume: a montage of slices)
     items/<id>.json        the input's record, written last: its presence commits the files above
-    stats/class-<k>.png    mean heat map of class k
+    stats/class-<k>.png    mean heat map of class k (volumes: a montage, and stats/class-<k>.nii.gz per voxel)
 
 Every file is written to a temporary name in its folder and renamed over the final name, so a crash leaves
 either the old file or the new one, never half of one.
@@ -34,15 +37,17 @@ from incrinf.explain.dataset.job import Outcome
 RECORD_FORMAT = 1
 STATUS_OK, STATUS_ERROR, STATUS_PENDING = "ok", "error", "pending"
 OUTPUT_FILES = ("heatmap", "overlay", "image", "thumb")
+VOLUME_OUTPUT_FILES = (*OUTPUT_FILES, "voxels")
 _SUFFIX = {"heatmap": ".heatmap.npy", "overlay": ".overlay.png", "image": ".image.png", "thumb": ".thumb.png",
-           "positions": ".positions.npy"}
+           "positions": ".positions.npy", "voxels": ".heatmap.nii.gz"}
+KIND_IMAGE, KIND_VOLUME = "image", "volume"  # a record's "kind"
 
 # The results table, in column order.
 COLUMNS = (
-    "path", "id", "status", "target", "class_name", "score", "probability", "predicted", "largest_drop", "drop_y",
-    "drop_x", "patch", "stride", "positions", "batches", "seconds", "theoretical_speedup", "realized_flop_ratio",
-    "approximate", "error_estimate", "error_estimate_kind", "mask_inside_share", "mask_outside", "heatmap_file",
-    "overlay_file", "worker", "error_kind", "error",
+    "path", "id", "status", "target", "class_name", "score", "probability", "predicted", "largest_drop", "drop_z",
+    "drop_y", "drop_x", "patch", "stride", "positions", "batches", "seconds", "theoretical_speedup",
+    "realized_flop_ratio", "approximate", "error_estimate", "error_estimate_kind", "mask_inside_share",
+    "mask_outside", "heatmap_file", "overlay_file", "voxels_file", "worker", "error_kind", "error",
 )
 
 
@@ -78,6 +83,13 @@ def atomic_write_png(path: Path, rgb: np.ndarray) -> int:
     from PIL import Image
 
     return atomic_write(path, lambda tmp: Image.fromarray(rgb).save(tmp, format="PNG"))
+
+
+def atomic_write_nifti(path: Path, values: np.ndarray, affine: np.ndarray) -> int:
+    """Write (D, H, W) ``values`` as NIfTI with ``affine`` (see :func:`~.volumes.write_nifti`), atomically."""
+    from incrinf.explain.dataset.volumes import write_nifti
+
+    return atomic_write(path, lambda tmp: write_nifti(tmp, values, affine))
 
 
 def source_signature(path: Path) -> dict[str, int]:
@@ -137,7 +149,8 @@ class RunFolder:
         if record.get("settings") != settings or record.get("source") != source:
             return False
         files = record.get("files") or {}
-        if any(kind not in files for kind in OUTPUT_FILES):
+        required = VOLUME_OUTPUT_FILES if record.get("kind") == KIND_VOLUME else OUTPUT_FILES
+        if any(kind not in files for kind in required):
             return False
         for entry in files.values():
             path = self.items / entry["name"]
@@ -165,7 +178,7 @@ class RunFolder:
             record.update(status=STATUS_ERROR, error_kind=outcome.error_kind, error=outcome.error)
             self.write_record(record)
             return record
-        from incrinf.explain.dataset.stats import blend, grid_positions, pixel_map, thumbnail
+        from incrinf.explain.dataset.stats import blend, grid_positions, heat_colours, pixel_map, thumbnail
         from incrinf.explain.result import OcclusionResult
 
         heat = outcome.heatmap
@@ -182,22 +195,32 @@ class RunFolder:
         result = OcclusionResult(heat, outcome.positions, outcome.target, outcome.patch, outcome.stride,
                                  outcome.image_shape, fine=outcome.fine)
         put("overlay", lambda tmp: result.save(tmp, image=outcome.display, title=overlay_title))
-        put("image", lambda tmp: _save_png(tmp, outcome.display))
         pixel = pixel_map(heat, outcome.positions, outcome.patch, outcome.image_shape)
-        put("thumb", lambda tmp: _save_png(tmp, thumbnail(blend(outcome.display, pixel))))
+        volume = outcome.affine is not None
+        if volume:
+            from incrinf.explain.dataset.volumes import heat_montage, scan_montage, write_nifti
+
+            put("voxels", lambda tmp: write_nifti(tmp, pixel, outcome.affine))
+            put("image", lambda tmp: _save_png(tmp, scan_montage(outcome.display)))
+            put("thumb", lambda tmp: _save_png(tmp, thumbnail(heat_montage(heat_colours(pixel), outcome.display), 320)))
+        else:
+            put("image", lambda tmp: _save_png(tmp, outcome.display))
+            put("thumb", lambda tmp: _save_png(tmp, thumbnail(blend(outcome.display, pixel))))
         flat = int(np.argmax(heat))
-        drop_y, drop_x = (int(v) for v in outcome.positions[flat])
+        corner = [int(v) for v in outcome.positions[flat]]
         record.update(
-            status=STATUS_OK, target=outcome.target, score=outcome.score, probability=outcome.probability,
-            predicted=outcome.predicted, largest_drop=float(heat.reshape(-1)[flat]), drop_y=drop_y, drop_x=drop_x,
-            patch=list(outcome.patch), stride=list(outcome.stride), image_shape=list(outcome.image_shape),
-            grid=list(heat.shape), stats=outcome.stats, files=files,
+            status=STATUS_OK, kind=KIND_VOLUME if volume else KIND_IMAGE, target=outcome.target,
+            score=outcome.score, probability=outcome.probability, predicted=outcome.predicted,
+            largest_drop=float(heat.reshape(-1)[flat]), drop_z=corner[0] if volume else None, drop_y=corner[-2],
+            drop_x=corner[-1], patch=list(outcome.patch), stride=list(outcome.stride),
+            image_shape=list(outcome.image_shape), grid=list(heat.shape), stats=outcome.stats, files=files,
+            affine=outcome.affine.tolist() if volume else None,
             mask=check_mask(item, pixel) if check_mask is not None else None)
         self.write_record(record)
         return record
 
     def load_pixel_map(self, record: dict[str, Any]) -> np.ndarray:
-        """(H, W) pixel map of a complete input, from its heat map file."""
+        """(H, W) pixel map ((D, H, W) voxel map of a volume) of a complete input, from its heat map file."""
         from incrinf.explain.dataset.stats import grid_positions, pixel_map
 
         heat = np.load(self.items / record["files"]["heatmap"]["name"])
@@ -243,8 +266,8 @@ def base_record(item: InputItem, settings: str, source: dict[str, int]) -> dict[
 def table_row(record: dict[str, Any], labels: Sequence[str] | None = None) -> dict[str, Any]:
     """One row of the results table from an input's record."""
     row = {k: record.get(k) for k in ("path", "id", "status", "target", "score", "probability", "predicted",
-                                      "largest_drop", "drop_y", "drop_x", "patch", "stride", "seconds", "worker",
-                                      "error_kind", "error")}
+                                      "largest_drop", "drop_z", "drop_y", "drop_x", "patch", "stride", "seconds",
+                                      "worker", "error_kind", "error")}
     stats = record.get("stats") or {}
     row.update(positions=stats.get("positions"), batches=stats.get("batches"),
                theoretical_speedup=stats.get("theoretical_speedup"),
@@ -260,7 +283,7 @@ def table_row(record: dict[str, Any], labels: Sequence[str] | None = None) -> di
     mask = record.get("mask") or {}
     row.update(mask_inside_share=mask.get("inside_share"), mask_outside=mask.get("outside"))
     files = record.get("files") or {}
-    for kind in ("heatmap", "overlay"):
+    for kind in ("heatmap", "overlay", "voxels"):
         if kind in files:
             row[f"{kind}_file"] = f"items/{files[kind]['name']}"
     return row

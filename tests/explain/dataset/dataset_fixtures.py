@@ -10,6 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import torch.nn as nn
+
+import incrinf
 
 # The real EfficientNet-Lite0 at 64 px with a 4x4 grid of 16-pixel windows: real, varied predictions (cat,
 # astronaut, rocket, ...) at about 0.1 s per input.
@@ -61,3 +65,67 @@ def photos_fixture(tmp_path_factory) -> Path:
 
 GOOD = 7  # photos in data/ and extra/
 BAD = 2  # broken.jpg, notes.png
+
+
+class CountingOcclusion:
+    """Counts calls of the public ``incrinf.occlusion`` (what every job calls once per input); optionally
+    raises KeyboardInterrupt on call ``interrupt_at`` (1-based) as Ctrl-C would."""
+
+    def __init__(self, monkeypatch, interrupt_at: int | None = None) -> None:
+        self.original = incrinf.occlusion
+        self.calls = 0
+        self.interrupt_at = interrupt_at
+        monkeypatch.setattr(incrinf, "occlusion", self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.interrupt_at is not None and self.calls == self.interrupt_at:
+            raise KeyboardInterrupt
+        return self.original(*args, **kwargs)
+
+
+# --- NIfTI volumes ----------------------------------------------------------------------------------------------
+
+VOLUME_OPTIONS = {"patch": 4, "stride": 4, "output": "prob"}
+SHAPE = (16, 12, 10)  # a scan's (x, y, z): the model sees (D, H, W) = (10, 12, 16)
+
+
+def small_net(seed: int = 0) -> nn.Module:
+    """A small 3-D classifier (conv, pool, residual-free: the engine's exactness is tested elsewhere)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool3d(2), nn.Conv3d(4, 6, 3, padding=1),
+                         nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(6, 3)).eval()
+
+
+def affine(shift: float) -> np.ndarray:
+    out = np.diag([1.5, 2.0, 2.5, 1.0])
+    out[:3, 3] = [-12.0, 7.0, shift]
+    return out
+
+
+@pytest.fixture(scope="session", name="scans")
+def scans_fixture(tmp_path_factory) -> Path:
+    """``scans/``: four small scans (one the first frame of nibabel's real fMRI volume, cropped, in a subfolder),
+    a NIfTI-2 file, a gzip cut in half, a text file named .nii and a readme. Read-only for tests."""
+    nibabel = pytest.importorskip("nibabel")
+    example = Path(nibabel.__file__).parent / "tests" / "data" / "example4d.nii.gz"
+    root = tmp_path_factory.mktemp("scans")
+    rng = np.random.default_rng(0)
+    for i, name in enumerate(["p01.nii.gz", "p02.nii", "p03.nii.gz"]):
+        blob = np.zeros(SHAPE, np.float32)
+        blob[2 + i:9 + i, 3:9, 2:7] = 3.0  # a bright region that moves from scan to scan
+        nibabel.save(nibabel.Nifti1Image(blob + rng.normal(size=SHAPE).astype(np.float32), affine(i)),
+                     root / name)
+    frame = nibabel.load(example)
+    data = np.asarray(frame.dataobj)[40:56, 30:42, 7:17, 0].astype(np.float32)  # (16, 12, 10) of anatomy
+    (root / "site-b").mkdir()
+    nibabel.save(nibabel.Nifti1Image(data, frame.affine), root / "site-b" / "p04.nii.gz")
+    nibabel.save(nibabel.Nifti2Image(rng.normal(size=SHAPE).astype(np.float32), affine(5)), root / "p05.nii")
+    whole = (root / "p01.nii.gz").read_bytes()
+    (root / "p06-broken.nii.gz").write_bytes(whole[: len(whole) // 2])  # a transfer cut in half
+    (root / "p07-text.nii").write_text("not a volume\n")
+    (root / "README.txt").write_text("five scans, two damaged\n")
+    return root
+
+
+GOOD_SCANS, BAD_SCANS = 5, 2  # in scans/: explainable, corrupt

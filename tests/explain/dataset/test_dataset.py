@@ -15,6 +15,7 @@ from dataset_fixtures import (
     MODEL,
     OPTIONS,
     SIZE,
+    CountingOcclusion,
     photo,
     photos_fixture,  # noqa: F401 (the photos fixture)
     save,
@@ -42,23 +43,6 @@ def cli_args(*inputs: str, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
             "--stride", "16", "--output", "prob", "--quiet", *extra]  # the fixtures' OPTIONS
 
 
-class CountingOcclusion:
-    """Counts calls of the public ``incrinf.occlusion`` (what every job calls once per input); optionally
-    raises KeyboardInterrupt on call ``interrupt_at`` (1-based) as Ctrl-C would."""
-
-    def __init__(self, monkeypatch, interrupt_at: int | None = None) -> None:
-        self.original = incrinf.occlusion
-        self.calls = 0
-        self.interrupt_at = interrupt_at
-        monkeypatch.setattr(incrinf, "occlusion", self)
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.interrupt_at is not None and self.calls == self.interrupt_at:
-            raise KeyboardInterrupt
-        return self.original(*args, **kwargs)
-
-
 # --- discovery ------------------------------------------------------------------------------------------------
 
 
@@ -84,7 +68,7 @@ def test_discovery_errors_name_the_problem(photos, tmp_path) -> None:
         discover_inputs([str(photos / "*.webp")])
     (tmp_path / "empty" / "sub").mkdir(parents=True)
     (tmp_path / "empty" / "sub" / "labels.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match="no image files"):
+    with pytest.raises(ValueError, match="no image or volume files"):
         discover_inputs([str(tmp_path / "empty")])
     with pytest.raises(ValueError, match="no inputs"):
         discover_inputs([])

@@ -10,7 +10,19 @@ from pathlib import Path
 
 import pytest
 from cdp_browser import Page, chromium_path
-from dataset_fixtures import BAD, GOOD, MODEL, OPTIONS, SIZE, photos_fixture  # noqa: F401 (the photos fixture)
+from dataset_fixtures import (  # noqa: F401 (the photos and scans fixtures)
+    BAD,
+    BAD_SCANS,
+    GOOD,
+    GOOD_SCANS,
+    MODEL,
+    OPTIONS,
+    SIZE,
+    VOLUME_OPTIONS,
+    photos_fixture,
+    scans_fixture,
+    small_net,
+)
 
 from incrinf.explain.dataset import explain_dataset
 
@@ -88,3 +100,36 @@ def test_gallery_in_headless_chromium(gallery_run) -> None:
     assert all(width > 0 for _, width in viewer["images"])
     assert BAD == 2  # the failed inputs are listed, not shown as broken images
     assert "Failed inputs (2)" in (gallery_run / "index.html").read_text()
+
+
+def test_volume_gallery_in_headless_chromium(scans, tmp_path) -> None:
+    out = tmp_path / "volumes"
+    report = explain_dataset(small_net(), scans, out, progress=False, **VOLUME_OPTIONS)
+    assert report.count("ok") == GOOD_SCANS and report.count("error") == BAD_SCANS
+    page_text = (out / "index.html").read_text()
+    assert f"Failed inputs ({BAD_SCANS})" in page_text
+    best = max(rows(out), key=lambda r: float(r["largest_drop"]))
+
+    async def session():
+        async with Page() as page:
+            await page.goto((out / "index.html").resolve().as_uri())
+            images = await page.evaluate(IMAGES)
+            order = await page.evaluate(ORDER)
+            await page.evaluate("document.querySelector('#grid .card').click()")
+            viewer = await page.evaluate("""(async () => {
+              const v = document.getElementById('viewer');
+              const imgs = [...v.querySelectorAll('img')];
+              await Promise.all(imgs.map((i) => i.complete ? null : new Promise((r) => { i.onload = i.onerror = r; })));
+              return {hidden: v.hidden, images: imgs.map((i) => [i.getAttribute('src'), i.naturalWidth]),
+                      details: v.querySelector('.details').textContent};
+            })()""")
+            return page.errors, images, order, viewer
+
+    errors, images, order, viewer = asyncio.run(session())
+    assert errors == []
+    assert len([src for src, _ in images if src.endswith(".thumb.png")]) == GOOD_SCANS
+    assert all(width > 0 for _, width in images), images  # montages of slices, and the class mean's montage
+    assert order[0] == best["id"]
+    assert viewer["hidden"] is False and all(width > 0 for _, width in viewer["images"])
+    corner = f"z={best['drop_z']}, y={best['drop_y']}, x={best['drop_x']}"
+    assert corner in viewer["details"] and best["voxels_file"] in viewer["details"]

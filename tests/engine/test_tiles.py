@@ -1,0 +1,37 @@
+"""Exact tiles of a cached tensor recomputed through their cones (incrinf.engine.tiles): what a sampled audit
+compares the cache with must equal full inference there, tile by tile or through one cone around all tiles."""
+
+import math
+
+import pytest
+import torch
+from conftest import zoo_model
+
+from incrinf.engine import FrameEngine
+from incrinf.engine.tiles import choose_probe, exact_tiles
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "efficientnet_lite0"])
+def test_exact_tiles_equal_full_inference_at_the_probe(name):
+    from incrinf.graph import capture
+
+    model = zoo_model(name)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, 64, 72, generator=g).contiguous(memory_format=torch.channels_last)
+    engine = FrameEngine(capture(model, x.shape[1:]))
+    engine.full(x)
+    for budget in (math.inf, engine.costs.full_seconds / 8):  # the deepest probe, and a shallower one
+        probe = choose_probe(engine.program, engine.costs, budget)
+        assert probe is not None
+        h, w = probe.dims
+        t = probe.tile
+        full = engine.cache.map(probe.name)
+        # far apart (one cone per tile is cheaper) and side by side (one cone around both is)
+        for tiles in ([(0, t, 0, t), (h - t, h, w - t, w), ((h - t) // 2, (h - t) // 2 + t, 0, t)],
+                      [(0, t, 0, t), (0, t, min(t, w - t), min(2 * t, w))]):
+            for costs in (None, engine.costs):
+                got = exact_tiles(engine.program, x, probe, tiles, costs)
+                for (a, b, c, d), tile in zip(tiles, got):
+                    torch.testing.assert_close(tile, full[..., a:b, c:d], rtol=1e-4, atol=1e-4)
