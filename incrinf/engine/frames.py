@@ -4,7 +4,7 @@ cache, then incremental inference of the next inputs from it.
 A frame's change arrives as a pixel mask (and, from a stream, the boxes of its clusters) plus, when the camera
 moved, per-resolution index maps (:class:`~incrinf.engine.blocks.Motion`, computed by the stream from the
 homography). Without motion the change is a few boxes per tensor (:mod:`~incrinf.engine.frame_regions`), every
-step run densely on crops of its merged input, box sides rounded to multiples of 4 so oneDNN reuses its
+step run densely on crops of its merged input, box sides rounded to multiples of 2 so oneDNN reuses its
 per-shape kernels. With motion the change is a set of positions: the block walk
 (:func:`~incrinf.engine.blocks.walk_blocks`). Either is planned before it runs (:meth:`FrameEngine.plan_boxes`,
 :meth:`FrameEngine.plan_blocks`): the plan says what each step computes and, with the cost coefficients
@@ -48,6 +48,9 @@ DENSE_CUT = 0.5
 CLUSTER_GRID = 8
 # Repetitions of the profile's measurements (the fastest counts: a load spike does not stick).
 PROFILE_REPEATS = 2
+# Box sides are rounded up to multiples of this many positions (chosen by leave-one-out over still-camera clips:
+# benchmarks/stream_buckets.py; steps 1, 2 and 4 were within a few percent of each other, 8 and 16 slower).
+BOX_QUANTUM = 2
 # Box plans kept for reuse (a still camera's clusters recur while a subject stands or moves within its cells).
 PLAN_CACHE = 128
 
@@ -156,7 +159,7 @@ class FrameEngine:
         self.costs = FrameCosts(self.program)
         self.dense_cut = DENSE_CUT
         self.boxes = True
-        self.box_quantum = 4
+        self.box_quantum = BOX_QUANTUM
         self.geometry = Geometry(self.program, self.costs, self.box_quantum)
         self.cached_resolutions = {tuple(graph.by_name[m].shape[-2:]) for m in self.program.cached}
         self.resolutions = sorted(self.cached_resolutions | {tuple(graph.input_shape[-2:])})
