@@ -254,7 +254,8 @@ class StreamSession:
         if comparison is not None:
             verdict = quality.record(comparison, since_full)
             if f.probes is not None:
-                self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS, f.sampled)
+                quality.probe_error(self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS,
+                                                                           f.sampled))
             why = "near tie, " if verify else ""
             f.fallback = _Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
                                                 f"{verdict.value}")
@@ -357,7 +358,8 @@ class StreamSession:
         self._calibrate(f, engine)
         audit = self._sample(f, engine, audit)
         # a classifier's near tie is checked on the spot (see QualityGuard.risky)
-        verify = not audit and quality is not None and quality.risky(top1_margin(out))
+        verify = not audit and quality is not None and quality.risky(top1_margin(out), self._index - self._last_full,
+                                                                      f.sampled)
         if audit or verify:
             sampler = self._samplers.get(tuple(f.x.shape))
             probe = sampler.probe if sampler is not None else None
