@@ -334,7 +334,7 @@ class StreamSession:
             cached_out = engine.cached(f.x, f.mask.pixel_mask, f.matrix, f.plan)
             cached_seconds = time.perf_counter() - clock
             if not engine.full_reason:
-                self._calibrate(f, engine)
+                self._calibrate(f, engine, cached_seconds)
             middle = time.perf_counter()
             full_out = engine.full(f.x)
             f.oracle = (cached_seconds, time.perf_counter() - middle)
@@ -355,7 +355,7 @@ class StreamSession:
         if engine.full_reason:
             costs.record_full(cached_seconds)
             return out, None, False, cached_seconds
-        self._calibrate(f, engine)
+        self._calibrate(f, engine, cached_seconds)
         audit = self._sample(f, engine, audit)
         # a classifier's near tie is checked on the spot (see QualityGuard.risky)
         verify = not audit and quality is not None and quality.risky(top1_margin(out), self._index - self._last_full,
@@ -397,10 +397,12 @@ class StreamSession:
             quality.sampled_hold()
         return False
 
-    def _calibrate(self, f: _Frame, engine: CameraEngine) -> None:
-        """Feed the cost model what the cached frame's steps measured (the pruning was recorded as it ran); without
-        the speed guard the coefficients stay as they are, so runs are reproducible."""
+    def _calibrate(self, f: _Frame, engine: CameraEngine, seconds: float) -> None:
+        """Feed the cost model what the cached frame's steps measured (the pruning was recorded as it ran) and the
+        speed guard the frame's measured ``seconds`` against its plan's; without the speed guard the coefficients
+        stay as they are, so runs are reproducible."""
         if self.config.speed_guard:
+            self._speed.record_cached(f.plan.seconds, seconds)
             engine.costs.record_steps(plan_kind(f.plan), engine.last.step_samples)
 
     def _full_frame(self, f: _Frame, engine: CameraEngine) -> Any:

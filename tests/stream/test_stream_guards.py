@@ -69,6 +69,7 @@ def _frozen_costs(session: StreamSession, monkeypatch: pytest.MonkeyPatch):
     costs.set_profile([s.dense for s in costs.steps], calls, calls, costs.tail, costs.move, 0.0)
     for name in ("record_full", "record_steps", "record_kept"):
         monkeypatch.setattr(costs, name, lambda *args: None)
+    monkeypatch.setattr(session._speed, "record_cached", lambda *args: None)
     return costs
 
 
@@ -614,3 +615,23 @@ def test_the_no_reuse_decision_counts_the_floor_pruning_cannot_cut(frames):
                 torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
             no_reuse = [s.cause == Cause.NO_REUSE for s in session.stats[1:]]
             assert not any(no_reuse) if reuse else all(no_reuse), (type(model).__name__, threshold)
+
+
+def test_the_speed_guard_scales_the_plan_by_what_cached_frames_measured_against_it():
+    """A plan that predicts 7 ms while its like measured 25 ms (time outside the steps, load the step coefficients
+    were not measured under) is predicted at the measured ratio, and sent to full inference when that is slower."""
+    from types import SimpleNamespace
+
+    from incrinf.stream.decisions import RESIDUAL_WINDOW, SpeedGuard
+
+    guard = SpeedGuard()
+    costs, plan = SimpleNamespace(full_seconds=0.020), SimpleNamespace(seconds=0.007)
+    assert guard.predict(costs, plan).cached == pytest.approx(0.007) and guard.predict(costs, plan).cached_faster
+    for measured in (0.025, 0.024, 0.026):
+        guard.record_cached(0.007, measured)
+    guard.record_cached(0.0, 0.001)  # nothing recomputed: no ratio over zero
+    prediction = guard.predict(costs, plan)
+    assert prediction.cached == pytest.approx(0.025) and not prediction.cached_faster
+    for _ in range(RESIDUAL_WINDOW):  # the cached path got cheap again: the latest frames decide
+        guard.record_cached(0.007, 0.0035)
+    assert guard.predict(costs, plan).cached == pytest.approx(0.0035)
