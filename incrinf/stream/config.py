@@ -124,8 +124,9 @@ class StreamConfig:
             number of tiles).
         sample_tolerance: a sample flags when its error exceeds this many times the largest error seen at recent
             full audits that held the target.
-        near_tie: a cached classifier output whose top-1 margin is within this many times the largest lead the
-            recent audits saw the cached path lose (over the top class's five closest rivals) is audited on the spot
+        near_tie: a cached classifier output whose top-1 margin is within this many times the lead it may have
+            lost (:meth:`~incrinf.stream.guards.QualityGuard.lead_at_risk`: the quantile at ``target_agreement`` of
+            the recent audits' lead changes, scaled to the frame's drift and sampled error) is audited on the spot
             (every cached frame before the first audit); 0: never.
         keep_stats: per-frame records kept in :attr:`StreamSession.stats` (the newest; None: all). A stream never
             ends, and an unbounded log grows by a record per frame.
