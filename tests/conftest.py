@@ -82,3 +82,16 @@ def tiny_classifier() -> torch.nn.Module:
         nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
     ).eval()
+
+
+def assert_planned_batches(runner, positions: np.ndarray, window: tuple[int, ...], batch_size: int, stats) -> None:
+    """A run's batches are its plan's, exactly: the plan (from the runtime cache, a hit) packs every position once,
+    in batches of at most ``batch_size``, and the run ran that many."""
+    from incrinf.geometry import input_boxes
+
+    boxes = input_boxes(np.asarray(positions), tuple(window), runner.dims)
+    plan, hit, _ = runner.plan(boxes.start(), boxes.sizes(), batch_size, None)
+    assert hit  # the run's own plan, not a new one
+    assert stats.batches == len(plan.batches) and stats.batch_size == plan.batch_size
+    assert all(1 <= b.n <= batch_size for b in plan.batches)
+    assert np.array_equal(np.sort(np.concatenate([b.queries for b in plan.batches])), np.arange(len(positions)))

@@ -193,7 +193,8 @@ class BatchEngine:
         starts = np.asarray(starts, np.int64)
         sizes = np.asarray(sizes, np.int64)
         key = PlanKey(self.graph.signature, tuple(self.graph.input_shape), self.executor.layout_digest,
-                      boxes_digest(starts, sizes), len(starts), float(tau), int(batch_size or 0), int(memory or 0),
+                      boxes_digest(starts, sizes), len(starts), float(tau), int(batch_size or 0),
+                      0 if batch_size else int(memory or 0),  # a given batch size leaves the budget unread
                       str(x.device), str(x.dtype))
         return runtime_cache().get_or_create(
             key, lambda k: build_plan(self.program, self.executor.layout, k, starts, sizes))

@@ -52,6 +52,10 @@ DOMINANT = 0.5
 PRIOR_SECONDS_PER_FLOP = 5e-11
 PRIOR_SECONDS_PER_BYTE = 2e-10
 PRIOR_CALL = 20e-6
+# A box plan is reused while the calibration's ratios stay within the same 1/PLAN_RATIO_STEPS of an octave (about
+# 4%) and the pruning shares within the same 1/PLAN_KEPT_STEPS: finer steps than the noise of a median of 9 ratios.
+PLAN_RATIO_STEPS = 16
+PLAN_KEPT_STEPS = 32
 
 
 class RegionKind(str, Enum):
@@ -120,13 +124,15 @@ class FrameCosts:
         self._reindex()
 
     def _reindex(self) -> None:
-        """Dense seconds of everything after each cut point (the suffix a switch runs), the tail included."""
+        """Dense seconds of everything after each cut point (the suffix a switch runs), the tail included, and of
+        the whole frame (plans ask for it at every box, through :attr:`dense_ratio`)."""
         after = self.tail
         self._suffix = {}
         for step, cost in zip(reversed(self.program.steps), reversed(self.steps)):
             if step.out in self.program.cuts:
                 self._suffix[step.out] = after
             after += cost.dense
+        self._dense_total = after
 
     def set_profile(self, dense: list[float], box_call: list[float], block_call: list[float], tail: float,
                     move: float, frame: float) -> None:
@@ -166,6 +172,27 @@ class FrameCosts:
         """Everything after the cut point ``cut`` run densely, the tail included."""
         return self._suffix[cut] * self.dense_ratio
 
+    def suffix_parts(self, cut: str) -> float:
+        """:meth:`suffix` as measured (before the dense ratio)."""
+        return self._suffix[cut]
+
+    def boxes_seconds(self, fixed: float, arithmetic: float, dense: float) -> float:
+        """A box-walk frame's seconds from its parts as measured (:attr:`RegionPlan.parts
+        <incrinf.engine.frame_regions.RegionPlan.parts>`), with the current ratios."""
+        return self.frame + self.call_ratio(RegionKind.BOXES) * fixed \
+            + self.compute_ratio(RegionKind.BOXES) * arithmetic + self.dense_ratio * dense
+
+    def plan_state(self) -> tuple:
+        """What a box plan's choices (merges, the switch to the dense rest) rest on, as a hashable key: the
+        coefficients as measured, and the calibration's ratios and pruning shares rounded to a few percent (they
+        move with every frame by noise that changes no choice worth making again; a plan's seconds are priced
+        with the exact ratios when it is used: :meth:`boxes_seconds`)."""
+        ratios = (self.call_ratio(RegionKind.BOXES), self.compute_ratio(RegionKind.BOXES), self.dense_ratio)
+        kept = ((name, round(self.kept(name) * PLAN_KEPT_STEPS)) for name in self._kept)
+        return (tuple(round(math.log2(max(r, 1e-9)) * PLAN_RATIO_STEPS) for r in ratios),
+                tuple((name, share) for name, share in kept if share < PLAN_KEPT_STEPS),  # 1: as without pruning
+                tuple((c.dense, c.box_call) for c in self.steps), self.tail, self.frame)
+
     def tail_seconds(self) -> float:
         return self.tail * self.dense_ratio
 
@@ -178,7 +205,7 @@ class FrameCosts:
     @property
     def dense_total(self) -> float:
         """A full frame from the coefficients as measured: every step dense, and the tail."""
-        return sum(c.dense for c in self.steps) + self.tail
+        return self._dense_total
 
     @property
     def full_seconds(self) -> float:

@@ -42,6 +42,8 @@ from incrinf.engine.stores import FrameCache, take
 from incrinf.engine.windows import WindowSpec, padded_crop
 from incrinf.geometry import Box, Boxes
 
+_EIGHT_NEIGHBOURS = np.ones((3, 3), bool)
+
 
 @dataclass
 class RegionPlan:
@@ -55,6 +57,10 @@ class RegionPlan:
         seconds: predicted engine seconds from the coefficients (uncalibrated).
         gathered_bytes: bytes of the windows and aligned reads gathered by the regional steps.
         unchanged: no change reaches the output (the previous output is returned).
+        parts: ``seconds`` as the coefficients measured them, before the calibration's ratios: ``(fixed,
+            arithmetic, dense)`` seconds of the regional steps' box calls, their positions, and the dense rest
+            (:meth:`~incrinf.engine.costs.FrameCosts.boxes_seconds` turns them into ``seconds`` with the current
+            ratios, so a plan kept for reuse is priced as of the frame that reuses it).
     """
 
     start: list[Box]
@@ -64,6 +70,7 @@ class RegionPlan:
     seconds: float
     gathered_bytes: int
     unchanged: bool = False
+    parts: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @property
     def regions(self) -> int:
@@ -100,24 +107,12 @@ def cluster_boxes(cells: np.ndarray, cell: int, size: tuple[int, int]) -> list[B
     cells = np.asarray(cells, bool)
     if not cells.any():
         return []
-    gh, gw = cells.shape
-    # every changed cell starts as its own label and takes the smallest label among its 8 neighbours until nothing
-    # changes (as many rounds as a cluster is long: a few on a grid of cells)
-    big = gh * gw
-    labels = np.where(cells, np.arange(big).reshape(gh, gw), big)
-    while True:
-        padded = np.pad(labels, 1, constant_values=big)
-        neighbours = np.min([padded[dy:dy + gh, dx:dx + gw] for dy in range(3) for dx in range(3)], axis=0)
-        updated = np.where(cells, neighbours, big)
-        if np.array_equal(updated, labels):
-            break
-        labels = updated
+    from scipy import ndimage  # a dependency of scikit-image; imported on first use (FrameEngine.profile does)
+
+    labels, _ = ndimage.label(cells, structure=_EIGHT_NEIGHBOURS)
     h, w = size
-    boxes = []
-    for label in np.unique(labels[cells]):
-        rows, cols = np.nonzero(labels == label)
-        boxes.append((int(rows.min()) * cell, min((int(rows.max()) + 1) * cell, h),
-                      int(cols.min()) * cell, min((int(cols.max()) + 1) * cell, w)))
+    boxes = [(rows.start * cell, min(rows.stop * cell, h), cols.start * cell, min(cols.stop * cell, w))
+             for rows, cols in ndimage.find_objects(labels)]
     return sorted(boxes)
 
 
@@ -248,12 +243,14 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     step_seconds: list[float] = []
     died = False
     survive = 1.0  # the expected share of the geometry's regions that pruning leaves by now
+    survives: list[float] = []
     for index, step in enumerate(program.steps):
         if all(not regions.get(name) for name in program.live[index]):
             died = True
             break
         boxes = geometry.out_boxes(index, step, regions)
         steps.append(boxes)
+        survives.append(survive)
         step_seconds.append(survive * sum(costs.box(index, area(b)) for b in boxes))
         if boxes:
             regions[step.out] = boxes
@@ -267,22 +264,25 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
             switch = index
             break
     last = len(step_seconds) if switch is None else switch + 1
-    seconds, flops, gathered = costs.frame, 0.0, 0
+    fixed = arithmetic = dense = 0.0
+    flops, gathered = 0.0, 0
     for index in range(last):
         step = program.steps[index]
-        seconds += step_seconds[index]
         for b in steps[index]:
+            call, compute = costs.box_parts(index, area(b))
+            fixed, arithmetic = fixed + survives[index] * call, arithmetic + survives[index] * compute
             flops += step.flops * area(b) / step.positions
             gathered += _gathered(geometry, index, step, b)
     if switch is not None:
         cut = program.steps[switch].out
-        seconds += costs.suffix(cut)
+        dense = costs.suffix_parts(cut)
         flops += program.suffix_flops(cut) + program.tail_flops
     elif not unchanged:
-        seconds += costs.tail_seconds()
+        dense = costs.tail
         flops += program.tail_flops
-    return RegionPlan(start, steps, None if switch is None else program.steps[switch].out, flops, seconds,
-                      gathered, unchanged and switch is None)
+    parts = (fixed, arithmetic, dense)
+    return RegionPlan(start, steps, None if switch is None else program.steps[switch].out, flops,
+                      costs.boxes_seconds(*parts), gathered, unchanged and switch is None, parts)
 
 
 def program_cut_steps(program: Program) -> list[int]:

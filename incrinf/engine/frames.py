@@ -14,14 +14,16 @@ The engine knows nothing about cameras or homographies.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from incrinf.cache import LookupStatus, RuntimeCache
 from incrinf.engine.blocks import BlockPlan, Motion, Positions, plan_blocks, walk_blocks
 from incrinf.engine.costs import FrameCosts, RegionKind
 from incrinf.engine.frame_regions import Geometry, RegionPlan, cluster_boxes, plan_regions, run_box, walk_regions
@@ -38,6 +40,17 @@ DENSE_CUT = 0.5
 CLUSTER_GRID = 8
 # Repetitions of the profile's measurements (the fastest counts: a load spike does not stick).
 PROFILE_REPEATS = 2
+# Box plans kept for reuse (a still camera's clusters recur while a subject stands or moves within its cells).
+PLAN_CACHE = 128
+
+
+class _PlanKey(NamedTuple):
+    """What a box plan is made of: the input's boxes, the bucket step, the cost model's state
+    (:meth:`~incrinf.engine.costs.FrameCosts.plan_state`)."""
+
+    boxes: tuple[Box, ...]
+    quantum: int
+    costs: tuple
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,8 @@ class FrameEngine:
         first = next((s for s in self.program.steps if s.window is not None), None)
         self.first_resolution = first.dims if first is not None else None
         self.last = ExecStats(0.0, self.program.full_flops)
+        self.plans = RuntimeCache(PLAN_CACHE)
+        self.last_plan_status: LookupStatus | None = None
         self._plain: torch.nn.Module | None = None
 
     @property
@@ -200,10 +215,21 @@ class FrameEngine:
 
     def plan_boxes(self, boxes: list[Box]) -> RegionPlan:
         """The plan of a frame whose input changed in ``boxes`` (``(y0, y1, x0, x1)`` pixel boxes, e.g. one per
-        cluster of changed cells): boxes merged where that is cheaper, then carried through the steps."""
+        cluster of changed cells): boxes merged where that is cheaper, then carried through the steps.
+
+        Plans are kept (an LRU of :data:`PLAN_CACHE`) per box set, bucket step and cost-model state, and a kept
+        one is priced with the current calibration; ``last_plan_status`` says whether this one was reused."""
         if self.geometry.quantum != self.box_quantum:
             self.geometry = Geometry(self.program, self.costs, self.box_quantum)
-        return plan_regions(self.geometry, list(boxes))
+        key = _PlanKey(tuple((int(b[0]), int(b[1]), int(b[2]), int(b[3])) for b in boxes), self.box_quantum,
+                       self.costs.plan_state())
+        plan, self.last_plan_status = self.plans.get_or_create(key, self._build_plan)
+        if self.last_plan_status == LookupStatus.MISS:
+            return plan
+        return dataclasses.replace(plan, seconds=self.costs.boxes_seconds(*plan.parts))
+
+    def _build_plan(self, key: _PlanKey) -> RegionPlan:
+        return plan_regions(self.geometry, list(key.boxes))
 
     def plan_blocks(self, changed: np.ndarray, motion: Motion | None = None) -> BlockPlan:
         """The plan of a block walk for the changed pixels (H, W) and the motion."""
@@ -390,6 +416,7 @@ class FrameEngine:
             clone_output(cache.last_output)
             frame = min(frame, time.perf_counter() - clock)
         self.costs.set_profile(dense, box_call, block_call, tail, self._move_seconds(repeats + 1), frame)
+        cluster_boxes(np.ones((1, 1), bool), 1, (1, 1))  # its imports, now rather than in the first cached frame
 
     def _one_position(self, step, repeats: int) -> float:
         """Seconds of one step on a one-position box at the map's centre (its fixed cost per box)."""

@@ -32,6 +32,34 @@ def _channels_last(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def _triple(value: Any) -> list[int]:
+    return [int(v) for v in value] if isinstance(value, (tuple, list)) else [int(value)] * 3
+
+
+def _conv3d(weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, dilation: Any, groups: int) -> WindowOp:
+    """A 3-D convolution with padding 0 that runs through oneDNN for every float32 CPU batch: PyTorch sends a
+    batch of one example on a small map to its reference kernel (im2col and a matrix product, measured 9x slower
+    on a (1, 128, 10, 10, 10) window), and a plan's last batch or a boxed run may hold one query."""
+    stride, dilation, padding = _triple(stride), _triple(dilation), [0, 0, 0]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return torch.mkldnn_convolution(x, weight, bias, padding, stride, dilation, groups)
+        return F.conv3d(x, weight, bias, stride, 0, dilation, groups)
+
+    return run
+
+
+def _same_layout(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` in ``x``'s channels-last layout: PyTorch's CPU 3-D average pooling returns a contiguous map for a
+    channels-last one, and every later step would then copy its values to read them as rows (a copy of the pooled,
+    smaller map instead)."""
+    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d) \
+            and not y.is_contiguous(memory_format=torch.channels_last_3d):
+        return y.contiguous(memory_format=torch.channels_last_3d)
+    return y
+
+
 def _arg(args: list, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
     return args[index] if len(args) > index else kwargs.get(name, default)
 
@@ -131,6 +159,8 @@ class Operators:
             if folded is None:  # the windows arrive channels-last: oneDNN reorders other weights on every call
                 weight = _channels_last(weight.detach())
             conv = _CONV[d]
+            if d == 3 and torch.backends.mkldnn.is_available():
+                return _conv3d(weight, bias, stride, dilation, groups)
             return lambda x: conv(x, weight, bias, stride, 0, dilation, groups)
         if node.operator == Operator.WINDOWED:
             return module_of(self.graph, node).without_padding()
@@ -141,6 +171,8 @@ class Operators:
             return lambda x: pool(x, kernel, g.stride, 0, g.dilation)
         if node.operator in (Operator.AVG_POOL, Operator.ADAPTIVE_AVG_POOL):
             pool = _AVG_POOL[d]
+            if d == 3:
+                return lambda x: _same_layout(x, pool(x, kernel, g.stride, 0))
             return lambda x: pool(x, kernel, g.stride, 0)
         raise AssertionError(f"no window operator for {node.name} ({node.op})")
 

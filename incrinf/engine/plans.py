@@ -428,6 +428,75 @@ def order_queries(program: Program, exact: Propagation, sizes: np.ndarray) -> np
 
 
 def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
+    """Batch boundaries over the ordered queries: the fewest batches (:func:`_fewest_runs`, as many as plain batched
+    re-inference runs) unless they would be larger than those of the cheapest packing (:func:`_cheapest_runs`,
+    the fewest multiply-adds with runs of half to the full batch size), whose largest batch bounds the working
+    memory: every batch pays the same walk, weight reads and tail whatever its size, so fewer batches run faster
+    (ResNet18, 196 queries at batch 16: 13 batches instead of 23, 8% faster on one thread) where they hold no
+    more memory.
+
+    Returns:
+        ``(first, end)`` positions in ``order`` of each batch, in order.
+    """
+    cheapest = _cheapest_runs(program, exact, order, batch_size)
+    fewest = _fewest_runs(program, exact, order, batch_size)
+    largest = max(end - first for first, end in cheapest)
+    return fewest if max(end - first for first, end in fewest) <= largest else cheapest
+
+
+def _fewest_runs(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
+    """Batch boundaries over the ordered queries: as many batches as plain batched re-inference runs
+    (``ceil(Q / batch_size)``, each of at most ``batch_size`` queries), cut where the packed boxes cost the fewest
+    multiply-adds (dynamic programming; an exact batch computes each step on the per-axis largest of its queries'
+    boxes, so queries of different reach waste work when packed together). More, smaller batches would save a few
+    multiply-adds but pay what every batch pays whatever its size (a walk over every step, the weights read once
+    per convolution, the tail) on fewer queries, and small batches run the convolutions less efficiently.
+
+    Returns:
+        ``(first, end)`` positions in ``order`` of each batch, in order.
+    """
+    q = len(order)
+    count = -(-q // batch_size)
+    per_position, extents = [], []
+    for step in program.steps:
+        region = exact.regions[step.out]
+        if region.kind == RegionKind.NONE or step.flops == 0:
+            continue
+        dims = np.asarray(step.dims)
+        per_position.append(step.flops / step.positions)
+        extents.append(np.broadcast_to(dims, (q, len(dims))) if region.kind == RegionKind.FULL
+                       else np.minimum(region.boxes.sizes(), dims))
+    if not extents or count == 1:
+        return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
+    weight = np.asarray(per_position)
+    ordered = np.stack(extents, axis=1)[order].astype(np.float64)  # (Q, steps, d)
+    # run[n - 1, first]: multiply-adds of the run of n queries starting at ``first`` (inf past the end)
+    run = np.full((batch_size, q), np.inf)
+    largest = ordered.copy()
+    for n in range(1, batch_size + 1):
+        if n > 1:
+            largest = np.maximum(largest[:-1], ordered[n - 1:])
+        run[n - 1, :q - n + 1] = n * (largest.prod(axis=2) @ weight)
+    # best[k, end]: the cheapest k batches over the first ``end`` queries; ties go to earlier cuts (stable)
+    best = np.full((count + 1, q + 1), np.inf)
+    best[0, 0] = 0.0
+    cut = np.zeros((count + 1, q + 1), np.int64)
+    ends = np.arange(q + 1)
+    for k in range(1, count + 1):
+        for n in range(1, batch_size + 1):
+            firsts = ends[n:] - n
+            cost = best[k - 1, firsts] + run[n - 1, firsts]
+            better = cost < best[k, n:]
+            best[k, n:] = np.where(better, cost, best[k, n:])
+            cut[k, n:] = np.where(better, firsts, cut[k, n:])
+    bounds, end = [], q
+    for k in range(count, 0, -1):
+        bounds.append((int(cut[k, end]), end))
+        end = int(cut[k, end])
+    return bounds[::-1]
+
+
+def _cheapest_runs(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
     """Batch boundaries over the ordered queries: consecutive runs of ``batch_size // 2`` (at least 1) to
     ``batch_size`` queries whose packed boxes cost the fewest multiply-adds (dynamic programming; an exact batch
     computes each step on the per-axis largest of its queries' boxes, so queries of different reach waste work
@@ -507,6 +576,7 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
         per_query = max(peak / len(trial), 1.0)
         batch_size = int(max(1, min(cap, key.memory // per_query)))
     batch_size = max(1, min(batch_size, q))
+    store = sum(t.rows * byte_sizes.channels(t.source) * element_size for t in layout.tables.values())
     bounds = pack(program, exact, order, batch_size) if per_axis is not None else \
         [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
     made = []
@@ -517,7 +587,6 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
         made.append((queries, start, steps, boundary, unchanged, macs, peak, estimate))
     peak = max(m[6] for m in made)
     index_bytes = sum(m[7] for m in made)
-    store = sum(t.rows * byte_sizes.channels(t.source) * element_size for t in layout.tables.values())
     weights = sum(p.numel() * p.element_size() for p in graph.module.parameters())
     keep = index_bytes <= INDEX_SHARE * (weights + store + peak)
     batches = []

@@ -231,17 +231,37 @@ class FrameCache:
         self.device = device
         self.d = program.graph.spatial_dims
         self.shapes = {n.name: n.shape for n in program.graph.nodes}
+        # name -> (buffer, its map view): a frame asks for each map several times per step, and making the view
+        # costs as much as a small box's arithmetic; a buffer replaced (a fill, a dense suffix) makes a new view
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         self.scales: dict[str, float] = {}
         self.frame: torch.Tensor | None = None
         self.last_output: Any = None
+        self._input_name = program.graph.input.name
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Cached tensor name -> its values as rows (positions by channels)."""
+        return self._buffers
+
+    @buffers.setter
+    def buffers(self, value: dict[str, torch.Tensor]) -> None:
+        self._buffers = value
+        self._views = {}  # views of dropped buffers would keep their memory
 
     def map(self, name: str) -> torch.Tensor:
         """(1, C..., *dims) view of a cached tensor (the frame for the input)."""
-        if name == self.program.graph.input.name:
+        if name == self._input_name:
             return self.frame
+        buffer = self.buffers[name]
+        memo = self._views.get(name)
+        if memo is not None and memo[0] is buffer:
+            return memo[1]
         shape = self.shapes[name]
-        return from_rows(self.buffers[name], 1, shape[-self.d:], shape[1:-self.d])
+        view = from_rows(buffer, 1, shape[-self.d:], shape[1:-self.d])
+        self._views[name] = (buffer, view)
+        return view
 
     def fill(self, tensors: dict[str, torch.Tensor], scales: bool = True) -> None:
         """Take a full run's tensors as the cache. Their mean magnitudes (the pruning threshold's unit) are
@@ -249,6 +269,7 @@ class FrameCache:
         (``scales`` is kept for callers; it no longer changes anything)."""
         storages = set()
         self.scales = {}
+        self._views = {}
         for name, t in tensors.items():
             rows = to_rows(t)
             ptr = rows.untyped_storage().data_ptr()
@@ -295,13 +316,29 @@ class FrameCache:
         eps = feature_threshold * self.scale(name) if feature_threshold > 0 else 0.0
         if eps > 0:
             delta = torch.sub(region.values, target).abs_()
-            kept = cut(region, (delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > eps).numpy())
+            moved = (delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > eps).numpy()
+            kept = _cut_one(region, moved[0]) if region.single and self.d == 2 else cut(region, moved)
             if kept is None:
                 return None
             if kept is not region:
                 region, target = kept, take(self.map(name), kept)
         target.copy_(region.values)
         return region
+
+
+def _cut_one(region: Boxes, moved: np.ndarray) -> Boxes | None:
+    """:func:`~incrinf.engine.regions.cut` of one 2-D box by its (h, w) ``moved`` positions, with a few numpy
+    calls on the two projections (the general cut's per-axis batch arithmetic costs a camera frame about as much
+    as its convolutions): the box itself when moved positions touch all four sides, None when none moved."""
+    rows, cols = moved.any(axis=1), moved.any(axis=0)
+    if rows[0] and rows[-1] and cols[0] and cols[-1]:
+        return region
+    if not rows.any():
+        return None
+    y0, y1 = int(rows.argmax()), len(rows) - int(rows[::-1].argmax())
+    x0, x1 = int(cols.argmax()), len(cols) - int(cols[::-1].argmax())
+    return Boxes((int(region.lo[0]) + y0, int(region.lo[1]) + x0), (y1 - y0, x1 - x0),
+                 region.values[..., y0:y1, x0:x1])
 
 
 def expand_output(out: Any, n: int) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import naive_occlusion, zoo_model
+from conftest import assert_planned_batches, naive_occlusion, zoo_model
 
 from incrinf.analysis import occlusion_grid
 from incrinf.explain.runner import OcclusionRunner
@@ -26,6 +26,7 @@ def _check(model, image, positions, window, batch_size, baseline=0.0) -> None:
     assert ((want - base).abs().amax(dim=1) > 1e-6 * scale).any()
     # packed in runs of half to the full batch size (the plan picks the cheapest; a partial run at either end)
     assert -(-len(positions) // batch_size) <= stats.batches <= len(positions) // max(1, batch_size // 2) + 2
+    assert_planned_batches(runner, positions, window, batch_size, stats)
 
 
 @pytest.mark.parametrize("name", ZOO)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import assert_planned_batches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -155,12 +156,14 @@ def test_small_cnn_equals_naive_re_inference(d, dims, window, stride) -> None:
     model = _calibrated(d)
     x = torch.randn(1, 2, *dims)
     corners = occlusion_grid(dims, window, stride)  # windows cropped at the far edge included
-    got, stats = OcclusionRunner(model, x).run(corners, window, batch_size=6)
+    runner = OcclusionRunner(model, x)
+    got, stats = runner.run(corners, window, batch_size=6)
     want = _naive(model, x, corners, window)
     scale = want.abs().max()
     assert ((got - want).abs().max() / scale).item() < 1e-4
     assert ((want - model(x)).abs().amax(dim=1) > 1e-6 * scale).any()  # the occlusions move the output
     assert stats.theoretical_speedup > 1.0 and -(-len(corners) // 6) <= stats.batches <= len(corners) // 3 + 2
+    assert_planned_batches(runner, corners, window, 6, stats)
 
 
 def test_monai_densenet_3d_equals_naive_re_inference() -> None:

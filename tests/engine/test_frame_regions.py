@@ -176,3 +176,53 @@ def test_the_cost_model_tracks_measured_times():
         engine.full(x0)
         full.append(time.perf_counter() - start)
     assert 0.4 < min(full) / engine.costs.dense_total < 2.5
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "efficientnet_lite0", "googlenet"])
+def test_bucketed_boxes_equal_full_inference_and_repeated_frames_reuse_their_plans(name):
+    """Box sides rounded up to a bucket step recompute the extra positions exactly (the output still equals full
+    inference), and a frame whose change falls in the same boxes as an earlier one reuses that frame's plan (the
+    plan builder runs once per box set)."""
+    model = zoo_model(name)
+    x0, x1, changed, _ = _two_walkers()
+    engine = FrameEngine(capture(model, x0.shape[1:]))
+    for quantum in (1, 3, 8):
+        engine.box_quantum = quantum
+        engine.full(x0)
+        built = engine.plans.stats()
+        for frame in (x1, x0, x1):  # the change comes and goes in the same places: the same boxes every frame
+            plan = engine.plan_boxes(engine.clusters(changed))
+            out = engine.cached(frame, changed, plan=plan)
+            with torch.no_grad():
+                _close(out, model(frame))
+            for step, boxes in zip(engine.program.steps, plan.steps):
+                if step.window is not None:  # a window step's boxes: bucket-step sides, or the whole map's
+                    assert all((b[1] - b[0]) % quantum == 0 or b[1] - b[0] == step.dims[0] for b in boxes)
+                    assert all((b[3] - b[2]) % quantum == 0 or b[3] - b[2] == step.dims[1] for b in boxes)
+        counts = engine.plans.stats()
+        misses = sum(c["misses"] for c in counts.values()) - sum(c["misses"] for c in built.values())
+        hits = sum(c["hits"] for c in counts.values()) - sum(c["hits"] for c in built.values())
+        assert misses == 1 and hits == 2, counts
+        assert engine.last_plan_status.value == "hit"
+
+
+def test_a_reused_plan_is_priced_with_the_current_calibration():
+    from incrinf.engine.costs import RegionKind
+    from incrinf.engine.frame_regions import plan_regions
+
+    model = zoo_model("mobilenet_v2")
+    x0, _, changed, _ = _two_walkers()
+    engine = FrameEngine(capture(model, x0.shape[1:]))
+    engine.full(x0)
+    boxes = engine.clusters(changed)
+    first = engine.plan_boxes(boxes)
+    # a drift of the calibration within one key step keeps the plan, priced as a fresh plan would be
+    engine.costs.record_steps(RegionKind.BOXES, [(0.0, 1.0, 1.01)] * 3)
+    again = engine.plan_boxes(boxes)
+    fresh = plan_regions(engine.geometry, boxes)
+    assert engine.last_plan_status.value == "hit" and again.steps == first.steps == fresh.steps
+    assert again.seconds == pytest.approx(fresh.seconds, rel=1e-9) and again.seconds != first.seconds
+    # boxes that take twice as long as measured: a new state, planned again
+    engine.costs.record_steps(RegionKind.BOXES, [(0.0, 1.0, 2.0)] * 9)
+    engine.plan_boxes(boxes)
+    assert engine.last_plan_status.value == "miss"

@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import zoo_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from incrinf.engine import FrameEngine, Motion
 from incrinf.graph import capture
@@ -117,3 +119,37 @@ def test_moved_cache_equals_full_inference_for_whole_position_shifts():
         ref = model(x1)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     assert executor.last.moved >= 1 and executor.last.flops_ratio > 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(0, 2 ** 16), st.floats(0.0, 1.0))
+def test_a_pruned_commit_keeps_the_bounding_box_of_the_moved_positions(h, w, seed, share):
+    """Value-based pruning at a commit: the box shrinks to the bounding box of the positions whose values moved
+    by more than the threshold (the one-box path and the general cut agree), and only it is written."""
+    from incrinf.engine.regions import cut
+    from incrinf.engine.stores import FrameCache
+    from incrinf.geometry import Boxes
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3))
+    engine = FrameEngine(capture(model.eval(), (3, 12, 12)))
+    engine.full(torch.randn(1, 3, 12, 12))
+    cache: FrameCache = engine.cache
+    name = engine.program.cached[0]
+    g = torch.Generator().manual_seed(seed)
+    before = cache.map(name).clone()
+    y, x = 10 - h, 10 - w
+    old = before[..., y:y + h, x:x + w]
+    moved = torch.rand(h, w, generator=g) < share
+    values = (old + 10.0 * moved * (1 + cache.scale(name))).contiguous(memory_format=torch.channels_last)
+    region = Boxes((y, x), (h, w), values)
+    expected = cut(region, moved.numpy()[None])
+    committed = cache.commit(name, region, 0.5)
+    after = cache.map(name)
+    if expected is None:
+        assert committed is None and torch.equal(after, before)
+        return
+    assert committed.bounds == expected.bounds and torch.equal(committed.values, expected.values)
+    a, b, c, d = committed.bounds
+    written = before.clone()
+    written[..., a:b, c:d] = values[..., a - y:b - y, c - x:d - x]
+    assert torch.equal(after, written)

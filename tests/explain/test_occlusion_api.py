@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import naive_occlusion, zoo_model
+from conftest import assert_planned_batches, naive_occlusion, zoo_model
 
 import incrinf
 from incrinf.analysis import occlusion_grid
+from incrinf.explain.runner import OcclusionRunner
 
 
 def test_heatmap_equals_naive_drop_in_target_score() -> None:
@@ -27,6 +28,7 @@ def test_heatmap_equals_naive_drop_in_target_score() -> None:
     np.testing.assert_allclose(result.heatmap.ravel(), want.numpy(), rtol=1e-4, atol=1e-4 * float(base.abs().max()))
     s = result.stats
     assert s["positions"] == 49 and 10 <= s["batches"] <= 49 // 2 + 2 and s["seconds"] > 0
+    assert_planned_batches(OcclusionRunner(model, image[None]), positions, (12, 12), 5, s)
     assert s["theoretical_speedup"] >= 1 and s["realized_flop_ratio"] >= 1 and s["peak_memory_bytes"] > 0
 
 
