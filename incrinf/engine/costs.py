@@ -52,10 +52,9 @@ DOMINANT = 0.5
 PRIOR_SECONDS_PER_FLOP = 5e-11
 PRIOR_SECONDS_PER_BYTE = 2e-10
 PRIOR_CALL = 20e-6
-# A box plan is reused while the calibration's ratios stay within the same 1/PLAN_RATIO_STEPS of an octave (about
-# 4%) and the pruning shares within the same 1/PLAN_KEPT_STEPS: finer steps than the noise of a median of 9 ratios.
-PLAN_RATIO_STEPS = 16
-PLAN_KEPT_STEPS = 32
+# A box plan's choices (merges, the switch to the dense rest) are reused while the calibration's ratios and the
+# pruning's share stay within the same 1/PLAN_STEPS of an octave (about 19%): FrameCosts.plan_state.
+PLAN_STEPS = 4
 
 
 class RegionKind(str, Enum):
@@ -176,21 +175,16 @@ class FrameCosts:
         """:meth:`suffix` as measured (before the dense ratio)."""
         return self._suffix[cut]
 
-    def boxes_seconds(self, fixed: float, arithmetic: float, dense: float) -> float:
-        """A box-walk frame's seconds from its parts as measured (:attr:`RegionPlan.parts
-        <incrinf.engine.frame_regions.RegionPlan.parts>`), with the current ratios."""
-        return self.frame + self.call_ratio(RegionKind.BOXES) * fixed \
-            + self.compute_ratio(RegionKind.BOXES) * arithmetic + self.dense_ratio * dense
-
     def plan_state(self) -> tuple:
         """What a box plan's choices (merges, the switch to the dense rest) rest on, as a hashable key: the
-        coefficients as measured, and the calibration's ratios and pruning shares rounded to a few percent (they
-        move with every frame by noise that changes no choice worth making again; a plan's seconds are priced
-        with the exact ratios when it is used: :meth:`boxes_seconds`)."""
-        ratios = (self.call_ratio(RegionKind.BOXES), self.compute_ratio(RegionKind.BOXES), self.dense_ratio)
-        kept = ((name, round(self.kept(name) * PLAN_KEPT_STEPS)) for name in self._kept)
-        return (tuple(round(math.log2(max(r, 1e-9)) * PLAN_RATIO_STEPS) for r in ratios),
-                tuple((name, share) for name, share in kept if share < PLAN_KEPT_STEPS),  # 1: as without pruning
+        coefficients as measured, and the calibration's ratios and the pruning's overall share (the product of the
+        cached tensors' shares: what the deepest steps are discounted by) in steps of a quarter octave. Finer
+        steps would miss on every frame (the medians move by their noise); a reused plan is priced with the
+        exact calibration (:func:`~incrinf.engine.frame_regions.plan_seconds`), so only choices within a step of
+        a tie can differ from a fresh plan's."""
+        kept = math.prod(self.kept(name) for name in self._kept)
+        ratios = (self.call_ratio(RegionKind.BOXES), self.compute_ratio(RegionKind.BOXES), self.dense_ratio, kept)
+        return (tuple(round(math.log2(max(r, 1e-9)) * PLAN_STEPS) for r in ratios),
                 tuple((c.dense, c.box_call) for c in self.steps), self.tail, self.frame)
 
     def tail_seconds(self) -> float:

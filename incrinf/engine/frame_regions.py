@@ -20,9 +20,9 @@ through the program's steps:
   (:meth:`Geometry.switches`; dense is for good, so this is the cheapest choice for the regions as they stand).
 
 The walk (:func:`walk_regions`) follows the plan. Value-based pruning at commits cuts each box to the positions
-whose features moved; once a commit pruned, later boxes are grown from what is left and every cut point decides
-again from the regions as they are (a change that dies out is carried on, though the plan, which cannot know
-that, would have switched).
+whose features moved; once a commit pruned, later boxes are grown from what is left, and every cut point from the
+plan's switch on decides again from the regions as they are (a change that dies out is carried on, though the
+plan, which cannot know that, would have switched); before it, the smaller regions keep the plan's choice.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from incrinf.engine.boxes import merge_values
-from incrinf.engine.costs import FrameCosts
+from incrinf.engine.costs import FrameCosts, RegionKind
 from incrinf.engine.program import Program, Step
 from incrinf.engine.stores import FrameCache, take
 from incrinf.engine.windows import WindowSpec, padded_crop
@@ -57,10 +57,10 @@ class RegionPlan:
         seconds: predicted engine seconds from the coefficients (uncalibrated).
         gathered_bytes: bytes of the windows and aligned reads gathered by the regional steps.
         unchanged: no change reaches the output (the previous output is returned).
-        parts: ``seconds`` as the coefficients measured them, before the calibration's ratios: ``(fixed,
-            arithmetic, dense)`` seconds of the regional steps' box calls, their positions, and the dense rest
-            (:meth:`~incrinf.engine.costs.FrameCosts.boxes_seconds` turns them into ``seconds`` with the current
-            ratios, so a plan kept for reuse is priced as of the frame that reuses it).
+        parts: what ``seconds`` is made of, as the coefficients measured them (before the calibration's ratios
+            and pruning shares): per regional step ``(fixed, arithmetic)`` seconds of its boxes, and the dense
+            rest's seconds; :func:`plan_seconds` prices them with the current calibration, so a plan kept for reuse
+            is priced as of the frame that reuses it.
     """
 
     start: list[Box]
@@ -70,7 +70,7 @@ class RegionPlan:
     seconds: float
     gathered_bytes: int
     unchanged: bool = False
-    parts: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    parts: tuple[tuple[tuple[float, float], ...], float] = ((), 0.0)
 
     @property
     def regions(self) -> int:
@@ -181,6 +181,7 @@ class Geometry:
         self.read_bytes = [_read_bytes(program, step) for step in program.steps]
         cuts = program_cut_steps(program)
         self.next_cut = {c: n for c, n in zip(cuts, cuts[1:] + [None])}  # cut step -> the next one (None: none)
+        self.step_of = {step.out: index for index, step in enumerate(program.steps)}
 
     def switches(self, cut: int, step_seconds: list[float]) -> bool:
         """Whether to run the rest densely from the cut point step ``cut``: when the regional steps up to the next
@@ -243,14 +244,12 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     step_seconds: list[float] = []
     died = False
     survive = 1.0  # the expected share of the geometry's regions that pruning leaves by now
-    survives: list[float] = []
     for index, step in enumerate(program.steps):
         if all(not regions.get(name) for name in program.live[index]):
             died = True
             break
         boxes = geometry.out_boxes(index, step, regions)
         steps.append(boxes)
-        survives.append(survive)
         step_seconds.append(survive * sum(costs.box(index, area(b)) for b in boxes))
         if boxes:
             regions[step.out] = boxes
@@ -264,15 +263,18 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
             switch = index
             break
     last = len(step_seconds) if switch is None else switch + 1
-    fixed = arithmetic = dense = 0.0
+    dense = 0.0
     flops, gathered = 0.0, 0
+    step_parts = []
     for index in range(last):
         step = program.steps[index]
+        fixed = arithmetic = 0.0
         for b in steps[index]:
             call, compute = costs.box_parts(index, area(b))
-            fixed, arithmetic = fixed + survives[index] * call, arithmetic + survives[index] * compute
+            fixed, arithmetic = fixed + call, arithmetic + compute
             flops += step.flops * area(b) / step.positions
             gathered += _gathered(geometry, index, step, b)
+        step_parts.append((fixed, arithmetic))
     if switch is not None:
         cut = program.steps[switch].out
         dense = costs.suffix_parts(cut)
@@ -280,9 +282,26 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     elif not unchanged:
         dense = costs.tail
         flops += program.tail_flops
-    parts = (fixed, arithmetic, dense)
+    parts = (tuple(step_parts), dense)
     return RegionPlan(start, steps, None if switch is None else program.steps[switch].out, flops,
-                      costs.boxes_seconds(*parts), gathered, unchanged and switch is None, parts)
+                      plan_seconds(program, costs, parts), gathered, unchanged and switch is None, parts)
+
+
+def plan_seconds(program: Program, costs: FrameCosts, parts: tuple[tuple[tuple[float, float], ...], float]
+                 ) -> float:
+    """A box plan's predicted seconds from its :attr:`RegionPlan.parts`, with the current calibration: the box
+    ratios, the dense ratio, and the pruning shares of the cached tensors on the way (each discounts the steps
+    after it)."""
+    step_parts, dense = parts
+    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
+    seconds, survive = costs.frame, 1.0
+    for index, (fixed, arithmetic) in enumerate(step_parts):
+        if fixed or arithmetic:
+            seconds += survive * (call_ratio * fixed + compute_ratio * arithmetic)
+            out = program.steps[index].out
+            if out in program.cached_set:
+                survive *= costs.kept(out)
+    return seconds + costs.dense_ratio * dense
 
 
 def program_cut_steps(program: Program) -> list[int]:
@@ -307,6 +326,7 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
         Boxes((b[0], b[2]), (b[1] - b[0], b[3] - b[2]), x[:, :, b[0]:b[1], b[2]:b[3]]) for b in plan.start]}
     result = RegionResult(None, 0.0, 0, seconds=costs.frame)
     pruned = False
+    switch_index = geometry.step_of[plan.switch] if plan.switch is not None else len(program.steps)
     sync = x.device.type == "cuda" and timed
     for index, (step, live) in enumerate(zip(program.steps, program.live)):
         if all(not regions.get(name) for name in live):
@@ -344,10 +364,12 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
                 torch.cuda.synchronize(x.device)
             result.step_samples.append((call, compute, time.perf_counter() - clock))
         if step.out in program.cuts and out:
-            if pruned:  # the regions are no longer the plan's: decide from what is left
+            if pruned and index >= switch_index:  # the regions are no longer the plan's: decide from what is left
                 live = {k: [v.bounds for v in r] for k, r in regions.items()}
                 switching = geometry.switches(index, geometry.segment(index, live))
             else:
+                # before the plan's switch, the plan's regions were cheaper than the dense rest, and pruning only
+                # shrinks regions (each box to the bounding box of what moved): going on stays the cheaper way
                 switching = step.out == plan.switch
             if switching:
                 result.output = cache.finish(step.out, None, 1)

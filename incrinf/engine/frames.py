@@ -26,7 +26,15 @@ import torch
 from incrinf.cache import LookupStatus, RuntimeCache
 from incrinf.engine.blocks import BlockPlan, Motion, Positions, plan_blocks, walk_blocks
 from incrinf.engine.costs import FrameCosts, RegionKind
-from incrinf.engine.frame_regions import Geometry, RegionPlan, cluster_boxes, plan_regions, run_box, walk_regions
+from incrinf.engine.frame_regions import (
+    Geometry,
+    RegionPlan,
+    cluster_boxes,
+    plan_regions,
+    plan_seconds,
+    run_box,
+    walk_regions,
+)
 from incrinf.engine.program import Program
 from incrinf.engine.stores import FrameCache, clone_output, take
 from incrinf.geometry import Box, Boxes
@@ -226,7 +234,7 @@ class FrameEngine:
         plan, self.last_plan_status = self.plans.get_or_create(key, self._build_plan)
         if self.last_plan_status == LookupStatus.MISS:
             return plan
-        return dataclasses.replace(plan, seconds=self.costs.boxes_seconds(*plan.parts))
+        return dataclasses.replace(plan, seconds=plan_seconds(self.program, self.costs, plan.parts))
 
     def _build_plan(self, key: _PlanKey) -> RegionPlan:
         return plan_regions(self.geometry, list(key.boxes))
