@@ -93,9 +93,9 @@ class StreamConfig:
         backoff_after: frames in a row that tried the cache in vain before a back-off stretch starts.
         max_backoff: after ``backoff_after`` frames in a row that could not use the cache (or, with the speed
             guard, that tried it in vain while the recent attempts' median saving was not positive; without it,
-            moved and saved little with it), run the next 2, 4, ... up to this many frames fully without matching (0: try
-            every frame). With the speed guard the first stretch is already long enough for its attempt to cost at
-            most 2% of its time.
+            moved and saved little with it), run the next 2, 4, ... up to this many frames fully without matching
+            (0: try every frame). With the speed guard the first stretch is already long enough for its attempt to
+            cost at most 2% of its time.
         background_update: finish the frame's bookkeeping (the reference image) in a worker thread after
             returning the output; outputs are identical either way.
         speed_guard: choose cached or full inference per frame from the plan's predicted cost (the cost model,
