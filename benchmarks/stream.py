@@ -283,18 +283,24 @@ def _regret_cell(lost: tuple[float, int, int, float]) -> str:
     return f"{mean_lost:.1f} ({wrong}/{n})" if n else "n/a"
 
 
-def leave_one_out(args: argparse.Namespace) -> None:
+def _grid_results(args: argparse.Namespace, configs: dict[str, dict]) -> dict[str, dict[str, Row]]:
+    """Every candidate configuration on every clip (EfficientNet-Lite0, in lockstep), printed as it goes."""
     model = models.load("efficientnet_lite0")
     meta = models.info("efficientnet_lite0")
-    print(f"leave-one-out over {len(args.clips)} clips, {len(GRID)} candidates, {args.frames} frames, "
-          f"EfficientNet-Lite0, {args.rounds} pass(es)")
     results: dict[str, dict[str, Row]] = {}
     for name in args.clips:
         clip = load_clip(name, args.frames)
-        rows = summarise(run_clip(model, clip, GRID, args.rounds, meta.mean, meta.std))
+        rows = summarise(run_clip(model, clip, configs, args.rounds, meta.mean, meta.std))
         results[name] = rows
         print(f"\n{name} (load {_load()})")
         print_rows(rows, OutputKind.LABEL)
+    return results
+
+
+def leave_one_out(args: argparse.Namespace) -> None:
+    print(f"leave-one-out over {len(args.clips)} clips, {len(GRID)} candidates, {args.frames} frames, "
+          f"EfficientNet-Lite0, {args.rounds} pass(es)")
+    results = _grid_results(args, GRID)
     print("\nheld-out clip: candidate chosen on the other clips -> its figures on the held-out clip")
     print("| held-out clip | chosen on the others | median x | mean x | top-1 | audits |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -307,18 +313,10 @@ def leave_one_out(args: argparse.Namespace) -> None:
 
 def near_tie_loo(args: argparse.Namespace) -> None:
     """Leave-one-out choice of ``near_tie`` (see the module docstring)."""
-    model = models.load("efficientnet_lite0")
-    meta = models.info("efficientnet_lite0")
     configs = {f"near_tie {c:g}": {"near_tie": c} for c in NEAR_TIE_GRID}
     print(f"leave-one-out choice of near_tie over {len(args.clips)} clips, candidates {NEAR_TIE_GRID}, "
           f"{args.frames} frames, EfficientNet-Lite0, {args.rounds} pass(es)")
-    results: dict[str, dict[str, Row]] = {}
-    for name in args.clips:
-        clip = load_clip(name, args.frames)
-        rows = summarise(run_clip(model, clip, configs, args.rounds, meta.mean, meta.std))
-        results[name] = rows
-        print(f"\n{name} (load {_load()})")
-        print_rows(rows, OutputKind.LABEL)
+    results = _grid_results(args, configs)
 
     def smallest(among: dict[str, dict[str, Row]]) -> str:
         exact = [c for c in configs if all(rows[c].agreement >= 1.0 for rows in among.values())]
