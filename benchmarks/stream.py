@@ -24,6 +24,10 @@ best on the *other* clips (every other clip at >= 99% agreement and >= 0.95x mea
 then the highest geometric-mean speedup) is reported on the held-out clip. The defaults are the candidate chosen
 on all clips.
 
+``--loo --near-tie``: the leave-one-out choice of ``near_tie`` alone (candidates ``NEAR_TIE_GRID``, in lockstep on
+every clip): for each held-out clip, the smallest candidate that keeps every other clip at 100% top-1 (a smaller
+``near_tie`` checks fewer frames, so it is also the cheapest), and its figures on the held-out clip.
+
 ``--dense``: MTCNN's PNet with its real weights at the clips' own resolution (the weights taken once from the
 facenet-pytorch wheel with ``pip download --no-deps``, skipped with a message when that fails) and torchvision's
 ``fcn_resnet50`` (random init, as the library builds it: no weights can be fetched) on still and moving clips.
@@ -83,6 +87,9 @@ GRID = {
     "audits 2..16": {"audit_interval": 2, "keyframe_interval": 16},
     "audits 8..64": {"audit_interval": 8, "keyframe_interval": 64},
 }
+# Candidates for near_tie (--loo --near-tie): the near-tie check's reference is the quantile of the audits' lead
+# changes that 1 - target_agreement of the frames exceed; these scale it.
+NEAR_TIE_GRID = (0.0, 0.05, 0.1, 0.25, 0.5)
 PNET_WHEEL = "facenet-pytorch==2.6.0"
 ORACLE_SHARE = 1 / 3
 _PARTS = ("match", "mask", "plan", "commit", "decide")
@@ -276,18 +283,24 @@ def _regret_cell(lost: tuple[float, int, int, float]) -> str:
     return f"{mean_lost:.1f} ({wrong}/{n})" if n else "n/a"
 
 
-def leave_one_out(args: argparse.Namespace) -> None:
+def _grid_results(args: argparse.Namespace, configs: dict[str, dict]) -> dict[str, dict[str, Row]]:
+    """Every candidate configuration on every clip (EfficientNet-Lite0, in lockstep), printed as it goes."""
     model = models.load("efficientnet_lite0")
     meta = models.info("efficientnet_lite0")
-    print(f"leave-one-out over {len(args.clips)} clips, {len(GRID)} candidates, {args.frames} frames, "
-          f"EfficientNet-Lite0, {args.rounds} pass(es)")
     results: dict[str, dict[str, Row]] = {}
     for name in args.clips:
         clip = load_clip(name, args.frames)
-        rows = summarise(run_clip(model, clip, GRID, args.rounds, meta.mean, meta.std))
+        rows = summarise(run_clip(model, clip, configs, args.rounds, meta.mean, meta.std))
         results[name] = rows
         print(f"\n{name} (load {_load()})")
         print_rows(rows, OutputKind.LABEL)
+    return results
+
+
+def leave_one_out(args: argparse.Namespace) -> None:
+    print(f"leave-one-out over {len(args.clips)} clips, {len(GRID)} candidates, {args.frames} frames, "
+          f"EfficientNet-Lite0, {args.rounds} pass(es)")
+    results = _grid_results(args, GRID)
     print("\nheld-out clip: candidate chosen on the other clips -> its figures on the held-out clip")
     print("| held-out clip | chosen on the others | median x | mean x | top-1 | audits |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -296,6 +309,27 @@ def leave_one_out(args: argparse.Namespace) -> None:
         row = results[name][chosen]
         print(f"| {name} | {chosen} | {row.median_x:.2f} | {row.mean_x:.2f} | {row.agreement:.1%} | {row.audits:.0%} |")
     print(f"\nchosen on all clips (the defaults): {_choose(results)}; load at the end {_load()}")
+
+
+def near_tie_loo(args: argparse.Namespace) -> None:
+    """Leave-one-out choice of ``near_tie`` (see the module docstring)."""
+    configs = {f"near_tie {c:g}": {"near_tie": c} for c in NEAR_TIE_GRID}
+    print(f"leave-one-out choice of near_tie over {len(args.clips)} clips, candidates {NEAR_TIE_GRID}, "
+          f"{args.frames} frames, EfficientNet-Lite0, {args.rounds} pass(es)")
+    results = _grid_results(args, configs)
+
+    def smallest(among: dict[str, dict[str, Row]]) -> str:
+        exact = [c for c in configs if all(rows[c].agreement >= 1.0 for rows in among.values())]
+        return exact[0] if exact else list(configs)[-1]
+
+    print("\n| held-out clip | near_tie chosen on the others | median x | mean x | top-1 | full audits |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in args.clips:
+        chosen = smallest({k: v for k, v in results.items() if k != name})
+        row = results[name][chosen]
+        print(f"| {name} | {chosen.split()[-1]} | {row.median_x:.2f} | {row.mean_x:.2f} | {row.agreement:.1%} | "
+              f"{row.audits:.0%} |")
+    print(f"\nchosen on all clips: {smallest(results).split()[-1]}; load at the end {_load()}")
 
 
 def _choose(results: dict[str, dict[str, Row]]) -> str:
@@ -472,6 +506,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--rounds", type=int, default=2, help="passes over each clip per configuration")
     parser.add_argument("--loo", action="store_true", help="leave-one-out choice of the defaults")
+    parser.add_argument("--near-tie", action="store_true", help="with --loo: the leave-one-out choice of near_tie")
     parser.add_argument("--dense", action="store_true", help="dense models (PNet, fcn_resnet50)")
     parser.add_argument("--no-reuse", action="store_true", help="models whose every change reaches the output")
     parser.add_argument("--no-regret", dest="regret", action="store_false", help="skip the oracle pass")
@@ -488,6 +523,8 @@ def main() -> None:
     print(f"load average at start: {_load()}")
     if args.loo and args.no_reuse:
         saving_loo(args)
+    elif args.loo and args.near_tie:
+        near_tie_loo(args)
     elif args.loo:
         leave_one_out(args)
     elif args.dense:

@@ -427,6 +427,21 @@ def order_queries(program: Program, exact: Propagation, sizes: np.ndarray) -> np
     return np.lexsort(keys)
 
 
+def _step_extents(program: Program, exact: Propagation, q: int) -> tuple[list[float], list[np.ndarray]]:
+    """Per step with a change and multiply-adds: its multiply-adds per output position, and the (Q, d) extents of
+    every query's exact box there."""
+    per_position, extents = [], []
+    for step in program.steps:
+        region = exact.regions[step.out]
+        if region.kind == RegionKind.NONE or step.flops == 0:
+            continue
+        dims = np.asarray(step.dims)
+        per_position.append(step.flops / step.positions)
+        extents.append(np.broadcast_to(dims, (q, len(dims))) if region.kind == RegionKind.FULL
+                       else np.minimum(region.boxes.sizes(), dims))
+    return per_position, extents
+
+
 def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
     """Batch boundaries over the ordered queries: the fewest batches (:func:`_fewest_runs`, as many as plain batched
     re-inference runs) unless they would be larger than those of the cheapest packing (:func:`_cheapest_runs`,
@@ -457,15 +472,7 @@ def _fewest_runs(program: Program, exact: Propagation, order: np.ndarray, batch_
     """
     q = len(order)
     count = -(-q // batch_size)
-    per_position, extents = [], []
-    for step in program.steps:
-        region = exact.regions[step.out]
-        if region.kind == RegionKind.NONE or step.flops == 0:
-            continue
-        dims = np.asarray(step.dims)
-        per_position.append(step.flops / step.positions)
-        extents.append(np.broadcast_to(dims, (q, len(dims))) if region.kind == RegionKind.FULL
-                       else np.minimum(region.boxes.sizes(), dims))
+    per_position, extents = _step_extents(program, exact, q)
     if not extents or count == 1:
         return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
     weight = np.asarray(per_position)
@@ -507,15 +514,7 @@ def _cheapest_runs(program: Program, exact: Propagation, order: np.ndarray, batc
     """
     q = len(order)
     smallest = max(1, min(batch_size // 2, q))
-    per_position, extents = [], []
-    for step in program.steps:
-        region = exact.regions[step.out]
-        if region.kind == RegionKind.NONE or step.flops == 0:
-            continue
-        dims = np.asarray(step.dims)
-        per_position.append(step.flops / step.positions)
-        extents.append(np.broadcast_to(dims, (q, len(dims))) if region.kind == RegionKind.FULL
-                       else np.minimum(region.boxes.sizes(), dims))
+    per_position, extents = _step_extents(program, exact, q)
     if not extents:
         return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
     weight = np.asarray(per_position)

@@ -43,8 +43,10 @@ class Comparison:
         relative_error: ``||cached - full|| / ||full||`` of the primary tensors.
         risk: 1 at the target, 0 for an exact match; a label's is the share of the full output's top-1 margin
             (to the class that came closest) the cached output used up, >= 1 exactly when the top-1 flipped.
-        lead_lost: a label's largest loss of the top-1 class's lead over one of its five closest rivals, in
-            output units (a cached output whose own top-1 margin is below it may have flipped); NaN for a map.
+        lead_lost: a label's largest change, either way, of the top-1 class's lead over one of its five closest
+            rivals, in output units (a cached output whose own top-1 margin is below it may have flipped); NaN for
+            a map. Either way: an audit where the cache happened to err in the top class's favour measures how far
+            the cache is off as well as one where it erred against it.
     """
 
     kind: OutputKind
@@ -135,12 +137,12 @@ def _labels(x: torch.Tensor) -> torch.Tensor:
 def _margin_used(cached: torch.Tensor, full: torch.Tensor) -> tuple[float, float]:
     """``(share, amount)``: how much of the full output's lead of its top-1 class over every other class the cached
     output lost, as a share of that lead (max over the classes: >= 1 exactly when another class caught up), and
-    the largest loss of lead, in output units, over the classes that compete for the top (the full output's top
-    five: a class far behind may move a lot without mattering)."""
+    the largest change of that lead either way, in output units, over the classes that compete for the top (the
+    full output's top five: a class far behind may move a lot without mattering)."""
     top = int(full.argmax())
     lead = full[top] - full  # >= 0
     lost = lead - (cached[top] - cached)
     lead[top] = math.inf
     used = (lost / lead.clamp_min(1e-12)).max()
     rivals = full.topk(min(_RIVALS, full.numel())).indices
-    return max(float(used), 0.0), max(float(lost[rivals].max()), 0.0)
+    return max(float(used), 0.0), float(lost[rivals].abs().max())

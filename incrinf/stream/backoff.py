@@ -5,8 +5,10 @@ An attempt (the still-camera test, keypoint matching, the change mask, planning)
 against the predicted full frame; without it, a moving camera's frame that saved less than 1.25x of the
 multiply-adds). ``backoff_after`` misses in a row start a stretch of frames that run plain inference without
 trying. Without the speed guard stretches double (2, 4, ...) up to ``max_backoff``. With it, a stretch starts
-only while the latest attempts saved nothing in total (misses that cost a few milliseconds of decision each are
-worth it while the hits between them save a good part of a frame) and lasts just long enough for the attempt
+only while the latest attempts saved nothing (misses that cost a few milliseconds of decision each are worth it
+while the hits between them save a good part of a frame): the median attempt's net saving, not the sum, so that one
+frame caught by a load spike (a cached frame of 97 ms against full frames measured at 36 ms before the spike; a full
+frame then took 90 ms) does not outweigh the frames around it that saved; and lasts just long enough for the attempt
 ending it to cost at most 2% of the stretch's time: doubling would only delay noticing that the cache pays again.
 """
 
@@ -90,7 +92,7 @@ class BackOff:
                 return
             if not self.config.speed_guard:
                 self.stretch = min(max(2 * self.stretch, 2), self.config.max_backoff)
-            elif sum(self._savings) > 0:
+            elif self._savings and statistics.median(self._savings) > 0:
                 return  # the hits between the misses pay for them
             else:
                 self.stretch = min(max(2, self._budgeted(full_seconds)), self.config.max_backoff)

@@ -92,10 +92,10 @@ class StreamConfig:
             weaker peak (a pan over repetitive texture, a zoom, a scene cut) is not taken as a still camera.
         backoff_after: frames in a row that tried the cache in vain before a back-off stretch starts.
         max_backoff: after ``backoff_after`` frames in a row that could not use the cache (or, with the speed
-            guard, that tried it in vain while the recent attempts saved nothing in total; without it, moved and
-            saved little with it), run the next 2, 4, ... up to this many frames fully without matching (0: try
-            every frame). With the speed guard the first stretch is already long enough for its attempt to cost at
-            most 2% of its time.
+            guard, that tried it in vain while the recent attempts' median saving was not positive; without it,
+            moved and saved little with it), run the next 2, 4, ... up to this many frames fully without matching
+            (0: try every frame). With the speed guard the first stretch is already long enough for its attempt to
+            cost at most 2% of its time.
         background_update: finish the frame's bookkeeping (the reference image) in a worker thread after
             returning the output; outputs are identical either way.
         speed_guard: choose cached or full inference per frame from the plan's predicted cost (the cost model,
@@ -124,9 +124,12 @@ class StreamConfig:
             number of tiles).
         sample_tolerance: a sample flags when its error exceeds this many times the largest error seen at recent
             full audits that held the target.
-        near_tie: a cached classifier output whose top-1 margin is within this many times the largest lead the
-            recent audits saw the cached path lose (over the top class's five closest rivals) is audited on the spot
-            (every cached frame before the first audit); 0: never.
+        near_tie: a cached classifier output whose top-1 margin is within this many times the lead it may have
+            lost (:meth:`~incrinf.stream.guards.QualityGuard.lead_at_risk`: the quantile at ``target_agreement`` of
+            the recent audits' lead changes, scaled to the frame's drift and sampled error) is audited on the spot
+            (every cached frame before the first audit); 0: never. The default is the leave-one-out choice over the
+            clip set (``benchmarks/stream.py --loo --near-tie``: the smallest candidate keeping every other clip at
+            100% top-1); without checks (0) four of ten clips flipped 1-4 frames of 24.
         keep_stats: per-frame records kept in :attr:`StreamSession.stats` (the newest; None: all). A stream never
             ends, and an unbounded log grows by a record per frame.
         oracle_sample: on this share of the frames that had a plan, run both the cached path and full inference,
@@ -158,7 +161,7 @@ class StreamConfig:
     sampled_audits: bool = True
     sample_budget: float = 0.05
     sample_tolerance: float = 1.5
-    near_tie: float = 1.0
+    near_tie: float = 0.1
     keep_stats: int | None = 1000
     oracle_sample: float = 0.0
 

@@ -9,9 +9,12 @@
   spare (its risk, extrapolated to the next interval, at most 1/2) doubles the interval up to the keyframe
   interval, then loosens one level. A level that missed needs twice as many holds as before to be loosened again.
   A miss at the tightest level suspends the cache for 2, 4, ... frames (full inference only). For classifiers a
-  cached frame is also checked on its own: when its top-1 margin is within the lead the cached path was seen to
-  lose at recent audits (every frame before the first audit), it is audited on the spot, so a near tie is never
-  answered from the cache unverified.
+  cached frame is also checked on its own: when its top-1 margin is within the lead the cached path may have lost
+  on this frame (every frame before the first audit), it is audited on the spot, so a near tie is never answered
+  from the cache unverified. What a frame may have lost is scaled from each recent audit's measured loss, by what
+  differs between that audit and this frame (:meth:`QualityGuard.lead_at_risk`): the frames since the last full
+  one (the cache's drift accumulates: the guard's interval rule assumes the same growth) and, when the frame had a
+  sampled audit, its own measured error against the one the audit's sample saw.
 """
 
 from __future__ import annotations
@@ -32,6 +35,18 @@ _HEADROOM = 0.5  # relax only when the risk extrapolated to the next interval st
 _MAX_INTERVAL = 1024  # when keyframe_interval is 0 (no upper bound)
 _MAX_SUSPEND = 64
 _LEAD_SAMPLES = 8  # audits whose lost lead a label output's margin is checked against
+# Probe errors below this are float rounding: no ratio to a frame's sampled error is taken from them.
+_PROBE_FLOOR = 1e-4
+
+
+@dataclass(frozen=True)
+class LeadLoss:
+    """What one label audit measured: the top-1 lead the cached path lost (output units), the frames since the last
+    full one at the audit, and the sampled error between the cached and the full probe on that frame (NaN: none)."""
+
+    lost: float
+    frames: int
+    probe_error: float = math.nan
 
 
 class Verdict(str, Enum):
@@ -84,7 +99,7 @@ class QualityGuard:
         self._comparisons: list[Comparison] = []
         self._misses = 0
         self._recent: deque[float] = deque(maxlen=self._window())
-        self._lead_lost: deque[float] = deque(maxlen=_LEAD_SAMPLES)
+        self._lead_lost: deque[LeadLoss] = deque(maxlen=_LEAD_SAMPLES)
 
     # --- knobs -------------------------------------------------------------------------------------------------
 
@@ -128,16 +143,41 @@ class QualityGuard:
         """One frame passed (counts down a suspension)."""
         self._suspended = max(self._suspended - 1, 0)
 
-    def risky(self, margin: float) -> bool:
+    def risky(self, margin: float, frames_since_full: int = 1, sampled_error: float = math.nan) -> bool:
         """Whether a cached label output whose top-1 leads by ``margin`` may have flipped: its margin is within
-        the largest lead the recent audits saw the cached path lose (times ``near_tie``); always before the first
-        audit.
+        ``near_tie`` times :meth:`lead_at_risk`; always before the first audit.
         Maps (NaN margin) are never checked frame by frame: their target is a share of positions."""
         if math.isnan(margin) or self.config.near_tie == 0:
             return False
         if not self._lead_lost:
             return True
-        return margin <= self.config.near_tie * max(self._lead_lost)
+        return margin <= self.config.near_tie * self.lead_at_risk(frames_since_full, sampled_error)
+
+    def lead_at_risk(self, frames_since_full: int = 1, sampled_error: float = math.nan) -> float:
+        """The top-1 lead a cached frame ``frames_since_full`` frames after the last full one may have lost.
+
+        Each recent audit's measured loss is first scaled up (never down) to this frame: by the frames since the
+        full frame against the audit's (the cache's drift accumulates frame by frame) and, when this frame had a
+        sampled audit (``sampled_error``), by its error against the error the audit's own sample measured between
+        the cached and the full probe (the frame's own measurement of how far its cache is off). The losses of
+        single frames are heavy-tailed (a frame may lose three times the lead of the audits around it), so the
+        largest of a few audits is no bound: the losses are taken as exponentially distributed, their mean raised
+        by its standard error (``1 / sqrt(n)`` of it for ``n`` audits), and the reference is the quantile that
+        only ``1 - target_agreement`` of the frames exceed (``mean * ln(1 / (1 - target))``), never below the
+        largest scaled loss itself."""
+        losses = []
+        for audit in self._lead_lost:
+            scale = max(1.0, frames_since_full / max(audit.frames, 1))
+            if sampled_error > 0 and audit.probe_error > _PROBE_FLOOR:
+                scale = max(scale, sampled_error / audit.probe_error)
+            losses.append(audit.lost * scale)
+        if not losses:
+            return 0.0
+        budget = 1.0 - self.config.target_agreement
+        if budget <= 0:
+            return math.inf  # every flip counts: every cached label output is checked
+        mean = sum(losses) / len(losses) * (1.0 + 1.0 / math.sqrt(len(losses)))
+        return max(max(losses), mean * math.log(1.0 / budget))
 
     # --- audits ------------------------------------------------------------------------------------------------
 
@@ -146,7 +186,7 @@ class QualityGuard:
         self._comparisons.append(comparison)
         self._recent.append(comparison.agreement)
         if not math.isnan(comparison.lead_lost):
-            self._lead_lost.append(comparison.lead_lost)
+            self._lead_lost.append(LeadLoss(comparison.lead_lost, max(frames_since_full, 1)))
         if self._missed(comparison):
             self._misses += 1
             self._holds = 0
@@ -175,6 +215,13 @@ class QualityGuard:
         self._holds = 0
         self.interval = max(self.max_interval // 2, self.min_interval)  # the looser level proves itself anew
         return Verdict.RELAX
+
+    def probe_error(self, error: float) -> None:
+        """The sampled error between the cached and the full probe on the audit just recorded (a label audit's
+        loss is then also compared with the samples of later frames)."""
+        if self._lead_lost and math.isfinite(error):
+            last = self._lead_lost[-1]
+            self._lead_lost[-1] = LeadLoss(last.lost, last.frames, error)
 
     def sampled_hold(self) -> None:
         """A sampled audit stood in for a due full audit and held: the interval grows as after a full audit that

@@ -254,7 +254,8 @@ class StreamSession:
         if comparison is not None:
             verdict = quality.record(comparison, since_full)
             if f.probes is not None:
-                self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS, f.sampled)
+                quality.probe_error(self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS,
+                                                                           f.sampled))
             why = "near tie, " if verify else ""
             f.fallback = _Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
                                                 f"{verdict.value}")
@@ -333,7 +334,7 @@ class StreamSession:
             cached_out = engine.cached(f.x, f.mask.pixel_mask, f.matrix, f.plan)
             cached_seconds = time.perf_counter() - clock
             if not engine.full_reason:
-                self._calibrate(f, engine)
+                self._calibrate(f, engine, cached_seconds)
             middle = time.perf_counter()
             full_out = engine.full(f.x)
             f.oracle = (cached_seconds, time.perf_counter() - middle)
@@ -354,10 +355,11 @@ class StreamSession:
         if engine.full_reason:
             costs.record_full(cached_seconds)
             return out, None, False, cached_seconds
-        self._calibrate(f, engine)
+        self._calibrate(f, engine, cached_seconds)
         audit = self._sample(f, engine, audit)
         # a classifier's near tie is checked on the spot (see QualityGuard.risky)
-        verify = not audit and quality is not None and quality.risky(top1_margin(out))
+        verify = not audit and quality is not None and quality.risky(top1_margin(out), self._index - self._last_full,
+                                                                      f.sampled)
         if audit or verify:
             sampler = self._samplers.get(tuple(f.x.shape))
             probe = sampler.probe if sampler is not None else None
@@ -395,10 +397,12 @@ class StreamSession:
             quality.sampled_hold()
         return False
 
-    def _calibrate(self, f: _Frame, engine: CameraEngine) -> None:
-        """Feed the cost model what the cached frame's steps measured (the pruning was recorded as it ran); without
-        the speed guard the coefficients stay as they are, so runs are reproducible."""
+    def _calibrate(self, f: _Frame, engine: CameraEngine, seconds: float) -> None:
+        """Feed the cost model what the cached frame's steps measured (the pruning was recorded as it ran) and the
+        speed guard the frame's measured ``seconds`` against its plan's; without the speed guard the coefficients
+        stay as they are, so runs are reproducible."""
         if self.config.speed_guard:
+            self._speed.record_cached(f.plan.seconds, seconds)
             engine.costs.record_steps(plan_kind(f.plan), engine.last.step_samples)
 
     def _full_frame(self, f: _Frame, engine: CameraEngine) -> Any:

@@ -17,6 +17,9 @@ def test_labels_agree_on_top1_and_measure_the_margin_used():
     assert (same.kind, same.agreement, same.risk) == (OutputKind.LABEL, 1.0, pytest.approx(0.0, abs=1e-6))
     closer = compare(torch.tensor([[2.0, 1.5, 0.0, -1.0]]), full, 0.99)
     assert closer.agreement == 1.0 and closer.risk == pytest.approx(0.75) and closer.lead_lost == pytest.approx(1.5)
+    # a cache that erred in the top class's favour is as far off as one that erred against it
+    gained = compare(torch.tensor([[3.5, 1.0, 0.0, -1.0]]), full, 0.99)
+    assert gained.risk == pytest.approx(0.0, abs=1e-6) and gained.lead_lost == pytest.approx(0.5)
     flipped = compare(torch.tensor([[1.0, 2.0, 0.0, -1.0]]), full, 0.99)
     assert flipped.agreement == 0.0 and flipped.risk >= 1.0
     assert top1_margin(full) == pytest.approx(2.0)

@@ -69,6 +69,7 @@ def _frozen_costs(session: StreamSession, monkeypatch: pytest.MonkeyPatch):
     costs.set_profile([s.dense for s in costs.steps], calls, calls, costs.tail, costs.move, 0.0)
     for name in ("record_full", "record_steps", "record_kept"):
         monkeypatch.setattr(costs, name, lambda *args: None)
+    monkeypatch.setattr(session._speed, "record_cached", lambda *args: None)
     return costs
 
 
@@ -104,7 +105,7 @@ def test_near_tie_checks_are_charged_to_the_cached_path(frames):
     as misses, so the session backs off to plain frames instead of auditing every frame."""
     model = _wide()
     session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0)
-    session._quality.risky = lambda margin: True  # every cached frame's top-1 is a near tie
+    session._quality.risky = lambda margin, *_: True  # every cached frame's top-1 is a near tie
     for frame in frames[:16]:
         session(frame)
     causes = [s.cause for s in session.stats[1:]]
@@ -131,7 +132,7 @@ def test_the_speed_guard_charges_the_cached_path_its_expected_near_tie_checks(fr
     session = StreamSession(model, max_backoff=0, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
                             sampled_audits=False, input_size=(H, W))
     _frozen_costs(session, monkeypatch)
-    session._quality.risky = lambda margin: True  # every cached frame's top-1 is a near tie
+    session._quality.risky = lambda margin, *_: True  # every cached frame's top-1 is a near tie
     for frame in frames[:8]:
         torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
     stats = session.stats
@@ -224,8 +225,69 @@ def test_maps_miss_below_the_pixel_target_and_near_ties_are_checked_on_the_spot(
     assert guard.level == 1
     guard = QualityGuard(StreamConfig(near_tie=1.0))
     guard.record(Comparison(OutputKind.LABEL, 1.0, 0.1, 0.2, 0.5), 4)
-    assert guard.risky(0.4) and not guard.risky(0.6)
+    # one audit's loss is no bound on the next frame's: a margin just above it is still checked, one far above not
+    assert guard.risky(0.4) and guard.risky(0.6) and not guard.risky(10.0)
     assert not QualityGuard(StreamConfig(near_tie=0)).risky(0.0)
+
+
+def test_the_near_tie_reference_grows_with_drift_sample_error_and_few_audits():
+    """The lead a cached frame may have lost is scaled from the audits to the frame: more frames since the last full
+    one, or a larger sampled error on the frame itself, widen it (never narrow it), and a few audits that lost
+    little do not make a margin a few times their loss safe (single frames' losses are heavy-tailed)."""
+    config = StreamConfig(target_agreement=0.99)
+    guard = QualityGuard(config)
+    guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.04), 1)
+    guard.probe_error(0.05)
+    base = guard.lead_at_risk(1)
+    assert guard.lead_at_risk(4) == pytest.approx(4 * base)  # three more frames of drift than the audit had
+    assert guard.lead_at_risk(1, sampled_error=0.2) == pytest.approx(4 * base)  # four times the audit's probe error
+    assert guard.lead_at_risk(1, sampled_error=0.01) == pytest.approx(base)  # never narrower than the audit's own
+    guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.037), 3)
+    # the case of an animated clip: audits lost 0.04 and 0.037, then a frame with margin 0.11 lost 0.13 and flipped;
+    # the reference (what near_tie scales) is above that loss, the largest audit's loss was not
+    assert guard.lead_at_risk(1) > 0.13
+    assert guard.risky(guard.config.near_tie * 0.13, 1) and not guard.risky(10.0, 1)
+    assert QualityGuard(StreamConfig(target_agreement=1.0)).risky(1e6)  # before any audit: always
+    exact = QualityGuard(StreamConfig(target_agreement=1.0))
+    exact.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.04), 1)
+    assert exact.risky(1e6)  # every flip counts: every cached label output is checked
+
+
+def _tie_frames() -> list[np.ndarray]:
+    """A still camera: a square of the photo brightening by 4 levels a frame (a slow change the change mask and the
+    feature threshold let the cache lag behind)."""
+    photo = cv2.resize(skimage.data.chelsea(), (W, H), interpolation=cv2.INTER_AREA).astype(np.float32)
+    out = []
+    for k in range(32):
+        frame = photo.copy()
+        frame[24:40, 30:46] = np.clip(frame[24:40, 30:46] + 4.0 * k, 0, 255)
+        out.append(frame.astype(np.uint8))
+    return out
+
+
+def test_a_cached_output_near_a_tie_that_flips_is_caught():
+    """A classifier whose two classes tie halfway through a clip: its cached outputs lag the slow change, and without
+    near-tie checks several frames answer the old class. With checks at the reference itself (``near_tie=1``: the
+    quantile at the target of the audits' measured lead changes) every frame agrees with full inference. (The
+    default, 0.1, is the leave-one-out choice over the clip set, where losses are less extreme than here: the
+    flipping frames lose ten times the lead the audits saw, and at 0.1 they are not checked.)"""
+    frames = _tie_frames()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2, padding=1),
+                          nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(32, 2)).eval()
+    first, last = _full(model, frames[0])[0], _full(model, frames[-1])[0]
+    with torch.no_grad():  # the tie halfway between the first and the last frame
+        model[-1].bias[0] -= float(first[0] - first[1] + last[0] - last[1]) / 2
+    reference = [int(_full(model, f).argmax()) for f in frames]
+    assert len(set(reference)) == 2  # the top-1 does change along the clip
+
+    def top1(**settings) -> list[int]:
+        session = StreamSession(model, speed_guard=False, **settings)
+        return [int(session(f).argmax()) for f in frames]
+
+    assert top1(near_tie=0) != reference  # unchecked, the cache answers the old class on some frames
+    assert top1(near_tie=1.0) == reference  # checked: every frame agrees
 
 
 def test_injected_disagreements_raise_the_audit_rate_and_tighten_then_relax(frames):
@@ -475,11 +537,14 @@ def _dense_convs() -> nn.Module:
     return nn.Sequential(*layers, nn.Conv2d(64, 4, 1)).eval()
 
 
-def test_a_sampled_audit_detects_an_injected_drift(frames):
+def test_a_sampled_audit_detects_an_injected_drift(frames, monkeypatch):
     model = _dense_convs()
     # a small model at a small size: one tile's cone is a good part of a frame, so the budget is set higher
     session = StreamSession(model, audit_interval=2, keyframe_interval=64, feature_threshold=0.0, sample_budget=0.8,
                             max_backoff=0)
+    # the frames must run cached for samples to run: the plan's prediction alone decides (at this size a cached
+    # frame's Python overhead, which the measured residual would add, is close to a full frame's time)
+    monkeypatch.setattr(session._speed, "record_cached", lambda *args: None)
     for frame in frames[:8]:
         session(frame)
     sampler = next(iter(session._samplers.values()))
@@ -556,3 +621,23 @@ def test_the_no_reuse_decision_counts_the_floor_pruning_cannot_cut(frames):
                 torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
             no_reuse = [s.cause == Cause.NO_REUSE for s in session.stats[1:]]
             assert not any(no_reuse) if reuse else all(no_reuse), (type(model).__name__, threshold)
+
+
+def test_the_speed_guard_scales_the_plan_by_what_cached_frames_measured_against_it():
+    """A plan that predicts 7 ms while its like measured 25 ms (time outside the steps, load the step coefficients
+    were not measured under) is predicted at the measured ratio, and sent to full inference when that is slower."""
+    from types import SimpleNamespace
+
+    from incrinf.stream.decisions import RESIDUAL_WINDOW, SpeedGuard
+
+    guard = SpeedGuard()
+    costs, plan = SimpleNamespace(full_seconds=0.020), SimpleNamespace(seconds=0.007)
+    assert guard.predict(costs, plan).cached == pytest.approx(0.007) and guard.predict(costs, plan).cached_faster
+    for measured in (0.025, 0.024, 0.026):
+        guard.record_cached(0.007, measured)
+    guard.record_cached(0.0, 0.001)  # nothing recomputed: no ratio over zero
+    prediction = guard.predict(costs, plan)
+    assert prediction.cached == pytest.approx(0.025) and not prediction.cached_faster
+    for _ in range(RESIDUAL_WINDOW):  # the cached path got cheap again: the latest frames decide
+        guard.record_cached(0.007, 0.0035)
+    assert guard.predict(costs, plan).cached == pytest.approx(0.0035)

@@ -560,3 +560,24 @@ def test_stats_are_bounded_by_keep_stats(zoo, photo):
     assert session.stats.dropped + len(session.stats) == 8
     times = session.stats[-1].times
     assert times.engine > 0 and times.prepare > 0 and session.stats[-1].seconds >= sum(times.as_dict().values())
+
+
+def test_one_load_spike_does_not_start_a_back_off_while_the_attempts_around_it_saved():
+    """With the speed guard a stretch starts when the latest attempts' median net saving is not positive: three
+    misses in a row start one only if the attempts did not typically save, whatever one slow frame cost."""
+    import math
+
+    from incrinf.stream.backoff import BackOff
+    from incrinf.stream.stats import Cause
+
+    def run(frames: list[tuple[Cause | None, float]]) -> BackOff:
+        backoff = BackOff(StreamConfig(backoff_after=3))
+        for cause, seconds in frames:
+            paid = backoff.paid(cause, True, math.inf, 0.036, seconds, 0.003)
+            backoff.count(cause, paid, 0.036)
+        return backoff
+
+    saved = [(None, 0.015)] * 4  # cached frames 21 ms under a full one
+    spike = [(None, 0.097), (None, 0.059), (None, 0.048)]  # a load spike: three slow cached frames
+    assert not run(saved + spike).active
+    assert run([(None, 0.040)] * 4 + spike).active  # nothing saved around them: back off
