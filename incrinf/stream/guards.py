@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from itertools import combinations
 from dataclasses import dataclass
 from enum import Enum
+from itertools import combinations
 
 from incrinf.stream.agreement import Comparison, OutputKind
 from incrinf.stream.config import StreamConfig
