@@ -89,7 +89,7 @@ GRID = {
 }
 # Candidates for near_tie (--loo --near-tie): the near-tie check's reference is the quantile of the audits' lead
 # changes that 1 - target_agreement of the frames exceed; these scale it.
-NEAR_TIE_GRID = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+NEAR_TIE_GRID = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3)
 PNET_WHEEL = "facenet-pytorch==2.6.0"
 ORACLE_SHARE = 1 / 3
 _PARTS = ("match", "mask", "plan", "commit", "decide")

@@ -11,10 +11,14 @@
   A miss at the tightest level suspends the cache for 2, 4, ... frames (full inference only). For classifiers a
   cached frame is also checked on its own: when its top-1 margin is within the lead the cached path may have lost
   on this frame (every frame before the first audit), it is audited on the spot, so a near tie is never answered
-  from the cache unverified. What a frame may have lost is scaled from each recent audit's measured loss, by what
-  differs between that audit and this frame (:meth:`QualityGuard.lead_at_risk`): the frames since the last full
-  one (raised to the growth the audits at different distances show) and, when the frame had a
-  sampled audit, its own measured error against the one the audit's sample saw.
+  from the cache unverified. Two bounds say what it may have lost: the largest lead change the recent audits
+  measured (a margin below what the cache has been seen to be off by is never trusted), and ``near_tie`` times
+  the quantile at the target of an exponential fit to those changes (single frames' changes are heavy-tailed).
+  Each audit's change is scaled to the frame by what differs between them (:meth:`QualityGuard.lead_at_risk`):
+  the frames since the last full one (raised to the growth the audits at different distances show) and, when
+  the frame had a sampled audit, its own measured error against the one the audit's sample saw. The interval of
+  full audits that run whatever sampled audits say starts at ``keyframe_interval`` and adapts
+  (:meth:`QualityGuard.long_due`).
 """
 
 from __future__ import annotations
@@ -152,14 +156,22 @@ class QualityGuard:
         self._suspended = max(self._suspended - 1, 0)
 
     def risky(self, margin: float, frames_since_full: int = 1, sampled_error: float = math.nan) -> bool:
-        """Whether a cached label output whose top-1 leads by ``margin`` may have flipped: its margin is within
-        ``near_tie`` times :meth:`lead_at_risk`; always before the first audit.
-        Maps (NaN margin) are never checked frame by frame: their target is a share of positions."""
+        """Whether a cached label output whose top-1 leads by ``margin`` may have flipped: always before the first
+        audit; after it, when the margin is within a lead change the audits actually measured (the largest, scaled
+        to this frame: :meth:`measured_loss`), whatever ``near_tie`` says, or within ``near_tie`` times
+        :meth:`lead_at_risk`. Maps (NaN margin) are never checked frame by frame: their target is a share of
+        positions. ``near_tie=0`` turns the checks off."""
         if math.isnan(margin) or self.config.near_tie == 0:
             return False
         if not self._lead_lost:
             return True
-        return margin <= self.config.near_tie * self.lead_at_risk(frames_since_full, sampled_error)
+        losses = self._scaled_losses(frames_since_full, sampled_error)
+        return margin <= max(max(losses), self.config.near_tie * self._reference(losses))
+
+    def measured_loss(self, frames_since_full: int = 1, sampled_error: float = math.nan) -> float:
+        """The largest top-1 lead change the recent audits measured, scaled to a frame as in :meth:`lead_at_risk`
+        (0 before any): the cache has been seen to be off by this much, so a margin below it is never trusted."""
+        return max(self._scaled_losses(frames_since_full, sampled_error), default=0.0)
 
     def lead_at_risk(self, frames_since_full: int = 1, sampled_error: float = math.nan) -> float:
         """The top-1 lead a cached frame ``frames_since_full`` frames after the last full one may have lost.
@@ -174,6 +186,10 @@ class QualityGuard:
         the losses are taken as exponentially distributed, their mean raised by its standard error (``1 / sqrt(n)``
         of it for ``n`` audits), and the reference is the quantile that only ``1 - target_agreement`` of the frames
         exceed (``mean * ln(1 / (1 - target))``), never below the largest scaled loss itself."""
+        return self._reference(self._scaled_losses(frames_since_full, sampled_error))
+
+    def _scaled_losses(self, frames_since_full: int, sampled_error: float) -> list[float]:
+        """The recent audits' lead losses, each scaled up to a frame (see :meth:`lead_at_risk`)."""
         growth = self.drift_growth()
         losses = []
         for audit in self._lead_lost:
@@ -181,6 +197,10 @@ class QualityGuard:
             if sampled_error > 0 and audit.probe_error > _PROBE_FLOOR:
                 scale = max(scale, sampled_error / audit.probe_error)
             losses.append(audit.lost * scale)
+        return losses
+
+    def _reference(self, losses: list[float]) -> float:
+        """The quantile at the target of an exponential fit to ``losses`` (see :meth:`lead_at_risk`)."""
         if not losses:
             return 0.0
         budget = 1.0 - self.config.target_agreement

@@ -302,6 +302,21 @@ def test_the_near_tie_reference_grows_with_the_drift_the_audits_measured():
     assert shrinking.drift_growth() == 0.0  # never scaled down: a later frame is at least as far off as the audits
 
 
+def test_a_margin_below_a_lead_change_the_audits_measured_is_checked_whatever_near_tie_says():
+    """The case of an animated clip's cached frame: audits had measured lead changes of 0.042, 0.067 and 0.139,
+    the frame's margin was 0.127 (it lost 0.128 and flipped). Even a small ``near_tie`` (where the quantile times
+    near_tie is below the margin) checks it: the cache has been seen to be off by more than that margin. A margin
+    above every measured change and above near_tie times the quantile is not checked."""
+    guard = QualityGuard(StreamConfig(near_tie=0.02))
+    for lost, frames in ((0.042, 1), (0.0665, 3), (0.139, 4)):
+        guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, lost), frames)
+    assert guard.config.near_tie * guard.lead_at_risk(1) < 0.127  # the quantile alone would let it through
+    assert guard.measured_loss(1) == pytest.approx(0.139)
+    assert guard.risky(0.127, 1) and not guard.risky(0.15, 1)
+    assert guard.measured_loss(1, sampled_error=math.nan) <= guard.lead_at_risk(1)
+    assert not QualityGuard(StreamConfig(near_tie=0)).risky(0.0)  # 0: no checks at all
+
+
 def _tie_frames() -> list[np.ndarray]:
     """A still camera: a square of the photo brightening by 4 levels a frame (a slow change the change mask and the
     feature threshold let the cache lag behind)."""
