@@ -38,7 +38,7 @@ from incrinf.kernels.depthwise_geometry import (
 )
 from incrinf.kernels.depthwise_kernels import CONFIG_SIZE, TILE, depthwise_reference_order
 from incrinf.kernels.depthwise_packing import PackedDepthwiseInt8, pack_depthwise_int8
-from incrinf.kernels.depthwise_pool import SOLO, make_job, pool_control, run_job, slice_count, threads_known
+from incrinf.kernels.depthwise_pool import SOLO, make_job, pool_control, run_job, smallest_claim, threads_known
 from incrinf.kernels.quantize import INT8_MAX, INT8_MIN
 
 numba = require("numba", "int8", "the int8 kernels")
@@ -121,15 +121,16 @@ class CallPlan(NamedTuple):
     size: int  # outputs (0: nothing to compute)
     units: int  # work units: output rows x depth-multiplier planes x channel tiles
     macs_per_unit: int  # multiply-adds of a unit (a full tile's; every tap counted)
-    job: np.ndarray  # int64: config, the packed arrays' addresses, slices per thread count (depthwise_pool)
+    job: np.ndarray  # int64: config, the packed arrays' addresses, the smallest claim (depthwise_pool.make_job)
     arrays: tuple[np.ndarray, ...]  # the packed arrays the job points at, kept alive with it
 
 
 def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation, region, quant_args) -> CallPlan:
     """Check the call's arguments (raising on bad ones) and lay out the kernel's scalars and job.
 
-    The slice count at every thread count comes from the plan's work (units and multiply-adds per unit, see
-    :func:`~incrinf.kernels.depthwise_pool.slice_count`), with the pool's settings at the time of planning."""
+    Whether threads share the layer and their smallest claim come from the plan's work (units and multiply-adds
+    per unit, see :func:`~incrinf.kernels.depthwise_pool.smallest_claim`), with the pool's settings at the time
+    of planning."""
     n, in_h, in_w, in_c = x_shape
     if in_c != packed.in_channels:
         raise ValueError(
@@ -150,9 +151,8 @@ def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation,
     out_shape = (n, y1 - y0, x1 - x0, in_c * dm)
     size = n * (y1 - y0) * (x1 - x0) * in_c * dm
     macs_per_unit = (x1 - x0) * TILE * kh * kw
-    slices = [slice_count(units, macs_per_unit, t) for t in range(_MAX_THREADS + 1)]
     arrays = (packed.tile_weights, packed.tile_params, packed.zero_row)
-    job = make_job(config, *arrays, slices)
+    job = make_job(config, *arrays, smallest_claim(units, macs_per_unit))
     return CallPlan(job[:CONFIG_SIZE], out_shape, size, units, macs_per_unit, job, arrays)
 
 
@@ -218,7 +218,7 @@ def _run_plan(xa: np.ndarray, plan: CallPlan, threads, out) -> np.ndarray:
     """Run the tiled kernel for ``plan`` into ``out`` (new when ``None``) on ``threads`` threads; returns it.
 
     The calling thread computes and the pool's workers help (:mod:`incrinf.kernels.depthwise_pool`); a layer
-    too small to pay for a second thread (its plan has one slice) runs alone. One compiled call does it all:
+    too small to pay for a second thread (by its plan's multiply-adds) runs alone. One compiled call does it all:
     the thread count (``None``: numba's setting) is read there, not here.
     """
     out = np.empty(plan.out_shape, np.int8) if out is None else _check_out(out, plan.out_shape, xa)
