@@ -38,7 +38,7 @@ from incrinf.kernels.depthwise_geometry import (
 )
 from incrinf.kernels.depthwise_kernels import CONFIG_SIZE, TILE, depthwise_reference_order
 from incrinf.kernels.depthwise_packing import PackedDepthwiseInt8, pack_depthwise_int8
-from incrinf.kernels.depthwise_pool import run_depthwise, slice_count
+from incrinf.kernels.depthwise_pool import SOLO, make_job, pool_control, run_job, slice_count, threads_known
 from incrinf.kernels.quantize import INT8_MAX, INT8_MIN
 
 numba = require("numba", "int8", "the int8 kernels")
@@ -113,18 +113,28 @@ def _prepare(x, packed: PackedDepthwiseInt8, stride, padding, dilation, region, 
 
 
 class CallPlan(NamedTuple):
-    """What a call of the tiled kernel needs besides the arrays, for one input shape and set of arguments."""
+    """What a call of the tiled kernel needs besides its input and output, for one input shape and set of
+    arguments: checked once, then reused by every call with the same ones."""
 
-    config: np.ndarray  # int64 (CONFIG_SIZE,): the kernel's scalars
+    config: np.ndarray  # int64 (CONFIG_SIZE,): the kernel's scalars (a view of the job's first entries)
     out_shape: tuple[int, int, int, int]
     size: int  # outputs (0: nothing to compute)
     units: int  # work units: output rows x depth-multiplier planes x channel tiles
     macs_per_unit: int  # multiply-adds of a unit (a full tile's; every tap counted)
+    job: np.ndarray  # int64: config, the packed arrays' addresses, slices per thread count (depthwise_pool)
+    arrays: tuple[np.ndarray, ...]  # the packed arrays the job points at, kept alive with it
 
 
 def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation, region, quant_args) -> CallPlan:
-    """Check the call's arguments (raising on bad ones) and lay out the kernel's scalars."""
+    """Check the call's arguments (raising on bad ones) and lay out the kernel's scalars and job.
+
+    The slice count at every thread count comes from the plan's work (units and multiply-adds per unit, see
+    :func:`~incrinf.kernels.depthwise_pool.slice_count`), with the pool's settings at the time of planning."""
     n, in_h, in_w, in_c = x_shape
+    if in_c != packed.in_channels:
+        raise ValueError(
+            f"x has {in_c} channels (last axis, NHWC) but the filter expects {packed.in_channels}; is x NCHW?"
+        )
     geo = conv_geometry((in_h, in_w), packed.kernel_size, stride, padding, dilation, region)
     out_off, lo, hi = _check_output_quant(*quant_args)
     (sh, sw), (dh, dw), pads, (y0, y1, x0, x1) = geo
@@ -139,7 +149,14 @@ def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation,
     assert config.size == CONFIG_SIZE
     out_shape = (n, y1 - y0, x1 - x0, in_c * dm)
     size = n * (y1 - y0) * (x1 - x0) * in_c * dm
-    return CallPlan(config, out_shape, size, units, (x1 - x0) * TILE * kh * kw)
+    macs_per_unit = (x1 - x0) * TILE * kh * kw
+    slices = [slice_count(units, macs_per_unit, t) for t in range(_MAX_THREADS + 1)]
+    arrays = (packed.tile_weights, packed.tile_params, packed.zero_row)
+    job = make_job(config, *arrays, slices)
+    return CallPlan(job[:CONFIG_SIZE], out_shape, size, units, macs_per_unit, job, arrays)
+
+
+_PLAIN_TYPES = (int, str, type(None))
 
 
 def _plain_arguments(args: tuple) -> bool:
@@ -154,7 +171,7 @@ def _plain_arguments(args: tuple) -> bool:
             for item in arg:
                 if type(item) is not int:
                     return False
-        elif kind is not int and kind is not str and arg is not None:
+        elif kind not in _PLAIN_TYPES:
             return False
     return True
 
@@ -197,27 +214,24 @@ def _check_out(out, shape: tuple[int, int, int, int], x: np.ndarray) -> np.ndarr
     return out
 
 
-def _thread_count(threads: int | None) -> int:
-    if threads is None:
-        return numba.get_num_threads()
-    return check_int(threads, "threads", 1, _MAX_THREADS)
-
-
-def _run_tiles(xa: np.ndarray, packed: PackedDepthwiseInt8, plan: CallPlan, threads, out=None) -> np.ndarray:
-    """Run the tiled kernel into ``out`` (new when ``None``) on ``threads`` threads; returns it.
+def _run_plan(xa: np.ndarray, plan: CallPlan, threads, out) -> np.ndarray:
+    """Run the tiled kernel for ``plan`` into ``out`` (new when ``None``) on ``threads`` threads; returns it.
 
     The calling thread computes and the pool's workers help (:mod:`incrinf.kernels.depthwise_pool`); a layer
-    too small to pay for a second thread (:func:`~incrinf.kernels.depthwise_pool.slice_count`) runs alone.
+    too small to pay for a second thread (its plan has one slice) runs alone. One compiled call does it all:
+    the thread count (``None``: numba's setting) is read there, not here.
     """
     out = np.empty(plan.out_shape, np.int8) if out is None else _check_out(out, plan.out_shape, xa)
+    if threads is not None and (type(threads) is not int or not 1 <= threads <= _MAX_THREADS):
+        threads = check_int(threads, "threads", 1, _MAX_THREADS)
     if plan.size:
-        n_threads = _thread_count(threads)
-        n_slices = slice_count(plan.units, plan.macs_per_unit, n_threads)
-        helpers = min(n_threads - 1, n_slices - 1)
-        run_depthwise(
-            xa.reshape(-1), packed.tile_weights, packed.tile_params, packed.zero_row, out.reshape(-1),
-            plan.config, helpers, n_slices,
-        )
+        if threads == 1 or _MAX_THREADS == 1:
+            run_job(xa, out, plan.job, SOLO, 1)
+        else:
+            control = pool_control()
+            if threads is None:
+                threads = 0 if threads_known(control) else numba.get_num_threads()
+            run_job(xa, out, plan.job, control, threads)
     return out
 
 
@@ -243,16 +257,14 @@ def depthwise_conv2d_int8_packed(
     if not isinstance(packed, PackedDepthwiseInt8):
         raise TypeError(f"packed must come from pack_depthwise_int8, got {type(packed).__name__}")
     if type(x) is np.ndarray and x.dtype is _INT8 and x.ndim == 4 and x.flags.c_contiguous:
-        xa = x  # the common case, checked without the general path's conversions
-        if x.shape[3] != packed.in_channels:
-            _check_x(x, packed.in_channels)  # raises the channel mismatch
+        xa = x  # the common case, checked without the general path's conversions (channels: by the plan)
     else:
         xa = _check_x(x, packed.in_channels)
     plan = call_plan(xa.shape, packed, stride, padding, dilation, region, (output_offset, act_min, act_max))
     if out is not None:
-        _run_tiles(xa, packed, plan, threads, out)
+        _run_plan(xa, plan, threads, out)
         return out
-    return _wrap_like(_run_tiles(xa, packed, plan, threads), x)
+    return _wrap_like(_run_plan(xa, plan, threads, None), x)
 
 
 def depthwise_conv2d_int8(
