@@ -77,6 +77,7 @@ __all__ = [
     "MAX_PIECES",
     "MIN_CLAIM_MACS",
     "MIN_SPLIT_MACS",
+    "OVERLAP",
     "SOLO",
     "SPIN_SECONDS",
     "SpinPool",
@@ -86,9 +87,9 @@ __all__ = [
     "make_job",
     "planned_units",
     "pool_control",
+    "pool_threads",
     "run_job",
     "smallest_claim",
-    "threads_known",
 ]
 
 SPIN_SECONDS = 1e-3
@@ -134,6 +135,8 @@ _FIELD = np.int64(0xFFFFF)  # front and back are 20-bit fields
 _FRONT = np.int64(1 << 20)
 _GENERATIONS = np.int64(0x7FFFFF)  # 23 bits: the word stays positive
 MAX_PIECES = (1 << 20) - 1
+OVERLAP = 1
+"""What :func:`run_job` returns when its output overlaps its input."""
 _AWAKE, _ASLEEP = 0, 1
 
 # A job array (int64, one per call plan: see make_job) holds what a call needs besides its input and output.
@@ -258,15 +261,19 @@ def run_job(x, out, job, control, threads):
         job: the plan's job array; control: the pool's control block (:attr:`SpinPool.control`), or one
             with no workers (:data:`SOLO`): then the calling thread computes everything.
         threads: threads for this call; 0: numba's current setting (``numba.get_num_threads()``; only with a
-            control block that knows where that function is, see :func:`threads_known`).
+            control block that knows where that function is, see :func:`pool_threads`).
 
     The layer runs on the calling thread alone when one thread is asked for, when its plan says it is too
     small to share, or when another call is using the workers; otherwise the call publishes its job, wakes
     sleeping workers, claims units from the front while workers claim them from the back, and returns once
     every unit is done (spinning for a worker's last claim, then yielding its core now and then).
+
+    Returns 0, or :data:`OVERLAP` (having computed nothing) when ``out`` overlaps ``x``.
     """
     xf = x.reshape(x.size)
     of = out.reshape(out.size)
+    if address_of(xf) < address_of(of) + of.size and address_of(of) < address_of(xf) + xf.size:
+        return OVERLAP
     if threads > 0:
         n_threads = threads
     else:  # numba's get_num_threads(), through its C function (a Python object would stop the caching)
@@ -281,7 +288,7 @@ def run_job(x, out, job, control, threads):
         # job[20] is 0: a literal 0 would compile a second specialization of depthwise_units (u0 typed as
         # the literal), which measured 2.4x slower than the int64 one.
         depthwise_units(xf, weights, params, zero_row, of, job, acc, ind, job[20], job[UNITS])
-        return
+        return 0
     generation = ((atomic_load(control, _CLAIM) >> 40) + 1) & _GENERATIONS
     pieces = job[JOB_PIECES]
     control[_PIECES] = pieces
@@ -315,6 +322,7 @@ def run_job(x, out, job, control, threads):
         if control[_YIELD] != 0:
             syscall6(syscall, control[_YIELD], 0, 0, 0, 0, 0)
     atomic_store(control, _BUSY, 0)
+    return 0
 
 
 @njit(inline="always")
@@ -424,6 +432,7 @@ class SpinPool:
         self.control[_SYSCALL], self.control[_FUTEX] = SYSCALL_ADDRESS, FUTEX_SYSCALL
         self.control[_YIELD] = YIELD_SYSCALL
         self.control[_THREADS_FN] = _num_threads_function()
+        self.threads_known = bool(self.control[_THREADS_FN])
 
     def start(self, workers: int) -> None:
         """Start workers until ``workers`` (at most ``max_threads - 1``) run."""
@@ -498,6 +507,17 @@ def pool_control() -> np.ndarray:
     return pool.control
 
 
+def pool_threads(threads: int | None) -> tuple[np.ndarray, int]:
+    """``(control block, threads argument)`` for :func:`run_job`: the pool's block, and 0 for numba's current
+    thread count where the compiled call can read it (otherwise read here), for ``threads=None``."""
+    pool = _POOL
+    if pool is None:
+        pool = get_pool(numba.config.NUMBA_NUM_THREADS)
+    if threads is not None:
+        return pool.control, threads
+    return pool.control, 0 if pool.threads_known else numba.get_num_threads()
+
+
 def get_pool(max_threads: int) -> SpinPool:
     """The process's pool with ``max_threads - 1`` workers started (a new one after ``fork``: the parent's
     workers do not exist in the child)."""
@@ -530,11 +550,6 @@ def _num_threads_function() -> int:
 @njit(cache=True)
 def _check_num_threads(address):
     return call_int(address)
-
-
-def threads_known(control: np.ndarray) -> bool:
-    """Whether :func:`run_job` can read numba's thread count itself with this control block."""
-    return control[_THREADS_FN] != 0
 
 
 def _forget_pool() -> None:
