@@ -340,8 +340,8 @@ def test_a_cached_output_near_a_tie_that_flips_is_caught():
     """A classifier whose two classes tie halfway through a clip: its cached outputs lag the slow change, and without
     near-tie checks several frames answer the old class. With checks at the reference itself (``near_tie=1``: the
     quantile at the target of the audits' measured lead changes) every frame agrees with full inference. (The
-    default, 0.1, is the leave-one-out choice over the clip set, where losses are less extreme than here: the
-    flipping frames lose ten times the lead the audits saw, and at 0.1 they are not checked.)"""
+    default, 0.02, is the leave-one-out choice over the clip set, where losses are less extreme than here: the
+    flipping frames lose ten times the largest lead change the audits saw, and at 0.02 they are not checked.)"""
     frames = _tie_frames()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2, padding=1),
