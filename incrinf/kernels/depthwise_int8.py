@@ -38,7 +38,7 @@ from incrinf.kernels.depthwise_geometry import (
 )
 from incrinf.kernels.depthwise_kernels import CONFIG_SIZE, TILE, depthwise_reference_order
 from incrinf.kernels.depthwise_packing import PackedDepthwiseInt8, pack_depthwise_int8
-from incrinf.kernels.depthwise_pool import SOLO, make_job, pool_control, run_job, slice_count, threads_known
+from incrinf.kernels.depthwise_pool import SOLO, make_job, pool_threads, run_job, smallest_claim
 from incrinf.kernels.quantize import INT8_MAX, INT8_MIN
 
 numba = require("numba", "int8", "the int8 kernels")
@@ -121,15 +121,16 @@ class CallPlan(NamedTuple):
     size: int  # outputs (0: nothing to compute)
     units: int  # work units: output rows x depth-multiplier planes x channel tiles
     macs_per_unit: int  # multiply-adds of a unit (a full tile's; every tap counted)
-    job: np.ndarray  # int64: config, the packed arrays' addresses, slices per thread count (depthwise_pool)
+    job: np.ndarray  # int64: config, the packed arrays' addresses, the smallest claim (depthwise_pool.make_job)
     arrays: tuple[np.ndarray, ...]  # the packed arrays the job points at, kept alive with it
 
 
 def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation, region, quant_args) -> CallPlan:
     """Check the call's arguments (raising on bad ones) and lay out the kernel's scalars and job.
 
-    The slice count at every thread count comes from the plan's work (units and multiply-adds per unit, see
-    :func:`~incrinf.kernels.depthwise_pool.slice_count`), with the pool's settings at the time of planning."""
+    Whether threads share the layer and their smallest claim come from the plan's work (units and multiply-adds
+    per unit, see :func:`~incrinf.kernels.depthwise_pool.smallest_claim`), with the pool's settings at the time
+    of planning."""
     n, in_h, in_w, in_c = x_shape
     if in_c != packed.in_channels:
         raise ValueError(
@@ -150,9 +151,8 @@ def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation,
     out_shape = (n, y1 - y0, x1 - x0, in_c * dm)
     size = n * (y1 - y0) * (x1 - x0) * in_c * dm
     macs_per_unit = (x1 - x0) * TILE * kh * kw
-    slices = [slice_count(units, macs_per_unit, t) for t in range(_MAX_THREADS + 1)]
     arrays = (packed.tile_weights, packed.tile_params, packed.zero_row)
-    job = make_job(config, *arrays, slices)
+    job = make_job(config, *arrays, smallest_claim(units, macs_per_unit))
     return CallPlan(job[:CONFIG_SIZE], out_shape, size, units, macs_per_unit, job, arrays)
 
 
@@ -214,25 +214,23 @@ def _check_out(out, shape: tuple[int, int, int, int], x: np.ndarray) -> np.ndarr
     return out
 
 
-def _run_plan(xa: np.ndarray, plan: CallPlan, threads, out) -> np.ndarray:
-    """Run the tiled kernel for ``plan`` into ``out`` (new when ``None``) on ``threads`` threads; returns it.
+def _run_plan(xa: np.ndarray, plan: CallPlan, threads, out: np.ndarray) -> None:
+    """Run the tiled kernel for ``plan`` into ``out`` (checked but for overlap) on ``threads`` threads.
 
     The calling thread computes and the pool's workers help (:mod:`incrinf.kernels.depthwise_pool`); a layer
-    too small to pay for a second thread (its plan has one slice) runs alone. One compiled call does it all:
-    the thread count (``None``: numba's setting) is read there, not here.
+    too small to pay for a second thread (by its plan's multiply-adds) runs alone. One compiled call does it
+    all; with ``threads=None`` it reads numba's thread count itself.
     """
-    out = np.empty(plan.out_shape, np.int8) if out is None else _check_out(out, plan.out_shape, xa)
     if threads is not None and (type(threads) is not int or not 1 <= threads <= _MAX_THREADS):
         threads = check_int(threads, "threads", 1, _MAX_THREADS)
-    if plan.size:
-        if threads == 1 or _MAX_THREADS == 1:
-            run_job(xa, out, plan.job, SOLO, 1)
-        else:
-            control = pool_control()
-            if threads is None:
-                threads = 0 if threads_known(control) else numba.get_num_threads()
-            run_job(xa, out, plan.job, control, threads)
-    return out
+    if not plan.size:
+        return
+    if threads == 1 or _MAX_THREADS == 1:
+        status = run_job(xa, out, plan.job, SOLO, 1)
+    else:
+        status = run_job(xa, out, plan.job, *pool_threads(threads))
+    if status:
+        raise ValueError("out must not overlap the input x")
 
 
 def depthwise_conv2d_int8_packed(
@@ -253,18 +251,37 @@ def depthwise_conv2d_int8_packed(
 
     ``out``: an int8 C-contiguous array (or CPU tensor) of the result's shape to write into and return, as an
     interpreter writes into its output tensor; a new array on every call costs page faults on large layers.
+
+    A layer keeps the checked plan of each input shape and argument set it was called with, so a repeated call
+    costs a dictionary look-up and one compiled call (a few microseconds; see ``benchmarks/depthwise_int8.py``).
     """
     if not isinstance(packed, PackedDepthwiseInt8):
         raise TypeError(f"packed must come from pack_depthwise_int8, got {type(packed).__name__}")
-    if type(x) is np.ndarray and x.dtype is _INT8 and x.ndim == 4 and x.flags.c_contiguous:
+    numpy_x = type(x) is np.ndarray
+    if numpy_x and x.dtype is _INT8 and x.ndim == 4 and x.flags.c_contiguous:
         xa = x  # the common case, checked without the general path's conversions (channels: by the plan)
     else:
         xa = _check_x(x, packed.in_channels)
-    plan = call_plan(xa.shape, packed, stride, padding, dilation, region, (output_offset, act_min, act_max))
-    if out is not None:
-        _run_plan(xa, plan, threads, out)
-        return out
-    return _wrap_like(_run_plan(xa, plan, threads, None), x)
+    try:
+        plan = packed.call_plans.get((xa.shape, stride, padding, dilation, region, output_offset, act_min, act_max))
+    except TypeError:  # an unhashable argument (a list): call_plan checks it
+        plan = None
+    # A cached plan serves the common argument types at once; values equal to a cached key's but of another
+    # type (True or 1.0 for 1) go through call_plan, which raises on the wrong ones.
+    if plan is None or not (
+        type(stride) is int and type(padding) is str and type(dilation) is int and region is None
+        and type(output_offset) is int and type(act_min) is int and type(act_max) is int
+    ):
+        plan = call_plan(xa.shape, packed, stride, padding, dilation, region, (output_offset, act_min, act_max))
+    if out is None:
+        result = np.empty(plan.out_shape, np.int8)
+        _run_plan(xa, plan, threads, result)
+        return result if numpy_x else _wrap_like(result, x)
+    if type(out) is np.ndarray and out.dtype is _INT8 and out.shape == plan.out_shape and out.flags.c_contiguous:
+        _run_plan(xa, plan, threads, out if out.flags.writeable else _check_out(out, plan.out_shape, xa))
+    else:
+        _run_plan(xa, plan, threads, _check_out(out, plan.out_shape, xa))  # raises, or a tensor's array
+    return out
 
 
 def depthwise_conv2d_int8(
