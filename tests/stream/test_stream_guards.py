@@ -216,6 +216,30 @@ def test_quality_guard_tightens_on_misses_and_relaxes_while_the_target_holds():
     assert summary.audits == 16 and summary.misses == 1 and summary.agreement == pytest.approx(15 / 16)
 
 
+def test_the_full_audit_interval_relaxes_while_samples_stand_in_and_tightens_after_a_miss():
+    """Sampled audits stand in for due full audits; a full one runs anyway every ``long_interval`` frames. That
+    interval starts at ``keyframe_interval``, doubles after each such full audit that held with room to spare (up
+    to 4x) and halves after a miss, and a sampled hold stretches the due interval up to it (no sample on every
+    frame between ``keyframe_interval`` and the long interval)."""
+    guard = QualityGuard(StreamConfig(audit_interval=2, keyframe_interval=8))
+    assert guard.long_interval == 8 and guard.long_due(8) and not guard.long_due(7)
+    assert guard.record(_label(1.0), 8) == Verdict.RELAX  # a long audit that held
+    assert guard.long_interval == 16 and not guard.long_due(8) and guard.long_due(16)
+    for _ in range(4):
+        guard.sampled_hold()
+    assert guard.interval == 16 and not guard.due(15) and guard.due(16)
+    for _ in range(3):
+        guard.record(_label(1.0), guard.long_interval)
+    assert guard.long_interval == 32  # at most four times keyframe_interval
+    guard.record(_label(1.0, 0.9), 32)  # held without room to spare: no relaxing
+    assert guard.long_interval == 32
+    guard.record(_label(0.0, 1.5), 32)  # a miss
+    assert guard.long_interval == 16 and guard.interval == 2
+    guard.record(_label(1.0), 4)  # a short audit that held does not relax the long interval
+    assert guard.long_interval == 16
+    assert QualityGuard(StreamConfig(keyframe_interval=0)).long_interval == 1024
+
+
 def test_quality_guard_suspends_the_cache_after_misses_at_the_tightest_level():
     guard = QualityGuard(StreamConfig())
     for _ in range(LEVELS):
@@ -264,6 +288,46 @@ def test_the_near_tie_reference_grows_with_drift_sample_error_and_few_audits():
     exact = QualityGuard(StreamConfig(target_agreement=1.0))
     exact.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.04), 1)
     assert exact.risky(1e6)  # every flip counts: every cached label output is checked
+
+
+def test_the_near_tie_reference_grows_with_the_drift_the_audits_measured():
+    """The frames since the last full one widen the reference as much as the audits at different distances show
+    the loss growing: linearly until two distances were measured, not at all when audits far from the last full
+    frame lost no more than audits right after it (the change mask bounds a still camera's drift), linearly when
+    the loss grew in proportion, and a loss that grew like the square root scales like it."""
+    def guard_with(*audits: tuple[float, int]) -> QualityGuard:
+        guard = QualityGuard(StreamConfig(target_agreement=0.99))
+        for lost, frames in audits:
+            guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, lost), frames)
+        return guard
+
+    single = guard_with((0.1, 1))
+    assert single.drift_growth() == 1.0 and single.lead_at_risk(8) == pytest.approx(8 * single.lead_at_risk(1))
+    flat = guard_with((0.1, 1), (0.1, 4), (0.1, 8))
+    assert flat.drift_growth() == pytest.approx(0.0)
+    assert flat.lead_at_risk(8) == pytest.approx(flat.lead_at_risk(1))
+    linear = guard_with((0.1, 1), (0.4, 4))
+    assert linear.drift_growth() == pytest.approx(1.0)
+    root = guard_with((0.1, 1), (0.2, 4), (0.1 * 8 ** 0.5, 8))
+    assert root.drift_growth() == pytest.approx(0.5)
+    assert flat.lead_at_risk(8) < root.lead_at_risk(8) < linear.lead_at_risk(8)
+    shrinking = guard_with((0.4, 1), (0.1, 4))
+    assert shrinking.drift_growth() == 0.0  # never scaled down: a later frame is at least as far off as the audits
+
+
+def test_a_margin_below_a_lead_change_the_audits_measured_is_checked_whatever_near_tie_says():
+    """The case of an animated clip's cached frame: audits had measured lead changes of 0.042, 0.067 and 0.139,
+    the frame's margin was 0.127 (it lost 0.128 and flipped). Even a small ``near_tie`` (where the quantile times
+    near_tie is below the margin) checks it: the cache has been seen to be off by more than that margin. A margin
+    above every measured change and above near_tie times the quantile is not checked."""
+    guard = QualityGuard(StreamConfig(near_tie=0.02))
+    for lost, frames in ((0.042, 1), (0.0665, 3), (0.139, 4)):
+        guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, lost), frames)
+    assert guard.config.near_tie * guard.lead_at_risk(1) < 0.127  # the quantile alone would let it through
+    assert guard.measured_loss(1) == pytest.approx(0.139)
+    assert guard.risky(0.127, 1) and not guard.risky(0.15, 1)
+    assert guard.measured_loss(1, sampled_error=math.nan) <= guard.lead_at_risk(1)
+    assert not QualityGuard(StreamConfig(near_tie=0)).risky(0.0)  # 0: no checks at all
 
 
 def _tie_frames() -> list[np.ndarray]:
