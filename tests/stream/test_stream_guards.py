@@ -157,16 +157,22 @@ def test_cost_calibration_takes_medians_of_ratios_per_kind():
     boxes = RegionKind.BOXES
     assert costs.call_ratio(boxes) == costs.compute_ratio(boxes) == 1.0  # nothing measured: as profiled
     costs.record_steps(boxes, [(1e-5, 0.0, 1e-4)])
-    assert costs.call_ratio(boxes) == 1.0  # one sample (it may have paid one-time costs) sets nothing alone
-    # steps mostly fixed cost calibrate the call ratio, steps mostly arithmetic the compute ratio; a spike moves
-    # neither
-    calls = [(1e-5, 1e-7, 2e-5 * 1.01), (1e-5, 0.0, 2e-5), (1e-5, 0.0, 5e-3), (1e-5, 0.0, 2.1e-5)]
+    assert costs.call_ratio(boxes) == 1.0  # one frame (it may have paid one-time costs) sets nothing alone
+    # per frame, the steps mostly fixed cost give the call ratio and the steps mostly arithmetic the compute ratio,
+    # each as the sum of what they measured over the sum of what they were predicted: the large steps weigh
+    calls = [(1e-5, 1e-7, 2e-5 * 1.01), (1e-5, 0.0, 2e-5), (1e-5, 0.0, 2e-5), (1e-5, 0.0, 2.1e-5)]
     computes = [(1e-7, 1e-3, 1.5e-3 * 1.0001), (0.0, 1e-3, 1.5e-3), (0.0, 1e-3, 1.6e-3), (0.0, 1e-3, 1.5e-3)]
-    costs.record_steps(boxes, calls + computes)
-    assert costs.call_ratio(boxes) == pytest.approx(2.0, rel=0.01)
-    assert costs.compute_ratio(boxes) == pytest.approx(1.5, rel=0.01)
-    assert costs.box(0, 10) == pytest.approx(2.0 * costs.steps[0].box_call + 1.5 * costs.steps[0].per_position * 10,
-                                             rel=0.01)
+    for _ in range(4):
+        costs.record_steps(boxes, calls + computes)
+    costs.record_steps(boxes, [(c, a, 50 * m) for c, a, m in calls + computes])  # a frame caught by a load spike
+    assert costs.call_ratio(boxes) == pytest.approx(2.0, rel=0.02)  # ... moves neither
+    assert costs.compute_ratio(boxes) == pytest.approx(1.525, rel=0.01)
+    assert costs.box(0, 10) == pytest.approx(costs.call_ratio(boxes) * costs.steps[0].box_call
+                                             + costs.compute_ratio(boxes) * costs.steps[0].per_position * 10)
+    weighted = FrameEngine(capture(_wide(), (3, H, W))).costs
+    for _ in range(3):  # one large step at 3x and ten small ones at 1x: the frame took about 2.8x its prediction
+        weighted.record_steps(boxes, [(0.0, 1e-2, 3e-2)] + [(0.0, 1e-4, 1e-4)] * 10)
+    assert weighted.compute_ratio(boxes) == pytest.approx(3.1e-2 / 1.1e-2)
     assert costs.call_ratio(RegionKind.BLOCKS) == 1.0  # kinds are kept apart
     # pruning: a step that computed a fifth of its plan's positions in half of its boxes discounts that step's
     # arithmetic and its per-box cost, and no other step's
@@ -208,6 +214,30 @@ def test_quality_guard_tightens_on_misses_and_relaxes_while_the_target_holds():
     assert guard.level == 0 and guard.pixel_threshold == 10.0  # relaxed back once the misses stopped
     summary = guard.summary
     assert summary.audits == 16 and summary.misses == 1 and summary.agreement == pytest.approx(15 / 16)
+
+
+def test_the_full_audit_interval_relaxes_while_samples_stand_in_and_tightens_after_a_miss():
+    """Sampled audits stand in for due full audits; a full one runs anyway every ``long_interval`` frames. That
+    interval starts at ``keyframe_interval``, doubles after each such full audit that held with room to spare (up
+    to 4x) and halves after a miss, and a sampled hold stretches the due interval up to it (no sample on every
+    frame between ``keyframe_interval`` and the long interval)."""
+    guard = QualityGuard(StreamConfig(audit_interval=2, keyframe_interval=8))
+    assert guard.long_interval == 8 and guard.long_due(8) and not guard.long_due(7)
+    assert guard.record(_label(1.0), 8) == Verdict.RELAX  # a long audit that held
+    assert guard.long_interval == 16 and not guard.long_due(8) and guard.long_due(16)
+    for _ in range(4):
+        guard.sampled_hold()
+    assert guard.interval == 16 and not guard.due(15) and guard.due(16)
+    for _ in range(3):
+        guard.record(_label(1.0), guard.long_interval)
+    assert guard.long_interval == 32  # at most four times keyframe_interval
+    guard.record(_label(1.0, 0.9), 32)  # held without room to spare: no relaxing
+    assert guard.long_interval == 32
+    guard.record(_label(0.0, 1.5), 32)  # a miss
+    assert guard.long_interval == 16 and guard.interval == 2
+    guard.record(_label(1.0), 4)  # a short audit that held does not relax the long interval
+    assert guard.long_interval == 16
+    assert QualityGuard(StreamConfig(keyframe_interval=0)).long_interval == 1024
 
 
 def test_quality_guard_suspends_the_cache_after_misses_at_the_tightest_level():
@@ -258,6 +288,46 @@ def test_the_near_tie_reference_grows_with_drift_sample_error_and_few_audits():
     exact = QualityGuard(StreamConfig(target_agreement=1.0))
     exact.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.04), 1)
     assert exact.risky(1e6)  # every flip counts: every cached label output is checked
+
+
+def test_the_near_tie_reference_grows_with_the_drift_the_audits_measured():
+    """The frames since the last full one widen the reference as much as the audits at different distances show
+    the loss growing: linearly until two distances were measured, not at all when audits far from the last full
+    frame lost no more than audits right after it (the change mask bounds a still camera's drift), linearly when
+    the loss grew in proportion, and a loss that grew like the square root scales like it."""
+    def guard_with(*audits: tuple[float, int]) -> QualityGuard:
+        guard = QualityGuard(StreamConfig(target_agreement=0.99))
+        for lost, frames in audits:
+            guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, lost), frames)
+        return guard
+
+    single = guard_with((0.1, 1))
+    assert single.drift_growth() == 1.0 and single.lead_at_risk(8) == pytest.approx(8 * single.lead_at_risk(1))
+    flat = guard_with((0.1, 1), (0.1, 4), (0.1, 8))
+    assert flat.drift_growth() == pytest.approx(0.0)
+    assert flat.lead_at_risk(8) == pytest.approx(flat.lead_at_risk(1))
+    linear = guard_with((0.1, 1), (0.4, 4))
+    assert linear.drift_growth() == pytest.approx(1.0)
+    root = guard_with((0.1, 1), (0.2, 4), (0.1 * 8 ** 0.5, 8))
+    assert root.drift_growth() == pytest.approx(0.5)
+    assert flat.lead_at_risk(8) < root.lead_at_risk(8) < linear.lead_at_risk(8)
+    shrinking = guard_with((0.4, 1), (0.1, 4))
+    assert shrinking.drift_growth() == 0.0  # never scaled down: a later frame is at least as far off as the audits
+
+
+def test_a_margin_below_a_lead_change_the_audits_measured_is_checked_whatever_near_tie_says():
+    """The case of an animated clip's cached frame: audits had measured lead changes of 0.042, 0.067 and 0.139,
+    the frame's margin was 0.127 (it lost 0.128 and flipped). Even a small ``near_tie`` (where the quantile times
+    near_tie is below the margin) checks it: the cache has been seen to be off by more than that margin. A margin
+    above every measured change and above near_tie times the quantile is not checked."""
+    guard = QualityGuard(StreamConfig(near_tie=0.02))
+    for lost, frames in ((0.042, 1), (0.0665, 3), (0.139, 4)):
+        guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, lost), frames)
+    assert guard.config.near_tie * guard.lead_at_risk(1) < 0.127  # the quantile alone would let it through
+    assert guard.measured_loss(1) == pytest.approx(0.139)
+    assert guard.risky(0.127, 1) and not guard.risky(0.15, 1)
+    assert guard.measured_loss(1, sampled_error=math.nan) <= guard.lead_at_risk(1)
+    assert not QualityGuard(StreamConfig(near_tie=0)).risky(0.0)  # 0: no checks at all
 
 
 def _tie_frames() -> list[np.ndarray]:
