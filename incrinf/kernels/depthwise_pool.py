@@ -85,6 +85,7 @@ __all__ = [
     "get_pool",
     "claim_size",
     "make_job",
+    "planned_claims",
     "planned_units",
     "pool_control",
     "pool_threads",
@@ -186,21 +187,30 @@ def claim_size(left: int, divisor: int, min_claim: int) -> int:
     return min(max(min_claim, left // divisor), left)
 
 
-def planned_units(units: int, macs_per_unit: int, threads: int) -> list[int]:
-    """Units each thread computes when every thread runs at the same speed (noise-free, from the plan alone):
-    the calling thread claims first, then each thread claims again as soon as it has finished its last claim."""
+def planned_claims(units: int, macs_per_unit: int, threads: int) -> list[tuple[int, int]]:
+    """``(thread, units)`` of each claim of a call, in order, when every thread runs at the same speed
+    (noise-free, from the plan alone): the calling thread (0) claims first, then each thread claims again as
+    soon as it has finished its last claim. One claim of everything when the layer runs alone."""
     min_claim = smallest_claim(units, macs_per_unit)
     if threads <= 1 or not min_claim:
-        return [units] + [0] * max(threads - 1, 0)
-    done = [0] * threads
+        return [(0, units)]
+    claims = []
     clock = [0] * threads
     left = units
     while left:
         t = clock.index(min(clock))
         size = claim_size(left, 2 * threads, min_claim)
-        done[t] += size
+        claims.append((t, size))
         clock[t] += size
         left -= size
+    return claims
+
+
+def planned_units(units: int, macs_per_unit: int, threads: int) -> list[int]:
+    """Units each thread computes in :func:`planned_claims`."""
+    done = [0] * max(threads, 1)
+    for t, size in planned_claims(units, macs_per_unit, threads):
+        done[t] += size
     return done
 
 
