@@ -157,16 +157,22 @@ def test_cost_calibration_takes_medians_of_ratios_per_kind():
     boxes = RegionKind.BOXES
     assert costs.call_ratio(boxes) == costs.compute_ratio(boxes) == 1.0  # nothing measured: as profiled
     costs.record_steps(boxes, [(1e-5, 0.0, 1e-4)])
-    assert costs.call_ratio(boxes) == 1.0  # one sample (it may have paid one-time costs) sets nothing alone
-    # steps mostly fixed cost calibrate the call ratio, steps mostly arithmetic the compute ratio; a spike moves
-    # neither
-    calls = [(1e-5, 1e-7, 2e-5 * 1.01), (1e-5, 0.0, 2e-5), (1e-5, 0.0, 5e-3), (1e-5, 0.0, 2.1e-5)]
+    assert costs.call_ratio(boxes) == 1.0  # one frame (it may have paid one-time costs) sets nothing alone
+    # per frame, the steps mostly fixed cost give the call ratio and the steps mostly arithmetic the compute ratio,
+    # each as the sum of what they measured over the sum of what they were predicted: the large steps weigh
+    calls = [(1e-5, 1e-7, 2e-5 * 1.01), (1e-5, 0.0, 2e-5), (1e-5, 0.0, 2e-5), (1e-5, 0.0, 2.1e-5)]
     computes = [(1e-7, 1e-3, 1.5e-3 * 1.0001), (0.0, 1e-3, 1.5e-3), (0.0, 1e-3, 1.6e-3), (0.0, 1e-3, 1.5e-3)]
-    costs.record_steps(boxes, calls + computes)
-    assert costs.call_ratio(boxes) == pytest.approx(2.0, rel=0.01)
-    assert costs.compute_ratio(boxes) == pytest.approx(1.5, rel=0.01)
-    assert costs.box(0, 10) == pytest.approx(2.0 * costs.steps[0].box_call + 1.5 * costs.steps[0].per_position * 10,
-                                             rel=0.01)
+    for _ in range(4):
+        costs.record_steps(boxes, calls + computes)
+    costs.record_steps(boxes, [(c, a, 50 * m) for c, a, m in calls + computes])  # a frame caught by a load spike
+    assert costs.call_ratio(boxes) == pytest.approx(2.0, rel=0.02)  # ... moves neither
+    assert costs.compute_ratio(boxes) == pytest.approx(1.525, rel=0.01)
+    assert costs.box(0, 10) == pytest.approx(costs.call_ratio(boxes) * costs.steps[0].box_call
+                                             + costs.compute_ratio(boxes) * costs.steps[0].per_position * 10)
+    weighted = FrameEngine(capture(_wide(), (3, H, W))).costs
+    for _ in range(3):  # one large step at 3x and ten small ones at 1x: the frame took about 2.8x its prediction
+        weighted.record_steps(boxes, [(0.0, 1e-2, 3e-2)] + [(0.0, 1e-4, 1e-4)] * 10)
+    assert weighted.compute_ratio(boxes) == pytest.approx(3.1e-2 / 1.1e-2)
     assert costs.call_ratio(RegionKind.BLOCKS) == 1.0  # kinds are kept apart
     # pruning: a step that computed a fifth of its plan's positions in half of its boxes discounts that step's
     # arithmetic and its per-box cost, and no other step's
