@@ -292,9 +292,10 @@ def test_the_near_tie_reference_grows_with_drift_sample_error_and_few_audits():
 
 def test_the_near_tie_reference_grows_with_the_drift_the_audits_measured():
     """The frames since the last full one widen the reference as much as the audits at different distances show
-    the loss growing: linearly until two distances were measured, not at all when audits far from the last full
-    frame lost no more than audits right after it (the change mask bounds a still camera's drift), linearly when
-    the loss grew in proportion, and a loss that grew like the square root scales like it."""
+    the loss growing (a fit on log scales, raised by its standard error): linearly until three audits at two
+    distances were measured, not at all when audits far from the last full frame lost no more than audits right
+    after it (the change mask bounds a still camera's drift), like the square root when the loss grew like it, and
+    a loose fit counts on its cautious side."""
     def guard_with(*audits: tuple[float, int]) -> QualityGuard:
         guard = QualityGuard(StreamConfig(target_agreement=0.99))
         for lost, frames in audits:
@@ -303,15 +304,18 @@ def test_the_near_tie_reference_grows_with_the_drift_the_audits_measured():
 
     single = guard_with((0.1, 1))
     assert single.drift_growth() == 1.0 and single.lead_at_risk(8) == pytest.approx(8 * single.lead_at_risk(1))
+    assert guard_with((0.1, 1), (0.1, 4)).drift_growth() == 1.0  # two audits: too few to trust a flat fit
     flat = guard_with((0.1, 1), (0.1, 4), (0.1, 8))
     assert flat.drift_growth() == pytest.approx(0.0)
     assert flat.lead_at_risk(8) == pytest.approx(flat.lead_at_risk(1))
-    linear = guard_with((0.1, 1), (0.4, 4))
-    assert linear.drift_growth() == pytest.approx(1.0)
     root = guard_with((0.1, 1), (0.2, 4), (0.1 * 8 ** 0.5, 8))
     assert root.drift_growth() == pytest.approx(0.5)
+    linear = guard_with((0.1, 1), (0.4, 4), (0.8, 8))
+    assert linear.drift_growth() == pytest.approx(1.0)
     assert flat.lead_at_risk(8) < root.lead_at_risk(8) < linear.lead_at_risk(8)
-    shrinking = guard_with((0.4, 1), (0.1, 4))
+    loose = guard_with((0.1, 1), (0.05, 2), (0.2, 3), (0.1, 4))  # scattered: the fit's slope is uncertain
+    assert loose.drift_growth() > 0.3
+    shrinking = guard_with((0.4, 1), (0.2, 2), (0.1, 4))
     assert shrinking.drift_growth() == 0.0  # never scaled down: a later frame is at least as far off as the audits
 
 
