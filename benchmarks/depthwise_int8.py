@@ -361,19 +361,45 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
 def planned_share(layer: Layer, threads: int) -> float:
     """The busiest thread's share of a layer's work units when every thread computes at the same speed.
 
-    From the plan alone (noise-free): the layer's units (output rows x channel tiles, equal multiply-adds), the
-    pool's slice count for it, and slices going to whichever thread is free first.
+    From the plan alone (noise-free): the layer's units (output rows x channel tiles, equal multiply-adds) and
+    the pool's claims (:func:`incrinf.kernels.depthwise_pool.planned_units`: each thread claims again as soon as
+    its last claim is done).
     """
     if threads == 1:
         return 1.0
+    units, macs_per_unit = layer_units(layer)
+    return max(depthwise_pool.planned_units(units, macs_per_unit, threads)) / units
+
+
+def layer_units(layer: Layer) -> tuple[int, int]:
+    """The layer's work units (output rows x channel tiles) and multiply-adds per unit, as the kernel plans them."""
     oh, ow = layer.out_hw()
-    units = oh * layer.depth_multiplier * -(-layer.channels // TILE)
-    n_slices = depthwise_pool.slice_count(units, ow * TILE * layer.kernel[0] * layer.kernel[1], threads)
-    sizes = [(s + 1) * units // n_slices - s * units // n_slices for s in range(n_slices)]
-    loads = [0] * threads
-    for size in sizes:
-        loads[loads.index(min(loads))] += size
-    return max(loads) / units
+    return oh * layer.depth_multiplier * -(-layer.channels // TILE), ow * TILE * layer.kernel[0] * layer.kernel[1]
+
+
+def print_plan(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
+    """Noise-free: how the pool plans each layer's work at every thread count above one (unit sizes, layers
+    shared, claims per call and their sizes, units per thread), from the plan's counts alone."""
+    for t in threads:
+        if t < 2:
+            continue
+        per_unit, claims, smallest, shared = [], [], [], 0
+        done = np.zeros(t)
+        for x in timings:
+            units, macs_per_unit = layer_units(x.layer)
+            plan = depthwise_pool.planned_claims(units, macs_per_unit, t)
+            per_unit.append(macs_per_unit)
+            shared += len(plan) > 1
+            claims.append(len(plan))
+            smallest.append(min(size for _, size in plan) * macs_per_unit)
+            for thread, size in plan:
+                done[thread] += size * macs_per_unit
+        print(
+            f"{model} plan at {t} threads: work units of {min(per_unit):,}-{max(per_unit):,} multiply-adds;"
+            f" {shared}/{len(timings)} layers shared; {min(claims)}-{max(claims)} claims per call, the smallest"
+            f" {min(smallest):,}-{max(smallest):,} multiply-adds; multiply-adds per thread "
+            + " / ".join(f"{share:.1%}" for share in done / done.sum())
+        )
 
 
 def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
@@ -389,7 +415,7 @@ def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, 
     - the share of the units each thread computed in this run (the pool's counters): how often the worker got a
       core while a call ran;
     - the calling thread's CPU time at ``t`` threads over one thread's CPU time times the calling thread's
-      measured share: what starting the job, claiming slices and waiting for the workers' last slices cost it
+      measured share: what starting the job, claiming units and waiting for the workers' last claims cost it
       (1.00x: nothing).
     """
     if len(threads) < 2:
@@ -428,10 +454,10 @@ def pool_overhead_us(repeats: int) -> tuple[float, float, float]:
     x = rng.integers(-128, 128, (1, 8, 8, 64), dtype=np.int8)
     w = rng.integers(-127, 128, (1, 3, 3, 64), dtype=np.int8)
     packed = dw.pack_depthwise_int8(w, None, input_offset=0, output_multiplier=2**30, output_shift=-8)
-    out = dw.depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=0)
-    previous = depthwise_pool.MIN_SLICE_MACS
-    depthwise_pool.MIN_SLICE_MACS = 1
+    previous = depthwise_pool.MIN_SPLIT_MACS, depthwise_pool.MIN_CLAIM_MACS
+    depthwise_pool.MIN_SPLIT_MACS = depthwise_pool.MIN_CLAIM_MACS = 1  # before the first call: plans keep them
     try:
+        out = dw.depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=0)
         wall, cpu, _ = interleaved_medians(
             {
                 t: (lambda t=t: dw.depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=0,
@@ -441,7 +467,7 @@ def pool_overhead_us(repeats: int) -> tuple[float, float, float]:
             repeats * 20,
         )
     finally:
-        depthwise_pool.MIN_SLICE_MACS = previous
+        depthwise_pool.MIN_SPLIT_MACS, depthwise_pool.MIN_CLAIM_MACS = previous
     return wall[1] * 1e6, wall[2] * 1e6, cpu[2] * 1e6
 
 
@@ -501,8 +527,8 @@ def main(argv: list[str] | None = None) -> None:
         one_us, two_us, two_cpu_us = pool_overhead_us(args.repeats)
         print(
             f"thread pool on a 1x8x8x64 3x3 layer: 1 thread {one_us:.1f} us, 2 threads {two_us:.1f} us wall"
-            f" ({two_cpu_us:.1f} us CPU of the calling thread); the pool splits only layers of at least two"
-            f" slices of {depthwise_pool.MIN_SLICE_MACS:,} multiply-adds"
+            f" ({two_cpu_us:.1f} us CPU of the calling thread); the pool shares only layers of at least"
+            f" {depthwise_pool.MIN_SPLIT_MACS:,} multiply-adds, in claims of at least {depthwise_pool.MIN_CLAIM_MACS:,}"
         )
     anchors = ["REF", "opt", *(["ref-order"] if args.ref_order else [])]
     for model in args.models.split(","):
@@ -510,6 +536,7 @@ def main(argv: list[str] | None = None) -> None:
         for t in threads:
             print_table(model, timings, t, anchors)
         print_thread_scaling(model, timings, threads)
+        print_plan(model, timings, threads)
         print(f"({load()}; every output equal to BUILTIN_REF's at every thread count)")
     all_threads = tuple(range(1, numba.config.NUMBA_NUM_THREADS + 1))
     print()

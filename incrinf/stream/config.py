@@ -71,7 +71,9 @@ class StreamConfig:
         matcher_options: other :class:`MatcherSettings` fields (``max_features``, ``refine``, ...), replacing
             their defaults; :attr:`matcher_settings` has the result.
         keyframe_interval: full inference at least every this many frames (0: only on the other fallbacks). With
-            the quality guard on, every keyframe is an audit and this is the longest interval between audits.
+            the quality guard on, every keyframe is an audit: with sampled audits standing in for due ones, a full
+            audit runs anyway every this many frames to start with, an interval that doubles (up to 4 times this)
+            after each such audit that held with room to spare and halves after a miss.
         feature_threshold: recomputed positions whose features moved by at most this share of the tensor's mean
             magnitude stop spreading (value-based pruning); 0 propagates changes exactly. ``None``: 0.35 on
             still-camera frames and 0 under camera motion, where cached features are approximate already.
@@ -124,12 +126,15 @@ class StreamConfig:
             number of tiles).
         sample_tolerance: a sample flags when its error exceeds this many times the largest error seen at recent
             full audits that held the target.
-        near_tie: a cached classifier output whose top-1 margin is within this many times the lead it may have
-            lost (:meth:`~incrinf.stream.guards.QualityGuard.lead_at_risk`: the quantile at ``target_agreement`` of
-            the recent audits' lead changes, scaled to the frame's drift and sampled error) is audited on the spot
-            (every cached frame before the first audit); 0: never. The default is the leave-one-out choice over the
-            clip set (``benchmarks/stream.py --loo --near-tie``: the smallest candidate keeping every other clip at
-            100% top-1); without checks (0) four of ten clips flipped 1-4 frames of 24.
+        near_tie: a cached classifier output is audited on the spot (every cached frame before the first audit)
+            when its top-1 margin is within the largest lead change the recent audits measured (scaled to the
+            frame's drift and sampled error: :meth:`~incrinf.stream.guards.QualityGuard.measured_loss`) or within
+            this many times the lead it may have lost (:meth:`~incrinf.stream.guards.QualityGuard.lead_at_risk`:
+            the quantile at ``target_agreement`` of an exponential fit to those changes); 0: no checks at all. The
+            default is the leave-one-out choice over the clip set (``benchmarks/stream.py --loo --near-tie``: the
+            smallest candidate from which on every other clip keeps 100% top-1): with the measured-change bound
+            every clip kept 100% at every candidate from 0.02 to 0.3, and without checks (0) five of ten clips
+            flipped 1-3 frames of 24.
         keep_stats: per-frame records kept in :attr:`StreamSession.stats` (the newest; None: all). A stream never
             ends, and an unbounded log grows by a record per frame.
         oracle_sample: on this share of the frames that had a plan, run both the cached path and full inference,
@@ -161,7 +166,7 @@ class StreamConfig:
     sampled_audits: bool = True
     sample_budget: float = 0.05
     sample_tolerance: float = 1.5
-    near_tie: float = 0.1
+    near_tie: float = 0.02
     keep_stats: int | None = 1000
     oracle_sample: float = 0.0
 
