@@ -214,6 +214,30 @@ class BatchEngine:
         Returns:
             The walk's result (output with the batch axis n; flops per query; ``peak_bytes`` from the plan).
         """
+        result = self.run_to_tail(batch, values)
+        if not result.unchanged:
+            result.output = self.tail(result.output)
+        return result
+
+    @torch.no_grad()
+    def tail(self, boundary: list[torch.Tensor]) -> Any:
+        """The model's output from the boundary tensors of one or more batches (joined along the batch axis, in
+        the program's boundary order): one run of the rest of the model."""
+        output = self.program.tail()(*boundary)
+        del boundary
+        release_free_memory()
+        return output
+
+    @torch.no_grad()
+    def run_to_tail(self, batch: BatchPlan, values: torch.Tensor) -> WalkResult:
+        """One planned batch up to the model's tail: its ``output`` is the list of boundary tensors (n, ...) the
+        tail reads (:meth:`tail` finishes them, alone or joined with other batches'), or the unchanged output
+        when ``unchanged``.
+
+        Args:
+            batch: a batch of a plan of this engine's graph.
+            values: (n, C, *batch.start.size) the changed input boxes' new values.
+        """
         program, store = self.program, self.store
         device = store.device
         indices = batch.index.steps if batch.index is not None else \
@@ -239,10 +263,7 @@ class BatchEngine:
                    store.project(name, regions[name], batch.n, projection)
                    for name, region, projection in zip(program.boundary, batch.boundary, projected)]
         regions.clear()
-        output = program.tail()(*tensors)
-        del tensors
-        release_free_memory()
-        return WalkResult(output, flops, positions, peak_bytes=batch.peak_bytes)
+        return WalkResult(tensors, flops, positions, peak_bytes=batch.peak_bytes)
 
     def _step(self, step: Step, sp: StepPlan, si: StepIndex, out: Boxes, regions: dict[str, Boxes],
               freed: _Freed) -> torch.Tensor:

@@ -194,20 +194,45 @@ class OcclusionRunner:
         dev = self.image.device
         resident = reset_peak_memory(dev)
         bar = progress_bar(total=n, desc=desc, unit="pos", disable=not progress, leave=False)
+        # consecutive batches' boundary tensors wait for one shared run of the model's tail (the plan sizes the
+        # group within the memory of naive re-inference at its batch size)
+        waiting: list[tuple[np.ndarray, list[torch.Tensor]]] = []
+
+        def finish_tail() -> None:
+            if not waiting:
+                return
+            count = sum(len(queries) for queries, _ in waiting)
+            joined = [torch.cat(parts) for parts in zip(*(tensors for _, tensors in waiting))] \
+                if len(waiting) > 1 else waiting[0][1]
+            done.extend(queries for queries, _ in waiting)
+            waiting.clear()
+            output = self.engine.tail(joined)
+            del joined
+            outputs.append(output if reduce is None else _reduced(reduce, output, count))
+            bar.update(count)
+
         for batch in plan.batches:
             boxes_values = values(batch)
             if self.feature_threshold > 0:  # pruned boxes follow the data: walked without the plan's boxes
                 result = self.engine.run(Boxes(batch.start.lo, batch.start.size, boxes_values), self.tau,
                                          self.feature_threshold)
             else:
-                result = self.engine.run_batch(batch, boxes_values)
+                result = self.engine.run_to_tail(batch, boxes_values)
             del boxes_values
-            outputs.append(result.output if reduce is None else _reduced(reduce, result.output, batch.n))
-            done.append(batch.queries)
+            if self.feature_threshold > 0 or result.unchanged:
+                outputs.append(result.output if reduce is None else _reduced(reduce, result.output, batch.n))
+                done.append(batch.queries)
+                bar.update(batch.n)
+            else:
+                waiting.append((batch.queries, result.output))
+                if sum(len(q) for q, _ in waiting) + plan.batch_size > plan.tail_queries:
+                    finish_tail()  # the next batch would not fit in the group
+            result.output = None
             realized += result.flops * batch.n
             stats.batches += 1
             stats.peak_memory_bytes = max(stats.peak_memory_bytes, result.peak_bytes)
-            bar.update(batch.n)
+        finish_tail()
+        stats.peak_memory_bytes = max(stats.peak_memory_bytes, plan.peak_bytes if self.feature_threshold <= 0 else 0)
         bar.close()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)  # kernels run asynchronously: time them, not their launches

@@ -274,3 +274,46 @@ def test_unplanned_walk_and_plan_agree(dense3d):
     planned = engine.run_batch(batch, values).output
     walked = engine.run(Boxes(batch.start.lo, batch.start.size, values)).output
     torch.testing.assert_close(planned, walked, rtol=1e-5, atol=1e-5)
+
+
+class WideHead2d(nn.Module):
+    """Two convolutions and a large fully connected classifier (VGG's shape: the tail reads many weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 12 * 12, 64), nn.ReLU(), nn.Linear(64, 5))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def test_batches_share_tail_runs_within_naive_memory():
+    """Consecutive batches' boundary tensors join for one run of the tail: the outputs equal naive inference, and
+    the plan's bound (boundary tensors waiting included) stays under naive re-inference at the same batch size."""
+    torch.manual_seed(5)
+    model = WideHead2d().eval()
+    image = torch.randn(1, 3, 24, 24)
+    engine = BatchEngine(capture(model, image.shape[1:]), image)
+    corners = occlusion_grid((24, 24), (5, 5), (3, 3))
+    region = input_boxes(corners, (5, 5), (24, 24))
+    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=4)
+    assert plan.batch_size < plan.tail_queries <= len(corners)
+    assert plan.peak_bytes <= forward_peak_bytes(engine.program, 4, 4)
+    outputs = torch.zeros(len(corners), 5)
+    waiting, queries = [], []
+    for batch in plan.batches:
+        values = torch.stack([engine.store.input[0, :, s0:s0 + batch.start.size[0], s1:s1 + batch.start.size[1]]
+                              for s0, s1 in batch.start.start()])
+        for k, q in enumerate(batch.queries):  # the occluded window inside the batch's box
+            o0, o1 = corners[q] - batch.start.start()[k]
+            values[k, :, max(o0, 0):o0 + 5, max(o1, 0):o1 + 5] = 0.0
+        result = engine.run_to_tail(batch, values)
+        assert not result.unchanged
+        waiting.append(result.output)
+        queries.extend(batch.queries)
+    shared = engine.tail([torch.cat(parts) for parts in zip(*waiting)])
+    outputs[torch.tensor(queries)] = shared
+    with torch.no_grad():
+        torch.testing.assert_close(outputs, _naive(model, image, corners, (5, 5)), rtol=1e-4, atol=1e-4)
