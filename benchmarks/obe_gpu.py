@@ -136,21 +136,23 @@ def _bench_model(name: str, args: argparse.Namespace, device: torch.device) -> R
         return go
 
     launches = [0]
-    real_gather = triton_gather.gather_rows
+    real_gather, real_boxes = triton_gather.gather_rows, triton_gather.gather_boxes
 
-    def counting_gather(*a, **k):
-        launches[0] += 1
-        return real_gather(*a, **k)
+    def counting(kernel: Callable) -> Callable:
+        def launch(*a, **k):
+            launches[0] += 1
+            return kernel(*a, **k)
+        return launch
 
     fns = {"captum": run_captum, "incr-torch": run_incr("0"), "incr-triton": run_incr("")}
     results: dict[str, torch.Tensor] = {}
     for method, fn in fns.items():  # cold: plan building, kernel compilation, cuDNN setup
         if method == "incr-triton":
-            triton_gather.gather_rows = counting_gather
+            triton_gather.gather_rows, triton_gather.gather_boxes = counting(real_gather), counting(real_boxes)
         try:
             row.cold[method], _, results[method] = _measure(fn, device)
         finally:
-            triton_gather.gather_rows = real_gather
+            triton_gather.gather_rows, triton_gather.gather_boxes = real_gather, real_boxes
         row.seconds[method], row.peak[method] = [], None
     row.triton_launches = launches[0]
     for _ in range(args.repeats):

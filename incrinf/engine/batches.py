@@ -27,7 +27,7 @@ import torch
 
 from incrinf.cache import LookupStatus, runtime_cache
 from incrinf.engine.boxes import WalkResult, chain, compute, shares_memory, walk
-from incrinf.engine.layout import Layout, table_layout
+from incrinf.engine.layout import Layout, compact, table_layout
 from incrinf.engine.memory import release_free_memory
 from incrinf.engine.plans import (
     BatchIndex,
@@ -195,7 +195,7 @@ class BatchEngine:
         key = PlanKey(self.graph.signature, tuple(self.graph.input_shape), self.executor.layout_digest,
                       boxes_digest(starts, sizes), len(starts), float(tau), int(batch_size or 0),
                       0 if batch_size else int(memory or 0),  # a given batch size leaves the budget unread
-                      str(x.device), str(x.dtype))
+                      str(x.device), str(x.dtype), compact(x.device, self.graph.spatial_dims))
         return runtime_cache().get_or_create(
             key, lambda k: build_plan(self.program, self.executor.layout, k, starts, sizes))
 
