@@ -92,29 +92,32 @@ def _gather_boxes_kernel(base_ptr, region_ptr, geometry_ptr, out_ptr, n_rows, n_
     k1 = rest % S1
     k0 = rest // S1
     geometry = geometry_ptr + box * 6
+    # every address stays inside its source whether or not the row reads it (the region's coordinates are
+    # clamped), so the masks alone select; no per-row select (Triton 3.6 miscompiles one next to 2-D masks)
     if HAS_REGION:
         j0 = k0 - tl.load(geometry + 3, mask=row_ok, other=0).to(tl.int64)
         j1 = k1 - tl.load(geometry + 4, mask=row_ok, other=0).to(tl.int64)
         j2 = k2 - tl.load(geometry + 5, mask=row_ok, other=0).to(tl.int64)
-        inside = row_ok & (j0 >= 0) & (j0 < Z0) & (j1 >= 0) & (j1 < Z1) & (j2 >= 0) & (j2 < Z2)
-        region_row = tl.where(inside, box * (Z0 * Z1 * Z2) + (j0 * Z1 + j1) * Z2 + j2, 0)
-        r = tl.load(region_ptr + region_row[:, None] * region_stride + cols[None, :],
-                    mask=mask & inside[:, None], other=0.0)
+        inside = (j0 >= 0) & (j0 < Z0) & (j1 >= 0) & (j1 < Z1) & (j2 >= 0) & (j2 < Z2)
+        j0 = tl.minimum(tl.maximum(j0, 0), Z0 - 1)
+        j1 = tl.minimum(tl.maximum(j1, 0), Z1 - 1)
+        j2 = tl.minimum(tl.maximum(j2, 0), Z2 - 1)
+        region_row = box * (Z0 * Z1 * Z2) + (j0 * Z1 + j1) * Z2 + j2
+        take = mask & inside[:, None]
+        r = tl.load(region_ptr + region_row[:, None] * region_stride + cols[None, :], mask=take, other=0.0)
     if HAS_BASE:
         s0 = tl.load(geometry, mask=row_ok, other=0).to(tl.int64)
         s1 = tl.load(geometry + 1, mask=row_ok, other=0).to(tl.int64)
         s2 = tl.load(geometry + 2, mask=row_ok, other=0).to(tl.int64)
         base_row = ((s0 + k0) * T1 + s1 + k1) * T2 + s2 + k2 + box * batch_stride
         if HAS_REGION:
-            base_row = tl.where(inside, 0, base_row)  # each source is read only where it is selected
-            b = tl.load(base_ptr + base_row[:, None] * base_stride + cols[None, :],
-                        mask=mask & (~inside)[:, None], other=0.0)
-            values = tl.where(inside[:, None], r, b)
+            b = tl.load(base_ptr + base_row[:, None] * base_stride + cols[None, :], mask=mask & ~take, other=0.0)
+            values = tl.where(take, r, b)
         else:
             values = tl.load(base_ptr + base_row[:, None] * base_stride + cols[None, :], mask=mask, other=0.0)
         tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], values, mask=mask)
     else:
-        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], r, mask=mask & inside[:, None])
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], r, mask=take)
 
 
 _WRAPPED: dict[tuple[str, bool], Callable] = {}
