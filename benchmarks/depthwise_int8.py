@@ -361,19 +361,15 @@ def print_table(model: str, timings: list[Timing], threads: int, anchors: list[s
 def planned_share(layer: Layer, threads: int) -> float:
     """The busiest thread's share of a layer's work units when every thread computes at the same speed.
 
-    From the plan alone (noise-free): the layer's units (output rows x channel tiles, equal multiply-adds), the
-    pool's slice count for it, and slices going to whichever thread is free first.
+    From the plan alone (noise-free): the layer's units (output rows x channel tiles, equal multiply-adds) and
+    the pool's claims (:func:`incrinf.kernels.depthwise_pool.planned_units`: each thread claims again as soon as
+    its last claim is done).
     """
     if threads == 1:
         return 1.0
     oh, ow = layer.out_hw()
     units = oh * layer.depth_multiplier * -(-layer.channels // TILE)
-    n_slices = depthwise_pool.slice_count(units, ow * TILE * layer.kernel[0] * layer.kernel[1], threads)
-    sizes = [(s + 1) * units // n_slices - s * units // n_slices for s in range(n_slices)]
-    loads = [0] * threads
-    for size in sizes:
-        loads[loads.index(min(loads))] += size
-    return max(loads) / units
+    return max(depthwise_pool.planned_units(units, ow * TILE * layer.kernel[0] * layer.kernel[1], threads)) / units
 
 
 def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
@@ -389,7 +385,7 @@ def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, 
     - the share of the units each thread computed in this run (the pool's counters): how often the worker got a
       core while a call ran;
     - the calling thread's CPU time at ``t`` threads over one thread's CPU time times the calling thread's
-      measured share: what starting the job, claiming slices and waiting for the workers' last slices cost it
+      measured share: what starting the job, claiming units and waiting for the workers' last claims cost it
       (1.00x: nothing).
     """
     if len(threads) < 2:
@@ -428,10 +424,10 @@ def pool_overhead_us(repeats: int) -> tuple[float, float, float]:
     x = rng.integers(-128, 128, (1, 8, 8, 64), dtype=np.int8)
     w = rng.integers(-127, 128, (1, 3, 3, 64), dtype=np.int8)
     packed = dw.pack_depthwise_int8(w, None, input_offset=0, output_multiplier=2**30, output_shift=-8)
-    out = dw.depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=0)
-    previous = depthwise_pool.MIN_SLICE_MACS
-    depthwise_pool.MIN_SLICE_MACS = 1
+    previous = depthwise_pool.MIN_SPLIT_MACS, depthwise_pool.MIN_CLAIM_MACS
+    depthwise_pool.MIN_SPLIT_MACS = depthwise_pool.MIN_CLAIM_MACS = 1  # before the first call: plans keep them
     try:
+        out = dw.depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=0)
         wall, cpu, _ = interleaved_medians(
             {
                 t: (lambda t=t: dw.depthwise_conv2d_int8_packed(x, packed, padding="same", output_offset=0,
@@ -441,7 +437,7 @@ def pool_overhead_us(repeats: int) -> tuple[float, float, float]:
             repeats * 20,
         )
     finally:
-        depthwise_pool.MIN_SLICE_MACS = previous
+        depthwise_pool.MIN_SPLIT_MACS, depthwise_pool.MIN_CLAIM_MACS = previous
     return wall[1] * 1e6, wall[2] * 1e6, cpu[2] * 1e6
 
 
@@ -501,8 +497,8 @@ def main(argv: list[str] | None = None) -> None:
         one_us, two_us, two_cpu_us = pool_overhead_us(args.repeats)
         print(
             f"thread pool on a 1x8x8x64 3x3 layer: 1 thread {one_us:.1f} us, 2 threads {two_us:.1f} us wall"
-            f" ({two_cpu_us:.1f} us CPU of the calling thread); the pool splits only layers of at least two"
-            f" slices of {depthwise_pool.MIN_SLICE_MACS:,} multiply-adds"
+            f" ({two_cpu_us:.1f} us CPU of the calling thread); the pool shares only layers of at least"
+            f" {depthwise_pool.MIN_SPLIT_MACS:,} multiply-adds, in claims of at least {depthwise_pool.MIN_CLAIM_MACS:,}"
         )
     anchors = ["REF", "opt", *(["ref-order"] if args.ref_order else [])]
     for model in args.models.split(","):

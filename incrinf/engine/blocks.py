@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from incrinf.engine.costs import FrameCosts
+from incrinf.engine.costs import FrameCosts, RegionKind
 from incrinf.engine.program import Program, Step
 from incrinf.engine.stores import FrameCache
 from incrinf.engine.windows import WindowSpec, block_table, padded_map
@@ -183,7 +183,7 @@ def plan_blocks(program: Program, costs: FrameCosts, changed: np.ndarray, motion
     changed = np.asarray(changed, bool)
     masks: dict[str, np.ndarray] = {program.graph.input.name: changed}
     whole = {program.graph.input.name: bool(changed.all())}  # the walk holds these as dense maps
-    plan = BlockPlan([], [], None, 0.0, costs.frame + costs.move * moved_bytes, 0)
+    plan = BlockPlan([], [], None, 0.0, costs.frame_seconds(RegionKind.BLOCKS) + costs.move * moved_bytes, 0)
     best = (math.inf, None, 0.0)
     for index, step in enumerate(program.steps):
         if step.window is not None:
@@ -354,7 +354,8 @@ class _BlockWalk:
             if self.timed:
                 result.step_seconds.append(time.perf_counter() - clock)
         if costs is not None:
-            result.seconds += costs.frame + costs.tail_seconds() + costs.move * self.moved_bytes
+            result.seconds += (costs.frame_seconds(RegionKind.BLOCKS) + costs.tail_seconds()
+                               + costs.move * self.moved_bytes)
         result.dense_steps, result.moved = self.dense_steps, self.moved
         return result
 

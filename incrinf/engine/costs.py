@@ -21,9 +21,16 @@ and no decision rests on a curve fitted to a few timings):
   the *call* ratio (measured over predicted), one that is mostly arithmetic a sample of the *compute* ratio, per
   kind (boxes, blocks);
 - full frames give the *dense* ratio (measured full frame over the profile's);
-- a feature threshold prunes regions as a frame runs, which the plan's geometry cannot know: per cached tensor,
-  the median share of the positions recomputed there that its commits kept (a ratio of the plan's own numbers, no
-  timing) discounts the steps after it (:meth:`FrameCosts.kept`).
+- a feature threshold prunes regions as a frame runs, which the plan's geometry cannot know: per step, the median
+  share of the plan's positions and of its boxes that the latest frames actually computed there (ratios of the
+  plan's own counts, no timing) discount that step's arithmetic and its fixed cost per box
+  (:meth:`FrameCosts.survival`). The shares are taken against the plan at each step, not chained from one cached
+  tensor to the next: a box pruned to a few positions grows back by its window's halo at the next step, so a
+  product of per-tensor shares priced the deep steps at nothing (and per-box costs went with them);
+- what a cached frame spends outside its steps and its dense rest (copying the output, the walk's own bookkeeping,
+  the camera's index maps) is measured per frame and its median is the frame's fixed cost
+  (:meth:`FrameCosts.frame_seconds`): one calibration of the same model at the same depth as the steps, so no
+  second scale on top of the plan's prediction is needed.
 """
 
 from __future__ import annotations
@@ -95,7 +102,8 @@ class FrameCosts:
         steps: a :class:`StepCost` per program step (as measured; the predictions apply the ratios).
         tail: seconds of the tail (the model after the local part) on full maps.
         move: seconds per byte of a cached tensor moved through a camera motion's index map.
-        frame: fixed seconds of any cached frame (copying its output for the caller and the next frame).
+        frame: fixed seconds of any cached frame as profiled (copying its output for the caller and the next frame);
+            :meth:`frame_seconds` calibrates it with what cached frames measured outside their steps.
         profiled: whether the coefficients were measured (else estimated from multiply-adds).
     """
 
@@ -112,13 +120,17 @@ class FrameCosts:
         self.profiled = False
         self._call = {k: deque(maxlen=STEP_SAMPLES) for k in RegionKind}
         self._compute = {k: deque(maxlen=STEP_SAMPLES) for k in RegionKind}
-        self._kept: dict[str, deque[float]] = {}
+        # per step index: shares of the plan's positions and boxes that the latest frames computed (pruning)
+        self._area_share: dict[int, deque[float]] = {}
+        self._box_share: dict[int, deque[float]] = {}
+        self._outside = {k: deque(maxlen=SAMPLES) for k in RegionKind}
         self._ratios: dict[tuple[str, RegionKind], float] = {}
         self._full: deque[float] = deque(maxlen=SAMPLES)
         # medians kept until their next sample: plans ask for them at every step and box (a median per call cost
         # about 2 ms a frame at 144x176, a tenth of a full frame there)
         self._full_median: float | None = None
-        self._kept_median: dict[str, float] = {}
+        self._share_median: dict[tuple[int, bool], float] = {}
+        self._frame_median: dict[RegionKind, float] = {}
         self._suffix: dict[str, float] = {}
         self._reindex()
 
@@ -177,15 +189,18 @@ class FrameCosts:
 
     def plan_state(self) -> tuple:
         """What a box plan's choices (merges, the switch to the dense rest) rest on, as a hashable key: the
-        coefficients as measured, and the calibration's ratios and the pruning's overall share (the product of the
-        cached tensors' shares: what the deepest steps are discounted by) in steps of a quarter octave. Finer
-        steps would miss on every frame (the medians move by their noise); a reused plan is priced with the
-        exact calibration (:func:`~incrinf.engine.frame_regions.plan_seconds`), so only choices within a step of
-        a tie can differ from a fresh plan's."""
-        kept = math.prod(self.kept(name) for name in self._kept)
-        ratios = (self.call_ratio(RegionKind.BOXES), self.compute_ratio(RegionKind.BOXES), self.dense_ratio, kept)
+        coefficients as measured, and the calibration's ratios and the pruning's mean shares over the steps, in
+        steps of a quarter octave. Finer steps would miss on every frame (the medians move by their noise); a
+        reused plan is priced with the exact calibration (:func:`~incrinf.engine.frame_regions.plan_seconds`), so
+        only choices within a step of a tie can differ from a fresh plan's. The frame's fixed cost is left out: it
+        is the same whatever the plan chooses."""
+        n = len(self.steps)
+        area = sum(self.survival(i)[0] for i in range(n)) / max(n, 1)
+        boxes = sum(self.survival(i)[1] for i in range(n)) / max(n, 1)
+        ratios = (self.call_ratio(RegionKind.BOXES), self.compute_ratio(RegionKind.BOXES), self.dense_ratio, area,
+                  boxes)
         return (tuple(round(math.log2(max(r, 1e-9)) * PLAN_STEPS) for r in ratios),
-                tuple((c.dense, c.box_call) for c in self.steps), self.tail, self.frame)
+                tuple((c.dense, c.box_call) for c in self.steps), self.tail)
 
     def tail_seconds(self) -> float:
         return self.tail * self.dense_ratio
@@ -206,16 +221,36 @@ class FrameCosts:
         """A full frame's engine time: the median of the latest full frames, else the profile's."""
         return self._median_full() if self._full else self.dense_total
 
-    def kept(self, name: str) -> float:
-        """The share of the positions recomputed at the cached tensor ``name`` that the latest frames' commits
-        kept (value-based pruning; 1 without it, and before any commit there). A ratio of the plan's own counts, no
-        timing: no load spike can distort it, so the first frame's share counts alone (with the timing ratios'
-        prior beside it, the second and third cached frames of a dilated segmenter were predicted at nearly a full
-        frame, the pruning they would see unknown, and could be sent to full inference)."""
-        value = self._kept_median.get(name)
+    def survival(self, index: int, since: int | None = None) -> tuple[float, float]:
+        """``(positions, boxes)``: the shares of the plan's positions and boxes at step ``index`` that the latest
+        frames computed there (value-based pruning; 1 without it, and before any frame); with ``since``, relative
+        to the shares at that earlier step (for regions that are already the pruned ones there), at most 1. Ratios
+        of the plan's own counts, no timing: no load spike can distort them, so the first frame's shares count
+        alone (with the timing ratios' prior beside them, the second and third cached frames of a dilated
+        segmenter were predicted at nearly a full frame, the pruning they would see unknown)."""
+        area, boxes = self._share(index, True), self._share(index, False)
+        if since is not None:
+            base_area, base_boxes = self._share(since, True), self._share(since, False)
+            area = min(area / base_area, 1.0) if base_area > 0 else 1.0
+            boxes = min(boxes / base_boxes, 1.0) if base_boxes > 0 else 1.0
+        return area, boxes
+
+    def _share(self, index: int, area: bool) -> float:
+        value = self._share_median.get((index, area))
         if value is None:
-            samples = self._kept.get(name)
-            value = self._kept_median[name] = min(statistics.median(samples), 1.0) if samples else 1.0
+            samples = (self._area_share if area else self._box_share).get(index)
+            value = self._share_median[(index, area)] = statistics.median(samples) if samples else 1.0
+        return value
+
+    def frame_seconds(self, kind: RegionKind) -> float:
+        """A cached frame's fixed seconds outside its steps and its dense rest: the median of what the latest
+        cached frames of this kind measured there, the profile's copy of the output standing in for
+        ``PRIOR_RATIOS`` of them (one frame that paid one-time costs does not set it alone)."""
+        value = self._frame_median.get(kind)
+        if value is None:
+            samples = self._outside[kind]
+            value = statistics.median([self.frame] * PRIOR_RATIOS + list(samples)) if samples else self.frame
+            self._frame_median[kind] = value
         return value
 
     # --- calibration -------------------------------------------------------------------------------------
@@ -260,8 +295,17 @@ class FrameCosts:
             (self._call if call > DOMINANT * total else self._compute)[kind].append(measured / total)
         self._ratios = {}
 
-    def record_kept(self, name: str, computed: int, kept: int) -> None:
-        """A commit at the cached tensor ``name`` kept ``kept`` of the ``computed`` positions."""
-        if computed > 0:
-            self._kept.setdefault(name, deque(maxlen=SAMPLES)).append(kept / computed)
-            self._kept_median.pop(name, None)
+    def record_survival(self, index: int, planned: tuple[int, int], computed: tuple[int, int]) -> None:
+        """A cached frame computed ``computed`` ``(positions, boxes)`` at step ``index`` where its plan's geometry
+        (before pruning) had ``planned``."""
+        if planned[0] > 0 and planned[1] > 0:
+            self._area_share.setdefault(index, deque(maxlen=SAMPLES)).append(computed[0] / planned[0])
+            self._box_share.setdefault(index, deque(maxlen=SAMPLES)).append(computed[1] / planned[1])
+            self._share_median.pop((index, True), None)
+            self._share_median.pop((index, False), None)
+
+    def record_frame(self, kind: RegionKind, outside: float) -> None:
+        """A cached frame of ``kind`` spent ``outside`` seconds outside its timed steps and its dense rest."""
+        if math.isfinite(outside):
+            self._outside[kind].append(max(outside, 0.0))
+            self._frame_median.pop(kind, None)

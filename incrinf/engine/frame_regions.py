@@ -90,6 +90,8 @@ class RegionResult:
         seconds: what the (calibrated) coefficients give for the work done.
         step_samples: per step run regionally, ``(fixed, arithmetic, measured)`` seconds (when timed): the
             coefficients' parts as measured by the profile, and the step's measured time.
+        timed_seconds: measured seconds of the steps and the dense rest (the suffix after a switch, or the tail)
+            when timed: what the coefficients price, so the frame's time beyond it is its fixed cost.
     """
 
     output: Any
@@ -99,6 +101,7 @@ class RegionResult:
     suffix: str | None = None
     seconds: float = 0.0
     step_samples: list[tuple[float, float, float]] = field(default_factory=list)
+    timed_seconds: float = 0.0
 
 
 def cluster_boxes(cells: np.ndarray, cell: int, size: tuple[int, int]) -> list[Box]:
@@ -198,22 +201,33 @@ class Geometry:
 
     def segment(self, cut: int, regions: dict[str, list[Box]]) -> list[float]:
         """Predicted seconds per step (indexed by step) of the regional steps after the cut point step ``cut`` up to
-        the next cut point, from the tensors' current ``regions`` (discounted by the pruning the cached tensors
-        on the way have seen: :meth:`~incrinf.engine.costs.FrameCosts.kept`)."""
-        program, costs = self.program, self.costs
+        the next cut point, from the tensors' current ``regions`` (already the pruned ones at the cut point: each step
+        is discounted by the pruning the latest frames saw there relative to the cut point,
+        :meth:`~incrinf.engine.costs.FrameCosts.survival`)."""
+        program = self.program
         regions = dict(regions)
         nxt = self.next_cut[cut]
         seconds = [0.0] * len(program.steps)
-        survive = 1.0
         for index in range(cut + 1, len(program.steps) if nxt is None else nxt + 1):
             step = program.steps[index]
             boxes = self.out_boxes(index, step, regions)
             if boxes:
                 regions[step.out] = boxes
-                seconds[index] = survive * sum(costs.box(index, area(b)) for b in boxes)
-                if step.out in program.cached_set:
-                    survive *= costs.kept(step.out)
+                seconds[index] = self.priced(index, boxes, cut)
         return seconds
+
+    def priced(self, index: int, boxes: list[Box], since: int | None = None) -> float:
+        """Predicted seconds of step ``index`` on ``boxes`` as planned: each box's fixed cost and arithmetic,
+        discounted by the shares of boxes and positions that pruning left of the plan there lately (relative to
+        step ``since`` when the boxes are already the pruned ones there)."""
+        costs = self.costs
+        area_share, box_share = costs.survival(index, since)
+        fixed = arithmetic = 0.0
+        for b in boxes:
+            call, compute = costs.box_parts(index, area(b))
+            fixed, arithmetic = fixed + call, arithmetic + compute
+        return (box_share * costs.call_ratio(RegionKind.BOXES) * fixed
+                + area_share * costs.compute_ratio(RegionKind.BOXES) * arithmetic)
 
     def break_even(self, index: int) -> float:
         return self.costs.break_even(index)
@@ -243,18 +257,15 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     steps: list[list[Box]] = []
     step_seconds: list[float] = []
     died = False
-    survive = 1.0  # the expected share of the geometry's regions that pruning leaves by now
     for index, step in enumerate(program.steps):
         if all(not regions.get(name) for name in program.live[index]):
             died = True
             break
         boxes = geometry.out_boxes(index, step, regions)
         steps.append(boxes)
-        step_seconds.append(survive * sum(costs.box(index, area(b)) for b in boxes))
+        step_seconds.append(geometry.priced(index, boxes))
         if boxes:
             regions[step.out] = boxes
-            if step.out in program.cached_set:
-                survive *= costs.kept(step.out)
     steps.extend([] for _ in range(len(program.steps) - len(steps)))
     unchanged = died or not any(regions.get(name) for name in program.read_boundary)
     switch = None
@@ -289,18 +300,16 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
 
 def plan_seconds(program: Program, costs: FrameCosts, parts: tuple[tuple[tuple[float, float], ...], float]
                  ) -> float:
-    """A box plan's predicted seconds from its :attr:`RegionPlan.parts`, with the current calibration: the box
-    ratios, the dense ratio, and the pruning shares of the cached tensors on the way (each discounts the steps
-    after it)."""
+    """A box plan's predicted seconds from its :attr:`RegionPlan.parts`, with the current calibration: the
+    frame's fixed cost, the box ratios, the dense ratio, and per step the shares of its boxes and positions that
+    pruning left of the plan lately (:meth:`~incrinf.engine.costs.FrameCosts.survival`)."""
     step_parts, dense = parts
     call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
-    seconds, survive = costs.frame, 1.0
+    seconds = costs.frame_seconds(RegionKind.BOXES)
     for index, (fixed, arithmetic) in enumerate(step_parts):
         if fixed or arithmetic:
-            seconds += survive * (call_ratio * fixed + compute_ratio * arithmetic)
-            out = program.steps[index].out
-            if out in program.cached_set:
-                survive *= costs.kept(out)
+            area_share, box_share = costs.survival(index)
+            seconds += box_share * call_ratio * fixed + area_share * compute_ratio * arithmetic
     return seconds + costs.dense_ratio * dense
 
 
@@ -324,13 +333,17 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
     input_name = program.graph.input.name
     regions: dict[str, list[Boxes]] = {input_name: [
         Boxes((b[0], b[2]), (b[1] - b[0], b[3] - b[2]), x[:, :, b[0]:b[1], b[2]:b[3]]) for b in plan.start]}
-    result = RegionResult(None, 0.0, 0, seconds=costs.frame)
+    result = RegionResult(None, 0.0, 0, seconds=costs.frame_seconds(RegionKind.BOXES))
     pruned = False
     switch_index = geometry.step_of[plan.switch] if plan.switch is not None else len(program.steps)
     sync = x.device.type == "cuda" and timed
     for index, (step, live) in enumerate(zip(program.steps, program.live)):
         if all(not regions.get(name) for name in live):
-            break  # every change has died out (pruning): later tensors keep their cached values
+            # every change has died out (pruning): later tensors keep their cached values, and the plan's boxes
+            # up to its switch were computed nowhere
+            for rest in range(index, min(switch_index + 1, len(plan.steps))):
+                _record_share(costs, rest, plan.steps[rest], [])
+            break
         clock = time.perf_counter() if timed else 0.0
         if pruned or len(step.inputs) == 1 and step.window is None:
             reads = [step.window.source] if step.window is not None else step.inputs
@@ -338,6 +351,8 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
         else:
             bounds = plan.steps[index]
         out = [run_box(program, cache, step, regions, b) for b in bounds]
+        if index < len(plan.steps):
+            _record_share(costs, index, plan.steps[index], out)
         call = compute = 0.0
         for box in out:
             result.seconds += costs.box(index, box.area)
@@ -353,16 +368,18 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
                     pruned = True
                 if committed is not None:
                     kept.append(committed)
-            costs.record_kept(step.out, sum(b.area for b in out), sum(b.area for b in kept))
             out = kept
             result.committed[step.out] = [b.bounds for b in out]
         regions[step.out] = out
         for name in program.release[index]:
             regions.pop(name, None)
-        if timed and out:
+        if timed:
             if sync:
                 torch.cuda.synchronize(x.device)
-            result.step_samples.append((call, compute, time.perf_counter() - clock))
+            spent = time.perf_counter() - clock
+            result.timed_seconds += spent
+            if out:
+                result.step_samples.append((call, compute, spent))
         if step.out in program.cuts and out:
             if pruned and index >= switch_index:  # the regions are no longer the plan's: decide from what is left
                 live = {k: [v.bounds for v in r] for k, r in regions.items()}
@@ -372,7 +389,12 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
                 # shrinks regions (each box to the bounding box of what moved): going on stays the cheaper way
                 switching = step.out == plan.switch
             if switching:
+                clock = time.perf_counter() if timed else 0.0
                 result.output = cache.finish(step.out, None, 1)
+                if timed:
+                    if sync:
+                        torch.cuda.synchronize(x.device)
+                    result.timed_seconds += time.perf_counter() - clock
                 result.suffix = step.out
                 result.seconds += costs.suffix(step.out)
                 result.flops += program.suffix_flops(step.out) + program.tail_flops
@@ -380,10 +402,22 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
     if not any(regions.get(name) for name in program.read_boundary):
         result.output = cache.unchanged(1)
         return result
+    clock = time.perf_counter() if timed else 0.0
     result.output = program.tail()(*[cache.map(name) for name in program.boundary])
+    if timed:
+        if sync:
+            torch.cuda.synchronize(x.device)
+        result.timed_seconds += time.perf_counter() - clock
     result.seconds += costs.tail_seconds()
     result.flops += program.tail_flops
     return result
+
+
+def _record_share(costs: FrameCosts, index: int, planned: list[Box], computed: list[Boxes]) -> None:
+    """What a step computed against what its plan had (positions, boxes): the pruning's share there."""
+    if planned:
+        costs.record_survival(index, (sum(area(b) for b in planned), len(planned)),
+                              (sum(b.area for b in computed), len(computed)))
 
 
 def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, list[Boxes]], bounds: Box

@@ -99,6 +99,9 @@ class ExecStats:
         predicted: what the cost coefficients give for the work the frame did (seconds).
         step_samples: per step that computed anything, ``(fixed, arithmetic, measured)`` seconds, when timed (the
             calibration's samples: :meth:`~incrinf.engine.costs.FrameCosts.record_steps`).
+        timed_seconds: when timed, the seconds of what the coefficients price (the steps and the dense rest; the
+            block walk's dense suffix as predicted): a caller's measured frame time beyond it is the
+            frame's fixed cost (:meth:`~incrinf.engine.costs.FrameCosts.record_frame`); NaN when not timed.
     """
 
     flops: float
@@ -112,6 +115,7 @@ class ExecStats:
     regions: int = 0
     predicted: float = 0.0
     step_samples: list[tuple[float, float, float]] = field(default_factory=list)
+    timed_seconds: float = math.nan
 
     @property
     def flops_ratio(self) -> float:
@@ -278,7 +282,9 @@ class FrameEngine:
         whole maps. A model whose tail is most of a frame cannot pay for a cache, however its changes are pruned."""
         steps = self.program.steps
         flops = self.program.tail_flops + sum(step.flops / step.positions for step in steps)
-        seconds = self.costs.frame + sum(self.costs.box(i, 1) for i in range(len(steps))) + self.costs.tail_seconds()
+        costs = self.costs
+        seconds = costs.frame_seconds(RegionKind.BOXES) + sum(costs.box(i, 1) for i in range(len(steps))) \
+            + costs.tail_seconds()
         return flops, seconds
 
     # --- cached frames -----------------------------------------------------------------------------------
@@ -341,6 +347,8 @@ class FrameEngine:
         stats.flops, stats.positions, stats.predicted = result.flops, result.positions, result.seconds
         stats.dense_steps = int(result.suffix is not None)
         stats.step_samples = result.step_samples
+        if timed:
+            stats.timed_seconds = result.timed_seconds
         if fresh:
             self._mark_fresh(stats, result.committed, result.suffix)
         return result.output, stats
@@ -351,6 +359,10 @@ class FrameEngine:
                              self.costs, plan, timed)
         stats = ExecStats(result.flops, self.program.full_flops, result.positions, result.dense_steps, result.moved,
                           kind=RegionKind.BLOCKS, predicted=result.seconds, step_samples=result.step_samples)
+        if timed:  # the steps (their moves included) and the tail as timed; a dense suffix after a switch as predicted
+            costs = self.costs
+            suffix = costs.suffix(result.suffix) - costs.tail_seconds() if result.suffix is not None else 0.0
+            stats.timed_seconds = sum(result.step_seconds) + suffix
         if fresh:
             self._mark_fresh(stats, result.changed, result.suffix)
         return result.output, stats

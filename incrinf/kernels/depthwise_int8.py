@@ -38,7 +38,7 @@ from incrinf.kernels.depthwise_geometry import (
 )
 from incrinf.kernels.depthwise_kernels import CONFIG_SIZE, TILE, depthwise_reference_order
 from incrinf.kernels.depthwise_packing import PackedDepthwiseInt8, pack_depthwise_int8
-from incrinf.kernels.depthwise_pool import run_depthwise, slice_count
+from incrinf.kernels.depthwise_pool import SOLO, make_job, pool_threads, run_job, smallest_claim
 from incrinf.kernels.quantize import INT8_MAX, INT8_MIN
 
 numba = require("numba", "int8", "the int8 kernels")
@@ -113,18 +113,29 @@ def _prepare(x, packed: PackedDepthwiseInt8, stride, padding, dilation, region, 
 
 
 class CallPlan(NamedTuple):
-    """What a call of the tiled kernel needs besides the arrays, for one input shape and set of arguments."""
+    """What a call of the tiled kernel needs besides its input and output, for one input shape and set of
+    arguments: checked once, then reused by every call with the same ones."""
 
-    config: np.ndarray  # int64 (CONFIG_SIZE,): the kernel's scalars
+    config: np.ndarray  # int64 (CONFIG_SIZE,): the kernel's scalars (a view of the job's first entries)
     out_shape: tuple[int, int, int, int]
     size: int  # outputs (0: nothing to compute)
     units: int  # work units: output rows x depth-multiplier planes x channel tiles
     macs_per_unit: int  # multiply-adds of a unit (a full tile's; every tap counted)
+    job: np.ndarray  # int64: config, the packed arrays' addresses, the smallest claim (depthwise_pool.make_job)
+    arrays: tuple[np.ndarray, ...]  # the packed arrays the job points at, kept alive with it
 
 
 def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation, region, quant_args) -> CallPlan:
-    """Check the call's arguments (raising on bad ones) and lay out the kernel's scalars."""
+    """Check the call's arguments (raising on bad ones) and lay out the kernel's scalars and job.
+
+    Whether threads share the layer and their smallest claim come from the plan's work (units and multiply-adds
+    per unit, see :func:`~incrinf.kernels.depthwise_pool.smallest_claim`), with the pool's settings at the time
+    of planning."""
     n, in_h, in_w, in_c = x_shape
+    if in_c != packed.in_channels:
+        raise ValueError(
+            f"x has {in_c} channels (last axis, NHWC) but the filter expects {packed.in_channels}; is x NCHW?"
+        )
     geo = conv_geometry((in_h, in_w), packed.kernel_size, stride, padding, dilation, region)
     out_off, lo, hi = _check_output_quant(*quant_args)
     (sh, sw), (dh, dw), pads, (y0, y1, x0, x1) = geo
@@ -139,7 +150,13 @@ def _build_plan(x_shape, packed: PackedDepthwiseInt8, stride, padding, dilation,
     assert config.size == CONFIG_SIZE
     out_shape = (n, y1 - y0, x1 - x0, in_c * dm)
     size = n * (y1 - y0) * (x1 - x0) * in_c * dm
-    return CallPlan(config, out_shape, size, units, (x1 - x0) * TILE * kh * kw)
+    macs_per_unit = (x1 - x0) * TILE * kh * kw
+    arrays = (packed.tile_weights, packed.tile_params, packed.zero_row)
+    job = make_job(config, *arrays, smallest_claim(units, macs_per_unit))
+    return CallPlan(job[:CONFIG_SIZE], out_shape, size, units, macs_per_unit, job, arrays)
+
+
+_PLAIN_TYPES = (int, str, type(None))
 
 
 def _plain_arguments(args: tuple) -> bool:
@@ -154,7 +171,7 @@ def _plain_arguments(args: tuple) -> bool:
             for item in arg:
                 if type(item) is not int:
                     return False
-        elif kind is not int and kind is not str and arg is not None:
+        elif kind not in _PLAIN_TYPES:
             return False
     return True
 
@@ -197,28 +214,23 @@ def _check_out(out, shape: tuple[int, int, int, int], x: np.ndarray) -> np.ndarr
     return out
 
 
-def _thread_count(threads: int | None) -> int:
-    if threads is None:
-        return numba.get_num_threads()
-    return check_int(threads, "threads", 1, _MAX_THREADS)
-
-
-def _run_tiles(xa: np.ndarray, packed: PackedDepthwiseInt8, plan: CallPlan, threads, out=None) -> np.ndarray:
-    """Run the tiled kernel into ``out`` (new when ``None``) on ``threads`` threads; returns it.
+def _run_plan(xa: np.ndarray, plan: CallPlan, threads, out: np.ndarray) -> None:
+    """Run the tiled kernel for ``plan`` into ``out`` (checked but for overlap) on ``threads`` threads.
 
     The calling thread computes and the pool's workers help (:mod:`incrinf.kernels.depthwise_pool`); a layer
-    too small to pay for a second thread (:func:`~incrinf.kernels.depthwise_pool.slice_count`) runs alone.
+    too small to pay for a second thread (by its plan's multiply-adds) runs alone. One compiled call does it
+    all; with ``threads=None`` it reads numba's thread count itself.
     """
-    out = np.empty(plan.out_shape, np.int8) if out is None else _check_out(out, plan.out_shape, xa)
-    if plan.size:
-        n_threads = _thread_count(threads)
-        n_slices = slice_count(plan.units, plan.macs_per_unit, n_threads)
-        helpers = min(n_threads - 1, n_slices - 1)
-        run_depthwise(
-            xa.reshape(-1), packed.tile_weights, packed.tile_params, packed.zero_row, out.reshape(-1),
-            plan.config, helpers, n_slices,
-        )
-    return out
+    if threads is not None and (type(threads) is not int or not 1 <= threads <= _MAX_THREADS):
+        threads = check_int(threads, "threads", 1, _MAX_THREADS)
+    if not plan.size:
+        return
+    if threads == 1 or _MAX_THREADS == 1:
+        status = run_job(xa, out, plan.job, SOLO, 1)
+    else:
+        status = run_job(xa, out, plan.job, *pool_threads(threads))
+    if status:
+        raise ValueError("out must not overlap the input x")
 
 
 def depthwise_conv2d_int8_packed(
@@ -239,20 +251,37 @@ def depthwise_conv2d_int8_packed(
 
     ``out``: an int8 C-contiguous array (or CPU tensor) of the result's shape to write into and return, as an
     interpreter writes into its output tensor; a new array on every call costs page faults on large layers.
+
+    A layer keeps the checked plan of each input shape and argument set it was called with, so a repeated call
+    costs a dictionary look-up and one compiled call (a few microseconds; see ``benchmarks/depthwise_int8.py``).
     """
     if not isinstance(packed, PackedDepthwiseInt8):
         raise TypeError(f"packed must come from pack_depthwise_int8, got {type(packed).__name__}")
-    if type(x) is np.ndarray and x.dtype is _INT8 and x.ndim == 4 and x.flags.c_contiguous:
-        xa = x  # the common case, checked without the general path's conversions
-        if x.shape[3] != packed.in_channels:
-            _check_x(x, packed.in_channels)  # raises the channel mismatch
+    numpy_x = type(x) is np.ndarray
+    if numpy_x and x.dtype is _INT8 and x.ndim == 4 and x.flags.c_contiguous:
+        xa = x  # the common case, checked without the general path's conversions (channels: by the plan)
     else:
         xa = _check_x(x, packed.in_channels)
-    plan = call_plan(xa.shape, packed, stride, padding, dilation, region, (output_offset, act_min, act_max))
-    if out is not None:
-        _run_tiles(xa, packed, plan, threads, out)
-        return out
-    return _wrap_like(_run_tiles(xa, packed, plan, threads), x)
+    try:
+        plan = packed.call_plans.get((xa.shape, stride, padding, dilation, region, output_offset, act_min, act_max))
+    except TypeError:  # an unhashable argument (a list): call_plan checks it
+        plan = None
+    # A cached plan serves the common argument types at once; values equal to a cached key's but of another
+    # type (True or 1.0 for 1) go through call_plan, which raises on the wrong ones.
+    if plan is None or not (
+        type(stride) is int and type(padding) is str and type(dilation) is int and region is None
+        and type(output_offset) is int and type(act_min) is int and type(act_max) is int
+    ):
+        plan = call_plan(xa.shape, packed, stride, padding, dilation, region, (output_offset, act_min, act_max))
+    if out is None:
+        result = np.empty(plan.out_shape, np.int8)
+        _run_plan(xa, plan, threads, result)
+        return result if numpy_x else _wrap_like(result, x)
+    if type(out) is np.ndarray and out.dtype is _INT8 and out.shape == plan.out_shape and out.flags.c_contiguous:
+        _run_plan(xa, plan, threads, out if out.flags.writeable else _check_out(out, plan.out_shape, xa))
+    else:
+        _run_plan(xa, plan, threads, _check_out(out, plan.out_shape, xa))  # raises, or a tensor's array
+    return out
 
 
 def depthwise_conv2d_int8(

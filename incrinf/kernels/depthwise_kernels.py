@@ -11,7 +11,7 @@ with ``oc = ic * M + m`` (``M`` the depth multiplier), so their results are iden
 out the way XNNPACK's micro-kernels are (see :mod:`incrinf.kernels.depthwise_packing` for the packed weights):
 
 - The work is cut into units (one output row of one channel tile; see :func:`depthwise_units`) that threads take
-  in slices (:mod:`incrinf.kernels.depthwise_pool`). For each
+  in claims of unit ranges (:mod:`incrinf.kernels.depthwise_pool`). For each
   row the kernel first builds the row's *indirection buffer*: for every output pixel and tap, the address of the
   input pixel the tap reads, or of a *zero row* when the tap falls outside the image. The zero row holds the input
   zero point, whose contribution ``filter * (zero_point + input_offset)`` is 0, so padding costs no bounds test; and
@@ -53,7 +53,6 @@ njit, prange = numba.njit, numba.prange
 __all__ = [
     "CONFIG_SIZE",
     "PARAM_ROWS",
-    "SLICES_PER_THREAD",
     "TAP_GROUP",
     "TILE",
     "UNIPASS_TAPS",
@@ -69,10 +68,6 @@ TILE = 32
 TAP_GROUP = 4
 """Taps accumulated per pass over a tile's accumulators when the filter has no unipass kernel."""
 
-SLICES_PER_THREAD = 8
-"""Slices of work units per thread when several threads run (taken one at a time; see depthwise_pool). A thread
-that finds no slice left waits for the others' last ones, about half a slice on average: with 8 slices per
-thread that idle tail is about 1/32 of a two-thread call (the minimum slice size keeps claims cheap)."""
 
 UNIPASS_TAPS = (9, 25)
 """Tap counts (3x3, 5x5) whose kernels sum every tap in one pass, the accumulator held in registers."""

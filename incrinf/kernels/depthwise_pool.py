@@ -1,4 +1,4 @@
-"""Threads for the int8 depthwise kernel: a pool of spinning workers that take slices of a call's work units.
+"""Threads for the int8 depthwise kernel: a pool of spinning workers that claim ranges of a call's work units.
 
 A depthwise layer takes 20-500 microseconds, so a second thread only helps if it starts within a few
 microseconds. A numba ``prange`` call wakes its threads through the OpenMP runtime: with threads that sleep
@@ -15,19 +15,27 @@ This pool works the way XNNPACK's thread pool does, with one difference that mat
   :data:`MAX_NAP_SECONDS`, looking for a job between naps. They never hold the GIL after they start (a worker
   woken from a Python event would take the GIL, and if the OS preempted it there, the caller would wait
   milliseconds to get the GIL back).
-- A call publishes its job (the arrays' addresses and the slice count), then takes slices itself from the
-  front while workers take them from the back, as XNNPACK's pool gives each thread a contiguous range: a
-  thread computes neighbouring rows, and in repeated calls the same rows (their input and output stay in its
-  core's caches). Slices are claimed one at a time with a compare-and-swap on one word that holds the job's
-  generation and the first and last unclaimed slices, so a worker that looks late never claims a slice of a
-  newer job.
-- The calling thread waits only for slices that a worker has claimed, never for a worker to arrive: a worker
-  that the OS has not scheduled yet simply finds no slice left. A call therefore never takes much longer than
+- A call publishes its job, then claims units itself from the front while workers claim them from the back,
+  as XNNPACK's pool gives each thread a contiguous range: a thread computes neighbouring rows, and in repeated
+  calls about the same rows (their input and output stay in its core's caches). A claim takes a fraction of
+  what is left (a quarter of a thread's share at first, then less, down to :data:`MIN_CLAIM_MACS` worth:
+  guided self-scheduling), so a call makes few claims and its threads finish within one small claim of each
+  other. Claims are compare-and-swaps on one word that holds the job's generation and the first and last
+  unclaimed units, so a worker that looks late never claims units of a newer job.
+- The calling thread waits only for units that a worker has claimed, never for a worker to arrive: a worker
+  that the OS has not scheduled yet simply finds nothing left. A call therefore never takes much longer than
   on one thread, however busy the machine is.
 
-Each slice covers a range of the layer's work units (:func:`incrinf.kernels.depthwise_kernels.depthwise_units`),
-which all cost the same multiply-adds, so slices of equal unit counts are equal work. Every unit is computed the
-same way by whichever thread takes it: results do not depend on the thread count.
+The work units (:func:`incrinf.kernels.depthwise_kernels.depthwise_units`: one output row of one channel tile)
+all cost the same multiply-adds, so equal unit counts are equal work, and what a claim or a layer costs comes
+from the plan, not from timings. Every unit is computed the same way by whichever thread takes it: results do
+not depend on the thread count.
+
+A call is one compiled function (:func:`run_job`): the layer's call plan keeps a *job array* with everything
+but the input and output (the kernel's scalars, the packed arrays' addresses, the smallest claim, planned from
+the layer's work), and the call takes the pool with a compare-and-swap on a busy word
+(another thread's call running meanwhile computes alone), reads numba's thread count, publishes the job, works,
+waits and releases the pool without going back to Python in between.
 
 The control block is one int64 array, each field that several threads write on a cache line of its own.
 """
@@ -42,16 +50,18 @@ import time
 import numpy as np
 
 from incrinf.extras import require
-from incrinf.kernels.depthwise_kernels import SLICES_PER_THREAD, TILE, UNITS, depthwise_units
+from incrinf.kernels.depthwise_kernels import CONFIG_SIZE, TILE, UNITS, depthwise_units
 from incrinf.kernels.intrinsics import (
     FUTEX_SYSCALL,
     SLEEP_ADDRESS,
     SLEEP_DIVISOR,
     SYSCALL_ADDRESS,
+    YIELD_SYSCALL,
     address_of,
     array_at,
     atomic_load,
     atomic_store,
+    call_int,
     compare_exchange,
     fetch_add,
     nap,
@@ -63,17 +73,23 @@ numba = require("numba", "int8", "the int8 kernels")
 njit = numba.njit
 
 __all__ = [
-    "MAX_SLICES",
     "MAX_NAP_SECONDS",
-    "MIN_SLICE_MACS",
+    "MAX_PIECES",
+    "MIN_CLAIM_MACS",
+    "MIN_SPLIT_MACS",
+    "OVERLAP",
+    "SOLO",
     "SPIN_SECONDS",
     "SpinPool",
     "WAIT_SECONDS",
-    "depthwise_call",
-    "finish_call",
     "get_pool",
-    "run_depthwise",
-    "slice_count",
+    "claim_size",
+    "make_job",
+    "planned_units",
+    "pool_control",
+    "pool_threads",
+    "run_job",
+    "smallest_claim",
 ]
 
 SPIN_SECONDS = 1e-3
@@ -86,117 +102,211 @@ MAX_NAP_SECONDS = 1e-3
 this long), and an idle worker wakes at most this often."""
 
 WAIT_SECONDS = 2e-5
-"""How long a call spins for a worker's last slice before it yields its core to the OS (and spins again)."""
+"""How long a call spins for a worker's last claim before it yields its core to the OS (and spins again)."""
 
-MIN_SLICE_MACS = 32768
-"""Fewest multiply-adds in a slice handed to the pool: about 3 microseconds of one core's work at the kernel's
-measured rate (about 10 multiply-adds per nanosecond with AVX-512), against the about 0.3-1 microsecond it costs
-to publish a job and move a slice's cache lines to another core. A layer with fewer than two such slices runs on
-the calling thread alone."""
+MIN_SPLIT_MACS = 65536
+"""Fewest multiply-adds of a layer that threads share: about 6 microseconds of one core's work at the kernel's
+measured rate (about 10 multiply-adds per nanosecond with AVX-512), against the about 1-2 microseconds it costs to
+publish a job, claim work and move cache lines to another core. Smaller layers run on the calling thread alone."""
+
+MIN_CLAIM_MACS = 8192
+"""Fewest multiply-adds a thread claims at a time (about 0.8 microseconds of work, against about 0.2 for a
+claim's compare-and-swap and counter on shared cache lines). Claims start at a fraction of what is left and
+shrink towards this size (see :func:`claim_size`), so a call makes few claims and its threads finish within
+about one smallest claim of each other."""
 
 # Control block layout (int64 indexes); fields written by different threads sit 8 words (64 bytes) apart.
-_CLAIM = 0  # (generation << 40) | (front << 20) | back: slices front..back-1 are unclaimed (none: no open job)
-_DONE = 8  # slices finished in the current job
-_JOB = 16  # n_slices, helpers, then (address, length) of xf, weights, params, zero_row, out, config
-_N_SLICES, _HELPERS, _ARRAYS = _JOB, _JOB + 1, _JOB + 2
+_CLAIM = 0  # (generation << 40) | (front << 20) | back: pieces front..back-1 are unclaimed (none: no open job)
+_DONE = 8  # pieces finished in the current job
+_JOB = 16  # pieces, helpers, (address, length) of the flat input, output and job array, claim divisor, smallest
+_PIECES, _HELPERS, _ARRAYS, _DIVISOR, _MIN_CLAIM = _JOB, _JOB + 1, _JOB + 2, _JOB + 8, _JOB + 9  # claim, grain
+_GRAIN, _UNITS = _JOB + 10, _JOB + 11  # (units per piece) and units
 _STOP = 32
 _WAKE = 33  # futex word (its low 32 bits): a call that finds a worker asleep adds 1 and wakes the workers
+_BUSY = 40  # 1 while a call uses the workers (one call at a time: the block holds one job)
+_SETTINGS = 48  # written by the pool: workers started, wait turns, syscall address, futex and yield numbers,
+_WORKERS, _WAIT_TURNS, _SYSCALL, _FUTEX, _YIELD, _THREADS_FN = range(_SETTINGS, _SETTINGS + 6)  # numba's threads
 _FUTEX_WAIT, _FUTEX_WAKE = 128, 129  # FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE
 _LONG_SLEEP_NS = 100_000_000  # with futexes an idle worker sleeps until a call wakes it (looking every 0.1 s)
-_THREAD = 40  # per thread t (0: the calling thread), at _THREAD + 8*t: state, units computed, slices computed
-_STATE, _UNITS_DONE, _SLICES_DONE = 0, 1, 2
+_THREAD = 56  # per thread t (0: the calling thread), at _THREAD + 8*t: state, units computed, claims made
+_STATE, _UNITS_DONE, _CLAIMS_DONE = 0, 1, 2
 _LINE = 8
 _FIELD = np.int64(0xFFFFF)  # front and back are 20-bit fields
 _FRONT = np.int64(1 << 20)
 _GENERATIONS = np.int64(0x7FFFFF)  # 23 bits: the word stays positive
-MAX_SLICES = (1 << 20) - 1
+MAX_PIECES = (1 << 20) - 1
+OVERLAP = 1
+"""What :func:`run_job` returns when its output overlaps its input."""
 _AWAKE, _ASLEEP = 0, 1
+
+# A job array (int64, one per call plan: see make_job) holds what a call needs besides its input and output.
+JOB_WEIGHTS = CONFIG_SIZE  # after depthwise_units's config: (address, length) of the packed weights,
+JOB_PARAMS = JOB_WEIGHTS + 2  # of the packed parameters
+JOB_ZERO_ROW = JOB_WEIGHTS + 4  # and of the zero row
+JOB_GRAIN = JOB_WEIGHTS + 6  # units per piece (pieces are what the claim word counts: 1 unit unless too many)
+JOB_PIECES = JOB_WEIGHTS + 7  # pieces
+JOB_MIN_CLAIM = JOB_WEIGHTS + 8  # smallest claim, in pieces; 0: the layer runs on the calling thread alone
+JOB_SIZE = JOB_WEIGHTS + 9
 
 
 def _control_size(max_threads: int) -> int:
     return _THREAD + _LINE * (max_threads + 1)
 
 
-def slice_count(units: int, macs_per_unit: int, threads: int) -> int:
-    """Slices of a call of ``units`` work units on ``threads`` threads: ``SLICES_PER_THREAD`` per thread, none
-    smaller than :data:`MIN_SLICE_MACS` multiply-adds, at most one per unit; 1 means the calling thread alone."""
-    if threads <= 1:
-        return 1
-    by_size = units * macs_per_unit // MIN_SLICE_MACS
-    return max(1, min(SLICES_PER_THREAD * threads, units, by_size))
+def smallest_claim(units: int, macs_per_unit: int) -> int:
+    """The smallest claim, in work units, when threads share a layer of ``units`` units of ``macs_per_unit``
+    multiply-adds: :data:`MIN_CLAIM_MACS` worth; 0 when the layer is too small to share (fewer than
+    :data:`MIN_SPLIT_MACS` multiply-adds, or one unit): then the calling thread computes it alone."""
+    if units < 2 or units * macs_per_unit < MIN_SPLIT_MACS:
+        return 0
+    return max(1, -(-MIN_CLAIM_MACS // max(macs_per_unit, 1)))
+
+
+def make_job(config, weights, params, zero_row, min_claim: int) -> np.ndarray:
+    """The job array of a call plan: ``config`` (:func:`depthwise_units`'s), the packed arrays' addresses and
+    how threads claim its units (``min_claim`` units at least; 0: the calling thread alone).
+
+    The arrays must outlive the job array (a call plan keeps both)."""
+    job = np.zeros(JOB_SIZE, np.int64)
+    job[:CONFIG_SIZE] = config
+    for at, array in ((JOB_WEIGHTS, weights), (JOB_PARAMS, params), (JOB_ZERO_ROW, zero_row)):
+        job[at], job[at + 1] = array.ctypes.data, array.size
+    units = int(config[UNITS])
+    grain = max(1, -(-units // MAX_PIECES))
+    job[JOB_GRAIN] = grain
+    job[JOB_PIECES] = -(-units // grain)
+    job[JOB_MIN_CLAIM] = -(-min_claim // grain) if min_claim > 0 else 0
+    return job
+
+
+def claim_size(left: int, divisor: int, min_claim: int) -> int:
+    """How many of the ``left`` unclaimed pieces a claim takes: ``left / divisor`` (``divisor`` is twice the
+    thread count, so the first claims are a quarter of a thread's share and the last ones small), at least
+    ``min_claim``, at most ``left``. Guided self-scheduling: few claims, and a short wait at the end."""
+    return min(max(min_claim, left // divisor), left)
+
+
+def planned_units(units: int, macs_per_unit: int, threads: int) -> list[int]:
+    """Units each thread computes when every thread runs at the same speed (noise-free, from the plan alone):
+    the calling thread claims first, then each thread claims again as soon as it has finished its last claim."""
+    min_claim = smallest_claim(units, macs_per_unit)
+    if threads <= 1 or not min_claim:
+        return [units] + [0] * max(threads - 1, 0)
+    done = [0] * threads
+    clock = [0] * threads
+    left = units
+    while left:
+        t = clock.index(min(clock))
+        size = claim_size(left, 2 * threads, min_claim)
+        done[t] += size
+        clock[t] += size
+        left -= size
+    return done
 
 
 @njit(inline="always")
-def _claim(control, generation, from_back):
-    """Claim the first (or, ``from_back``, the last) unclaimed slice of job ``generation``; -1 when none is
-    left or the job is over."""
+def _claim(control, generation, from_back, divisor, min_claim):
+    """Claim the first (or, ``from_back``, the last) :func:`claim_size` unclaimed pieces of job
+    ``generation``: ``(first, end)``, or ``(-1, -1)`` when none is left or the job is over."""
     while True:
         word = atomic_load(control, _CLAIM)
         front = (word >> 20) & _FIELD
         back = word & _FIELD
         if (word >> 40) != generation or front >= back:
-            return -1
+            return -1, -1
+        size = min(max(min_claim, (back - front) // divisor), back - front)
         if from_back:
-            if compare_exchange(control, _CLAIM, word, word - 1):
-                return back - 1
-        elif compare_exchange(control, _CLAIM, word, word + _FRONT):
-            return front
+            if compare_exchange(control, _CLAIM, word, word - size):
+                return back - size, back
+        elif compare_exchange(control, _CLAIM, word, word + size * _FRONT):
+            return front, front + size
 
 
 @njit(inline="always")
-def _work(xf, weights, params, zero_row, out, config, acc, ind, control, generation, n_slices, first, thread):
-    """Compute slice ``first`` (already claimed) of the job, then claim and compute more until none is left."""
-    units = config[UNITS]
+def _job_arrays(job):
+    """The packed weights, parameters and zero row that a job array points at."""
+    weights = array_at(job[JOB_WEIGHTS], job[JOB_WEIGHTS + 1], np.int32)
+    params = array_at(job[JOB_PARAMS], job[JOB_PARAMS + 1], np.int32)
+    zero_row = array_at(job[JOB_ZERO_ROW], job[JOB_ZERO_ROW + 1], np.int8)
+    return weights, params, zero_row
+
+
+@njit(inline="always")
+def _work(xf, out, job, acc, ind, control, generation, first, end, thread):
+    """Compute pieces ``first`` to ``end`` (already claimed) of the job, then claim and compute more until none
+    is left."""
+    weights, params, zero_row = _job_arrays(job)
+    grain = control[_GRAIN]
+    units = control[_UNITS]
+    divisor = control[_DIVISOR]
+    min_claim = control[_MIN_CLAIM]
     line = _THREAD + _LINE * thread
-    s = first
-    while s >= 0:
-        u0 = s * units // n_slices
-        u1 = (s + 1) * units // n_slices
-        depthwise_units(xf, weights, params, zero_row, out, config, acc, ind, u0, u1)
+    a, b = first, end
+    while a >= 0:
+        u0 = a * grain
+        u1 = min(b * grain, units)
+        depthwise_units(xf, weights, params, zero_row, out, job, acc, ind, u0, u1)
         control[line + _UNITS_DONE] += u1 - u0  # statistics; only this thread writes its line
-        control[line + _SLICES_DONE] += 1
-        fetch_add(control, _DONE, 1)
-        s = _claim(control, generation, thread > 0)
+        control[line + _CLAIMS_DONE] += 1
+        fetch_add(control, _DONE, b - a)
+        a, b = _claim(control, generation, thread > 0, divisor, min_claim)
 
 
 @njit(nogil=True, cache=True)
-def depthwise_call(
-    xf, weights, params, zero_row, out, config, control, helpers, n_slices, wait_turns, syscall, futex
-):
-    """Run the tiled kernel on the calling thread and, with ``helpers > 0`` and ``n_slices > 1``, the pool's
-    first ``helpers`` workers (see the module docstring). Arrays as in ``depthwise_units``.
+def run_job(x, out, job, control, threads):
+    """Run a call plan's job (see :func:`make_job`) on the calling thread, helped by the pool's workers.
 
-    ``syscall``, ``futex``: :data:`~incrinf.kernels.intrinsics.SYSCALL_ADDRESS` and ``FUTEX_SYSCALL`` (0: workers
-    nap and are not woken). Returns 0 when the work is done, or the job's generation when workers still computed
-    a slice after ``wait_turns`` turns of waiting: then :func:`finish_call` must return True before the arrays
-    are used or freed and before the next call (:meth:`SpinPool.run` does both).
+    Args:
+        x: int8 C-contiguous NHWC input; out: int8 C-contiguous output (the plan's shape).
+        job: the plan's job array; control: the pool's control block (:attr:`SpinPool.control`), or one
+            with no workers (:data:`SOLO`): then the calling thread computes everything.
+        threads: threads for this call; 0: numba's current setting (``numba.get_num_threads()``; only with a
+            control block that knows where that function is, see :func:`pool_threads`).
+
+    The layer runs on the calling thread alone when one thread is asked for, when its plan says it is too
+    small to share, or when another call is using the workers; otherwise the call publishes its job, wakes
+    sleeping workers, claims units from the front while workers claim them from the back, and returns once
+    every unit is done (spinning for a worker's last claim, then yielding its core now and then).
+
+    Returns 0, or :data:`OVERLAP` (having computed nothing) when ``out`` overlaps ``x``.
     """
-    out_w = config[19]
-    n_taps = config[5] * config[6]
+    xf = x.reshape(x.size)
+    of = out.reshape(out.size)
+    if address_of(xf) < address_of(of) + of.size and address_of(of) < address_of(xf) + xf.size:
+        return OVERLAP
+    if threads > 0:
+        n_threads = threads
+    else:  # numba's get_num_threads(), through its C function (a Python object would stop the caching)
+        n_threads = call_int(control[_THREADS_FN]) if control[_THREADS_FN] != 0 else 1
+    min_claim = job[JOB_MIN_CLAIM]
+    helpers = min(n_threads - 1, control[_WORKERS])
+    out_w = job[19]
     acc = np.empty(out_w * TILE, np.int32)
-    ind = np.empty(out_w * n_taps, np.int64)
-    if helpers <= 0 or n_slices <= 1:
-        # config[20] is 0: a literal 0 would compile a second specialization of depthwise_units (u0 typed as
+    ind = np.empty(out_w * job[5] * job[6], np.int64)
+    if helpers <= 0 or min_claim <= 0 or not compare_exchange(control, _BUSY, 0, 1):
+        weights, params, zero_row = _job_arrays(job)
+        # job[20] is 0: a literal 0 would compile a second specialization of depthwise_units (u0 typed as
         # the literal), which measured 2.4x slower than the int64 one.
-        depthwise_units(xf, weights, params, zero_row, out, config, acc, ind, config[20], config[UNITS])
+        depthwise_units(xf, weights, params, zero_row, of, job, acc, ind, job[20], job[UNITS])
         return 0
     generation = ((atomic_load(control, _CLAIM) >> 40) + 1) & _GENERATIONS
-    control[_N_SLICES] = n_slices
+    pieces = job[JOB_PIECES]
+    control[_PIECES] = pieces
     control[_HELPERS] = helpers
+    control[_DIVISOR] = 2 * (helpers + 1)
+    control[_MIN_CLAIM] = min_claim
+    control[_GRAIN] = job[JOB_GRAIN]
+    control[_UNITS] = job[UNITS]
     control[_ARRAYS + 0] = address_of(xf)
     control[_ARRAYS + 1] = xf.size
-    control[_ARRAYS + 2] = address_of(weights)
-    control[_ARRAYS + 3] = weights.size
-    control[_ARRAYS + 4] = address_of(params)
-    control[_ARRAYS + 5] = params.size
-    control[_ARRAYS + 6] = address_of(zero_row)
-    control[_ARRAYS + 7] = zero_row.size
-    control[_ARRAYS + 8] = address_of(out)
-    control[_ARRAYS + 9] = out.size
-    control[_ARRAYS + 10] = address_of(config)
-    control[_ARRAYS + 11] = config.size
+    control[_ARRAYS + 2] = address_of(of)
+    control[_ARRAYS + 3] = of.size
+    control[_ARRAYS + 4] = address_of(job)
+    control[_ARRAYS + 5] = job.size
     atomic_store(control, _DONE, 0)
-    atomic_store(control, _CLAIM, (generation << 40) | n_slices)  # open: the fields above are visible first
+    atomic_store(control, _CLAIM, (generation << 40) | pieces)  # open: the fields above are visible first
+    syscall = control[_SYSCALL]
+    futex = control[_FUTEX]
     if futex != 0:
         for t in range(1, helpers + 1):
             if atomic_load(control, _THREAD + _LINE * t + _STATE) == _ASLEEP:
@@ -204,37 +314,31 @@ def depthwise_call(
                 fetch_add(control, _WAKE, 1)
                 syscall6(syscall, futex, address_of(control) + 8 * _WAKE, _FUTEX_WAKE, helpers, 0, 0)
                 break
-    first = _claim(control, generation, False)
-    _work(xf, weights, params, zero_row, out, config, acc, ind, control, generation, n_slices, first, 0)
-    if _wait_for_workers(control, generation, n_slices, wait_turns):
-        return 0
-    return generation
+    first, end = _claim(control, generation, False, 2 * (helpers + 1), min_claim)
+    _work(xf, of, job, acc, ind, control, generation, first, end, 0)
+    # A worker still computes a claim after WAIT_SECONDS: the OS has probably preempted it. Give up this core
+    # for a moment (where sched_yield is known) rather than spin against it.
+    while not _wait_for_workers(control, generation, pieces, control[_WAIT_TURNS]):
+        if control[_YIELD] != 0:
+            syscall6(syscall, control[_YIELD], 0, 0, 0, 0, 0)
+    atomic_store(control, _BUSY, 0)
+    return 0
 
 
 @njit(inline="always")
-def _wait_for_workers(control, generation, n_slices, wait_turns):
+def _wait_for_workers(control, generation, pieces, wait_turns):
     for _ in range(wait_turns):
-        if atomic_load(control, _DONE) >= n_slices:
-            atomic_store(control, _CLAIM, generation << 40)  # closed: no slice left to claim
+        if atomic_load(control, _DONE) >= pieces:
+            atomic_store(control, _CLAIM, generation << 40)  # closed: nothing left to claim
             return True
         spin_pause()
     return False
 
 
 @njit(nogil=True, cache=True)
-def finish_call(control, generation, n_slices, spin_turns):
-    """Wait up to ``spin_turns`` turns for the slices that workers claimed in job ``generation``; when they are
-    done, close the job (before the caller's arrays go away) and return True."""
-    return _wait_for_workers(control, generation, n_slices, spin_turns)
-
-
-@njit(nogil=True, cache=True)
-def _worker_loop(
-    control, thread, spin_turns, max_nap_us, sleep_address, sleep_divisor, syscall, futex, like_int8, like_int32,
-    like_int64,
-):
-    """A worker's life: take slices of every job it sees; spin ``spin_turns`` idle turns, then nap (from 50 us
-    up to ``max_nap_us``) between looks. Returns when the pool stops.
+def _worker_loop(control, thread, spin_turns, max_nap_us, sleep_address, sleep_divisor, syscall, futex):
+    """A worker's life: claim units of every job it sees; spin ``spin_turns`` idle turns, then sleep on the
+    futex (or nap, from 50 us up to ``max_nap_us``, between looks). Returns when the pool stops.
 
     ``sleep_address`` is an argument, not the module constant: a constant would be compiled into the cached
     machine code, and the C library sits at another address in every process."""
@@ -251,21 +355,18 @@ def _worker_loop(
         back = word & _FIELD
         generation = word >> 40
         if ((word >> 20) & _FIELD) < back and thread <= atomic_load(control, _HELPERS):
-            if compare_exchange(control, _CLAIM, word, word - 1):
-                # Slice back-1 is ours: the job cannot finish before we report it, so its fields stay as they are.
-                s = back - 1
-                n_slices = control[_N_SLICES]
-                xf = array_at(control[_ARRAYS + 0], control[_ARRAYS + 1], like_int8)
-                weights = array_at(control[_ARRAYS + 2], control[_ARRAYS + 3], like_int32)
-                params = array_at(control[_ARRAYS + 4], control[_ARRAYS + 5], like_int32)
-                zero_row = array_at(control[_ARRAYS + 6], control[_ARRAYS + 7], like_int8)
-                out = array_at(control[_ARRAYS + 8], control[_ARRAYS + 9], like_int8)
-                config = array_at(control[_ARRAYS + 10], control[_ARRAYS + 11], like_int64)
-                if acc.size < config[19] * TILE:
-                    acc = np.empty(config[19] * TILE, np.int32)
-                if ind.size < config[19] * config[5] * config[6]:
-                    ind = np.empty(config[19] * config[5] * config[6], np.int64)
-                _work(xf, weights, params, zero_row, out, config, acc, ind, control, generation, n_slices, s, thread)
+            first, end = _claim(control, generation, True, control[_DIVISOR], control[_MIN_CLAIM])
+            if first >= 0:
+                # Pieces first..end-1 are ours: the job cannot finish before we report them, so its fields stay.
+                xf = array_at(control[_ARRAYS + 0], control[_ARRAYS + 1], np.int8)
+                out = array_at(control[_ARRAYS + 2], control[_ARRAYS + 3], np.int8)
+                job = array_at(control[_ARRAYS + 4], control[_ARRAYS + 5], np.int64)
+                out_w = job[19]
+                if acc.size < out_w * TILE:
+                    acc = np.empty(out_w * TILE, np.int32)
+                if ind.size < out_w * job[5] * job[6]:
+                    ind = np.empty(out_w * job[5] * job[6], np.int64)
+                _work(xf, out, job, acc, ind, control, generation, first, end, thread)
                 idle = 0
                 nap_us = 50
                 atomic_store(control, state, _AWAKE)
@@ -313,8 +414,8 @@ def _seconds_per_turn(control) -> float:
 
 
 class SpinPool:
-    """Worker threads for :func:`depthwise_call`, started on first use and kept for the process (they nap
-    when idle).
+    """Worker threads for :func:`run_job`, started on first use and kept for the process (they sleep when
+    idle).
 
     ``control`` is the block the calling thread and the workers share. Use :func:`get_pool`.
     """
@@ -325,49 +426,40 @@ class SpinPool:
         self.pid = os.getpid()
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()  # starting workers
-        self._call_lock = threading.Lock()  # one call at a time uses the control block
-        self._likes = (np.empty(0, np.int8), np.empty(0, np.int32), np.empty(0, np.int64))
-        self.spin_turns = max(1, int(spin_seconds / _seconds_per_turn(self.control)))
-        self.wait_turns = max(1, int(WAIT_SECONDS / _seconds_per_turn(self.control)))
+        seconds_per_turn = _seconds_per_turn(self.control)
+        self.spin_turns = max(1, int(spin_seconds / seconds_per_turn))
+        self.control[_WAIT_TURNS] = max(1, int(WAIT_SECONDS / seconds_per_turn))
+        self.control[_SYSCALL], self.control[_FUTEX] = SYSCALL_ADDRESS, FUTEX_SYSCALL
+        self.control[_YIELD] = YIELD_SYSCALL
+        self.control[_THREADS_FN] = _num_threads_function()
+        self.threads_known = bool(self.control[_THREADS_FN])
 
-    def run(self, xf, weights, params, zero_row, out, config, helpers: int, n_slices: int) -> None:
-        """:func:`depthwise_call` with ``helpers`` workers, waiting for them to finish; the arrays as there.
-
-        One call at a time uses the workers (the control block holds one job); a call made while another
-        thread's call has them runs on its own thread.
-        """
-        n_slices = min(n_slices, MAX_SLICES)
-        if helpers <= 0 or n_slices <= 1 or not self._call_lock.acquire(blocking=False):
-            depthwise_call(xf, weights, params, zero_row, out, config, _NO_JOB, 0, 1, 0, 0, 0)
+    def start(self, workers: int) -> None:
+        """Start workers until ``workers`` (at most ``max_threads - 1``) run."""
+        workers = min(workers, self.max_threads - 1)
+        if len(self._workers) >= workers:
             return
-        try:
-            if len(self._workers) < helpers:
-                self._start(helpers)
-            control, wait = self.control, self.wait_turns
-            generation = depthwise_call(
-                xf, weights, params, zero_row, out, config, control, helpers, n_slices, wait, SYSCALL_ADDRESS,
-                FUTEX_SYSCALL,
-            )
-            # A worker still computes a slice after WAIT_SECONDS: the OS has probably preempted it. Give up this
-            # core for a moment rather than spin against it.
-            while generation and not finish_call(control, generation, n_slices, wait):
-                os.sched_yield()
-        finally:
-            self._call_lock.release()
-
-    def _start(self, helpers: int) -> None:
         with self._lock:
-            while len(self._workers) < helpers:
+            while len(self._workers) < workers:
                 thread = len(self._workers) + 1
                 worker = threading.Thread(target=self._run, args=(thread,), name=f"incrinf-int8-{thread}", daemon=True)
                 self._workers.append(worker)
                 worker.start()
+                self.control[_WORKERS] = thread  # a call may hand it work now (it takes them once it runs)
+
+    def run(self, xf, weights, params, zero_row, out, config, helpers: int, min_claim: int) -> None:
+        """The tiled kernel (arrays as in :func:`depthwise_units`) with at most ``helpers`` workers claiming at
+        least ``min_claim`` units at a time, whatever the layer's size (for tests and measurements; calls go
+        through :func:`run_job`)."""
+        self.start(helpers)
+        job = make_job(config, weights, params, zero_row, max(min_claim, 1))
+        run_job(xf, out, job, self.control, helpers + 1)
 
     def _run(self, thread: int) -> None:
         max_nap_us = int(MAX_NAP_SECONDS * 1e6)
         _worker_loop(
             self.control, thread, self.spin_turns, max_nap_us, SLEEP_ADDRESS, SLEEP_DIVISOR, SYSCALL_ADDRESS,
-            FUTEX_SYSCALL, *self._likes,
+            FUTEX_SYSCALL,
         )
 
     def units_done(self) -> np.ndarray:
@@ -375,10 +467,10 @@ class SpinPool:
         threads = len(self._workers) + 1
         return self.control[_THREAD + _UNITS_DONE : _THREAD + _LINE * threads : _LINE].copy()
 
-    def slices_done(self) -> np.ndarray:
-        """Slices computed so far by each thread (index 0: the calling threads)."""
+    def claims_done(self) -> np.ndarray:
+        """Claims computed so far by each thread (index 0: the calling threads)."""
         threads = len(self._workers) + 1
-        return self.control[_THREAD + _SLICES_DONE : _THREAD + _LINE * threads : _LINE].copy()
+        return self.control[_THREAD + _CLAIMS_DONE : _THREAD + _LINE * threads : _LINE].copy()
 
     def stop(self) -> None:
         """Stop the workers (at exit), waking the sleeping ones."""
@@ -399,29 +491,71 @@ def _wake_all(control: np.ndarray) -> None:
     _futex_wake_all(control, SYSCALL_ADDRESS, FUTEX_SYSCALL)
 
 
-_NO_JOB = np.zeros(_control_size(0), np.int64)  # the control block of calls that run alone (never written)
+SOLO = np.zeros(_control_size(0), np.int64)
+"""The control block of calls that run on the calling thread alone (no workers; never written)."""
 
 _POOL: SpinPool | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def run_depthwise(xf, weights, params, zero_row, out, config, helpers: int, n_slices: int) -> None:
-    """Run the tiled kernel with ``helpers`` workers of the process's pool (none: on the calling thread alone,
-    without starting the pool); arrays as in :func:`depthwise_call`."""
-    if helpers <= 0 or n_slices <= 1:
-        depthwise_call(xf, weights, params, zero_row, out, config, _NO_JOB, 0, 1, 0, 0, 0)
-    else:
-        get_pool(numba.config.NUMBA_NUM_THREADS).run(xf, weights, params, zero_row, out, config, helpers, n_slices)
+def pool_control() -> np.ndarray:
+    """The control block of the process's pool, its workers started (what a multi-threaded call passes to
+    :func:`run_job`)."""
+    pool = _POOL
+    if pool is None:
+        pool = get_pool(numba.config.NUMBA_NUM_THREADS)
+    return pool.control
+
+
+def pool_threads(threads: int | None) -> tuple[np.ndarray, int]:
+    """``(control block, threads argument)`` for :func:`run_job`: the pool's block, and 0 for numba's current
+    thread count where the compiled call can read it (otherwise read here), for ``threads=None``."""
+    pool = _POOL
+    if pool is None:
+        pool = get_pool(numba.config.NUMBA_NUM_THREADS)
+    if threads is not None:
+        return pool.control, threads
+    return pool.control, 0 if pool.threads_known else numba.get_num_threads()
 
 
 def get_pool(max_threads: int) -> SpinPool:
-    """The process's pool (a new one after ``fork``: the parent's workers do not exist in the child)."""
+    """The process's pool with ``max_threads - 1`` workers started (a new one after ``fork``: the parent's
+    workers do not exist in the child)."""
     global _POOL
     pool = _POOL
-    if pool is not None and pool.pid == os.getpid():
-        return pool
-    with _POOL_LOCK:
-        if _POOL is None or _POOL.pid != os.getpid():
-            _POOL = SpinPool(max_threads)
-            atexit.register(_POOL.stop)
-        return _POOL
+    if pool is None or pool.pid != os.getpid():
+        with _POOL_LOCK:
+            if _POOL is None or _POOL.pid != os.getpid():
+                _POOL = SpinPool(max_threads)
+                atexit.register(_POOL.stop)
+            pool = _POOL
+    pool.start(pool.max_threads - 1)
+    return pool
+
+
+def _num_threads_function() -> int:
+    """The address of numba's C function behind ``numba.get_num_threads()`` (per thread: what
+    ``numba.set_num_threads`` set on it), or 0 where numba's internals no longer expose it."""
+    import ctypes
+
+    numba.get_num_threads()  # starts numba's threading layer, which loads the function
+    function = getattr(numba.np.ufunc.parallel, "_get_num_threads", None)
+    try:
+        address = ctypes.cast(function, ctypes.c_void_p).value or 0
+    except (ctypes.ArgumentError, TypeError):
+        return 0
+    return address if numba.get_num_threads() == _check_num_threads(address) else 0
+
+
+@njit(cache=True)
+def _check_num_threads(address):
+    return call_int(address)
+
+
+def _forget_pool() -> None:
+    global _POOL
+    _POOL = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)

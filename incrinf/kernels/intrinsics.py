@@ -17,7 +17,7 @@ int32 pairs as int64, an atomic counter, the thread count, a vector-width hint).
   ``noalias`` flags that let LLVM vectorize the kernel's loops).
 - :func:`fetch_add`, :func:`atomic_load`, :func:`atomic_store` and :func:`compare_exchange` (sequentially
   consistent int64 atomics) and :func:`spin_pause` (the x86 ``pause`` hint, nothing elsewhere) are what the
-  kernels' own thread pool (:mod:`incrinf.kernels.spin_pool`) hands out work and waits with.
+  kernels' own thread pool (:mod:`incrinf.kernels.depthwise_pool`) hands out work and waits with.
   :func:`array_at` rebuilds a 1-D array from an address and a length, so a pool thread can run a kernel on
   arrays that the calling thread owns (and keeps alive until the job is done). :func:`nap` sleeps through the C
   library's ``usleep`` (``Sleep`` on Windows) at an address found once with ctypes and passed in, so an idle
@@ -55,6 +55,8 @@ __all__ = [
     "SLEEP_ADDRESS",
     "SLEEP_DIVISOR",
     "SYSCALL_ADDRESS",
+    "YIELD_SYSCALL",
+    "call_int",
     "nap",
     "prefer_wide_vectors",
     "spin_pause",
@@ -252,18 +254,20 @@ def spin_pause(typingctx):
 
 @intrinsic
 def array_at(typingctx, address, length, like):
-    """A 1-D C array of ``like``'s dtype over ``length`` elements at ``address`` (from :func:`address_of`).
+    """A 1-D C array of ``like``'s dtype (``like``: a 1-D array, or a numpy scalar type such as ``np.int32``)
+    over ``length`` elements at ``address`` (from :func:`address_of`).
 
     The array does not own its memory: the owner must keep it alive while the array is used.
     """
-    if not (
-        isinstance(address, types.Integer)
-        and isinstance(length, types.Integer)
-        and isinstance(like, types.Array)
-        and like.ndim == 1
-    ):
+    if isinstance(like, types.NumberClass):
+        dtype = like.instance_type
+    elif isinstance(like, types.Array) and like.ndim == 1:
+        dtype = like.dtype
+    else:
         return None
-    array_type = types.Array(like.dtype, 1, "C")
+    if not (isinstance(address, types.Integer) and isinstance(length, types.Integer)):
+        return None
+    array_type = types.Array(dtype, 1, "C")
     sig = array_type(types.int64, types.intp, like)
 
     def codegen(context, builder, signature, args):
@@ -359,6 +363,11 @@ def _find_futex() -> tuple[int, int]:
 SYSCALL_ADDRESS, FUTEX_SYSCALL = _find_futex()
 """The C library's ``syscall`` and the futex call's number, for :func:`syscall6` (0, 0 where unavailable)."""
 
+YIELD_SYSCALL = {"x86_64": 24, "amd64": 24, "aarch64": 124, "arm64": 124}.get(platform.machine().lower(), 0) * (
+    FUTEX_SYSCALL != 0
+)
+"""``sched_yield``'s number for :func:`syscall6` where :data:`FUTEX_SYSCALL` is known (Linux), else 0."""
+
 
 @intrinsic
 def syscall6(typingctx, address, number, a1, a2, a3, a4, a5):
@@ -374,5 +383,21 @@ def syscall6(typingctx, address, number, a1, a2, a3, a4, a5):
         fnty = llvm_ir.FunctionType(i64, [i64] * 6)
         fn = builder.inttoptr(values[0], llvm_ir.PointerType(fnty))
         return builder.call(fn, list(values[1:]))
+
+    return sig, codegen
+
+
+@intrinsic
+def call_int(typingctx, address):
+    """Call the C function ``int f(void)`` at ``address`` (an address found once in Python and passed in, so
+    the calling function stays cacheable) and return its result as an int64."""
+    if not isinstance(address, types.Integer):
+        return None
+    sig = types.int64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        i32 = llvm_ir.IntType(32)
+        fn = builder.inttoptr(args[0], llvm_ir.PointerType(llvm_ir.FunctionType(i32, [])))
+        return builder.sext(builder.call(fn, []), llvm_ir.IntType(64))
 
     return sig, codegen

@@ -17,8 +17,8 @@ with, and every audit is a full one.
 Where this cannot see: for a classifier the output is one vector that depends on the whole frame, and for a
 dilated segmenter every deep position does: a tile of the output would cost nearly a full frame. There the probe
 is an earlier map, and the sample sees drift that arises before it (stale cells under the change threshold,
-pruning up to that depth), not pruning after it; the full audits on the long interval (``keyframe_interval``) still
-compare the output itself.
+pruning up to that depth), not pruning after it; the full audits on the long interval (from ``keyframe_interval``,
+adapting: :meth:`~incrinf.stream.guards.QualityGuard.long_due`) still compare the output itself.
 """
 
 from __future__ import annotations

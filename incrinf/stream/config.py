@@ -71,7 +71,9 @@ class StreamConfig:
         matcher_options: other :class:`MatcherSettings` fields (``max_features``, ``refine``, ...), replacing
             their defaults; :attr:`matcher_settings` has the result.
         keyframe_interval: full inference at least every this many frames (0: only on the other fallbacks). With
-            the quality guard on, every keyframe is an audit and this is the longest interval between audits.
+            the quality guard on, every keyframe is an audit: with sampled audits standing in for due ones, a full
+            audit runs anyway every this many frames to start with, an interval that doubles (up to 4 times this)
+            after each such audit that held with room to spare and halves after a miss.
         feature_threshold: recomputed positions whose features moved by at most this share of the tensor's mean
             magnitude stop spreading (value-based pruning); 0 propagates changes exactly. ``None``: 0.35 on
             still-camera frames and 0 under camera motion, where cached features are approximate already.

@@ -4,14 +4,12 @@ model at all.
 Before a cached frame runs, its plan says what every step will compute; the engine's cost coefficients
 (:class:`~incrinf.engine.costs.FrameCosts`: measured per step once, calibrated on the frames run) turn that into
 seconds. The frame runs full only when that prediction says the cached frame would be slower than a full one (whose
-time is the median of the latest full frames). The plan's per-step coefficients miss what a cached frame spends
-outside its steps (warping and committing the cache, the gathers' bookkeeping), and they are calibrated on steps
-measured at another moment of a shared machine's load than the latest full frames: the prediction is therefore
-scaled by the median of measured over predicted seconds of the latest cached frames (the residual the coefficients
-left), so a frame whose plan says 7 ms but whose like ran 25 ms is not sent the slower way. Under a feature
-threshold the plan discounts each step by the pruning the cached tensors before it have seen lately; a frame that
-prunes less than that decides again at every cut point from its regions as they are, and switches to the dense rest
-where that is cheaper.
+time is the median of the latest full frames). What a cached frame spends outside its steps (copying the output,
+the camera's index maps, the walk's bookkeeping) is the coefficients' own fixed cost per frame, calibrated from the
+frames run (:meth:`~incrinf.engine.costs.FrameCosts.frame_seconds`): one calibration of one cost model, nothing
+scaled on top. Under a feature threshold the plan discounts each step's boxes and positions by the shares pruning
+left of the plan there lately; a frame that prunes less than that decides again at every cut point from its
+regions as they are, and switches to the dense rest where that is cheaper.
 
 A model in which every change reaches the whole output early (a squeeze-excitation block's global pooling, a
 classifier without local layers worth caching) shows it in the plan of the smallest possible change: when even
@@ -22,7 +20,6 @@ matching, masks or a cache.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -59,10 +56,6 @@ PROBE_WITHIN = 1.5
 PROBE_EVERY = 8
 # Latest cached frames (after the quality guard's first audit) whose near-tie checks give the expected check rate.
 CHECK_WINDOW = 8
-# Latest cached frames whose measured over predicted engine seconds scale the next predictions.
-RESIDUAL_WINDOW = 8
-# Predictions below this many seconds (nothing recomputed) give no residual: the ratio would be noise over zero.
-_MIN_PREDICTED = 1e-4
 
 
 class SpeedGuard:
@@ -79,17 +72,6 @@ class SpeedGuard:
     def __init__(self) -> None:
         self._rejected = 0
         self._checks: deque[bool] = deque(maxlen=CHECK_WINDOW)
-        self._residuals: deque[float] = deque(maxlen=RESIDUAL_WINDOW)
-
-    def record_cached(self, predicted: float, measured: float) -> None:
-        """A cached frame ran: its plan's predicted engine seconds (before the residual) and the measured ones."""
-        if predicted > _MIN_PREDICTED and math.isfinite(measured) and measured > 0:
-            self._residuals.append(measured / predicted)
-
-    @property
-    def residual(self) -> float:
-        """Median measured over predicted seconds of the latest cached frames (1 before any)."""
-        return statistics.median(self._residuals) if self._residuals else 1.0
 
     def record_check(self, checked: bool) -> None:
         """A cached frame ran after the first audit; ``checked``: its near tie was checked by full inference."""
@@ -101,10 +83,10 @@ class SpeedGuard:
         return sum(self._checks) / len(self._checks) if self._checks else 0.0
 
     def predict(self, costs: FrameCosts, plan: RegionPlan | BlockPlan) -> Prediction:
-        """The full frame's and the planned cached frame's expected engine seconds (the plan's, times the latest
-        residual), the expected checks included."""
+        """The full frame's and the planned cached frame's expected engine seconds (the plan's), the expected
+        checks included."""
         full = costs.full_seconds
-        return Prediction(full, plan.seconds * self.residual, self.check_rate * full)
+        return Prediction(full, plan.seconds, self.check_rate * full)
 
     def choose_cached(self, prediction: Prediction) -> bool:
         if prediction.cached_faster:

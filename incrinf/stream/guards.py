@@ -11,18 +11,24 @@
   A miss at the tightest level suspends the cache for 2, 4, ... frames (full inference only). For classifiers a
   cached frame is also checked on its own: when its top-1 margin is within the lead the cached path may have lost
   on this frame (every frame before the first audit), it is audited on the spot, so a near tie is never answered
-  from the cache unverified. What a frame may have lost is scaled from each recent audit's measured loss, by what
-  differs between that audit and this frame (:meth:`QualityGuard.lead_at_risk`): the frames since the last full
-  one (the cache's drift accumulates: the guard's interval rule assumes the same growth) and, when the frame had a
-  sampled audit, its own measured error against the one the audit's sample saw.
+  from the cache unverified. Two bounds say what it may have lost: the largest lead change the recent audits
+  measured (a margin below what the cache has been seen to be off by is never trusted), and ``near_tie`` times
+  the quantile at the target of an exponential fit to those changes (single frames' changes are heavy-tailed).
+  Each audit's change is scaled to the frame by what differs between them (:meth:`QualityGuard.lead_at_risk`):
+  the frames since the last full one (raised to the growth the audits at different distances show) and, when
+  the frame had a sampled audit, its own measured error against the one the audit's sample saw. The interval of
+  full audits that run whatever sampled audits say starts at ``keyframe_interval`` and adapts
+  (:meth:`QualityGuard.long_due`).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
+from itertools import combinations
 
 from incrinf.stream.agreement import Comparison, OutputKind
 from incrinf.stream.config import StreamConfig
@@ -33,10 +39,13 @@ TIGHTEN = 0.6  # a miss multiplies the change and feature thresholds by this
 LEVELS = 4  # tightest level: thresholds at 0.6^4 = 13% of the configured ones
 _HEADROOM = 0.5  # relax only when the risk extrapolated to the next interval stays under this
 _MAX_INTERVAL = 1024  # when keyframe_interval is 0 (no upper bound)
+_LONG_SPAN = 4  # the full-audit interval relaxes up to this many times keyframe_interval
 _MAX_SUSPEND = 64
 _LEAD_SAMPLES = 8  # audits whose lost lead a label output's margin is checked against
 # Probe errors below this are float rounding: no ratio to a frame's sampled error is taken from them.
 _PROBE_FLOOR = 1e-4
+# Lead losses below this are float rounding: no growth exponent is taken from them.
+_LOSS_FLOOR = 1e-6
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,9 @@ class QualityGuard:
         self.min_interval = config.first_audit_interval
         self.max_interval = config.keyframe_interval or _MAX_INTERVAL
         self.interval = self.min_interval
+        # full audits whatever sampled audits say: every keyframe_interval frames to start with, then adapting
+        self.long_interval = self.max_interval
+        self._long_cap = _LONG_SPAN * config.keyframe_interval if config.keyframe_interval else _MAX_INTERVAL
         self.level = 0
         self._holds = 0
         self._holds_needed = [1] * (LEVELS + 1)  # per level: holds before loosening to it from the level below
@@ -144,33 +156,51 @@ class QualityGuard:
         self._suspended = max(self._suspended - 1, 0)
 
     def risky(self, margin: float, frames_since_full: int = 1, sampled_error: float = math.nan) -> bool:
-        """Whether a cached label output whose top-1 leads by ``margin`` may have flipped: its margin is within
-        ``near_tie`` times :meth:`lead_at_risk`; always before the first audit.
-        Maps (NaN margin) are never checked frame by frame: their target is a share of positions."""
+        """Whether a cached label output whose top-1 leads by ``margin`` may have flipped: always before the first
+        audit; after it, when the margin is within a lead change the audits actually measured (the largest, scaled
+        to this frame: :meth:`measured_loss`), whatever ``near_tie`` says, or within ``near_tie`` times
+        :meth:`lead_at_risk`. Maps (NaN margin) are never checked frame by frame: their target is a share of
+        positions. ``near_tie=0`` turns the checks off."""
         if math.isnan(margin) or self.config.near_tie == 0:
             return False
         if not self._lead_lost:
             return True
-        return margin <= self.config.near_tie * self.lead_at_risk(frames_since_full, sampled_error)
+        losses = self._scaled_losses(frames_since_full, sampled_error)
+        return margin <= max(max(losses), self.config.near_tie * self._reference(losses))
+
+    def measured_loss(self, frames_since_full: int = 1, sampled_error: float = math.nan) -> float:
+        """The largest top-1 lead change the recent audits measured, scaled to a frame as in :meth:`lead_at_risk`
+        (0 before any): the cache has been seen to be off by this much, so a margin below it is never trusted."""
+        return max(self._scaled_losses(frames_since_full, sampled_error), default=0.0)
 
     def lead_at_risk(self, frames_since_full: int = 1, sampled_error: float = math.nan) -> float:
         """The top-1 lead a cached frame ``frames_since_full`` frames after the last full one may have lost.
 
         Each recent audit's measured loss is first scaled up (never down) to this frame: by the frames since the
-        full frame against the audit's (the cache's drift accumulates frame by frame) and, when this frame had a
-        sampled audit (``sampled_error``), by its error against the error the audit's own sample measured between
-        the cached and the full probe (the frame's own measurement of how far its cache is off). The losses of
-        single frames are heavy-tailed (a frame may lose three times the lead of the audits around it), so the
-        largest of a few audits is no bound: the losses are taken as exponentially distributed, their mean raised
-        by its standard error (``1 / sqrt(n)`` of it for ``n`` audits), and the reference is the quantile that
-        only ``1 - target_agreement`` of the frames exceed (``mean * ln(1 / (1 - target))``), never below the
-        largest scaled loss itself."""
+        full frame against the audit's, raised to the growth exponent the audits themselves show
+        (:meth:`drift_growth`: the change mask recomputes every cell that moved by the threshold, so the cache's
+        drift need not accumulate frame by frame) and, when this frame had a sampled audit (``sampled_error``), by
+        its error against the error the audit's own sample measured between the cached and the full probe (the
+        frame's own measurement of how far its cache is off). The losses of single frames are heavy-tailed (a
+        frame may lose three times the lead of the audits around it), so the largest of a few audits is no bound:
+        the losses are taken as exponentially distributed, their mean raised by its standard error (``1 / sqrt(n)``
+        of it for ``n`` audits), and the reference is the quantile that only ``1 - target_agreement`` of the frames
+        exceed (``mean * ln(1 / (1 - target))``), never below the largest scaled loss itself."""
+        return self._reference(self._scaled_losses(frames_since_full, sampled_error))
+
+    def _scaled_losses(self, frames_since_full: int, sampled_error: float) -> list[float]:
+        """The recent audits' lead losses, each scaled up to a frame (see :meth:`lead_at_risk`)."""
+        growth = self.drift_growth()
         losses = []
         for audit in self._lead_lost:
-            scale = max(1.0, frames_since_full / max(audit.frames, 1))
+            scale = max(1.0, frames_since_full / max(audit.frames, 1)) ** growth
             if sampled_error > 0 and audit.probe_error > _PROBE_FLOOR:
                 scale = max(scale, sampled_error / audit.probe_error)
             losses.append(audit.lost * scale)
+        return losses
+
+    def _reference(self, losses: list[float]) -> float:
+        """The quantile at the target of an exponential fit to ``losses`` (see :meth:`lead_at_risk`)."""
         if not losses:
             return 0.0
         budget = 1.0 - self.config.target_agreement
@@ -178,6 +208,17 @@ class QualityGuard:
             return math.inf  # every flip counts: every cached label output is checked
         mean = sum(losses) / len(losses) * (1.0 + 1.0 / math.sqrt(len(losses)))
         return max(max(losses), mean * math.log(1.0 / budget))
+
+    def drift_growth(self) -> float:
+        """How the lead a cached frame loses grows with the frames since the last full one: the exponent ``g`` of
+        ``loss ~ frames ** g`` from the recent audits (the median of the slopes between every two audits at
+        different distances, on log scales: one heavy-tailed loss moves a median little), within [0, 1]; 1 (linear
+        growth, the cautious guess) until two audits at different distances have measured a loss."""
+        points = [(math.log(max(a.frames, 1)), math.log(a.lost)) for a in self._lead_lost if a.lost > _LOSS_FLOOR]
+        slopes = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in combinations(points, 2) if x1 != x0]
+        if not slopes:
+            return 1.0
+        return min(max(statistics.median(slopes), 0.0), 1.0)
 
     # --- audits ------------------------------------------------------------------------------------------------
 
@@ -187,10 +228,12 @@ class QualityGuard:
         self._recent.append(comparison.agreement)
         if not math.isnan(comparison.lead_lost):
             self._lead_lost.append(LeadLoss(comparison.lead_lost, max(frames_since_full, 1)))
+        long_audit = frames_since_full >= self.long_interval
         if self._missed(comparison):
             self._misses += 1
             self._holds = 0
             self.interval = self.min_interval
+            self.long_interval = max(self.long_interval // 2, self.min_interval)
             if self.level < LEVELS:
                 self.level += 1
                 self._holds_needed[self.level - 1] = min(self._holds_needed[self.level - 1] * 2, 8)
@@ -199,6 +242,9 @@ class QualityGuard:
                 self._suspended = self._suspend
             return Verdict.MISS
         self._suspend = 0
+        if long_audit and comparison.risk <= _HEADROOM:
+            # the samples in between stood in for every due audit and the cache still held with room to spare
+            self.long_interval = min(2 * self.long_interval, self._long_cap)
         if self.interval < self.max_interval:
             # the error grows with the frames since the last full one: extrapolate to twice the interval
             if comparison.risk * 2 * self.interval / max(frames_since_full, 1) > _HEADROOM:
@@ -225,12 +271,16 @@ class QualityGuard:
 
     def sampled_hold(self) -> None:
         """A sampled audit stood in for a due full audit and held: the interval grows as after a full audit that
-        held with room to spare, the level stays (only full audits loosen the thresholds)."""
-        self.interval = min(2 * self.interval, self.max_interval)
+        held with room to spare (up to the full-audit interval), the level stays (only full audits loosen the
+        thresholds)."""
+        self.interval = min(2 * self.interval, max(self.long_interval, self.max_interval))
 
     def long_due(self, frames_since_full: int) -> bool:
-        """Whether a full audit is due whatever samples say (the longest interval passed)."""
-        return frames_since_full >= self.max_interval
+        """Whether a full audit is due whatever samples say: ``long_interval`` frames since the last full one. That
+        interval starts at ``keyframe_interval``, doubles (up to 4 times it) after each such full audit that held
+        with room to spare (the samples in between stood in well) and halves after a miss (down to the shortest
+        audit interval)."""
+        return frames_since_full >= self.long_interval
 
     def _missed(self, comparison: Comparison) -> bool:
         target_error = self.config.target_error

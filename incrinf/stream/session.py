@@ -398,12 +398,13 @@ class StreamSession:
         return False
 
     def _calibrate(self, f: _Frame, engine: CameraEngine, seconds: float) -> None:
-        """Feed the cost model what the cached frame's steps measured (the pruning was recorded as it ran) and the
-        speed guard the frame's measured ``seconds`` against its plan's; without the speed guard the coefficients
-        stay as they are, so runs are reproducible."""
+        """Feed the cost model what the cached frame's steps measured (the pruning was recorded as it ran) and
+        what the frame's measured ``seconds`` spent beyond them (its fixed cost); without the speed guard the
+        coefficients stay as they are, so runs are reproducible."""
         if self.config.speed_guard:
-            self._speed.record_cached(f.plan.seconds, seconds)
-            engine.costs.record_steps(plan_kind(f.plan), engine.last.step_samples)
+            kind = plan_kind(f.plan)
+            engine.costs.record_steps(kind, engine.last.step_samples)
+            engine.costs.record_frame(kind, seconds - engine.last.timed_seconds)
 
     def _full_frame(self, f: _Frame, engine: CameraEngine) -> Any:
         """Full inference of a frame that falls back: plain (nothing kept) when the next frame cannot use the

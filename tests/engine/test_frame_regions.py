@@ -1,8 +1,6 @@
 """A still camera's change as several boxes per tensor, planned from their cost (incrinf.engine.frame_regions), and
 the cost coefficients that price the plans (incrinf.engine.costs)."""
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -145,37 +143,70 @@ def _convs() -> nn.Module:
 
 
 def test_the_cost_model_tracks_measured_times():
+    """On a model whose cost is known (four 3x3 convolutions of 32 channels), with coefficients set as a profile
+    sets them (a step over its map in proportion to its multiply-adds, a fixed cost per box, the tail, a frame's
+    fixed cost), a box plan's prediction is exactly the coefficients' sum over what it computes, ordered as its
+    multiply-adds, and is what the frame ran (no pruning); step times and full frames measured at a scale move
+    every prediction by that scale, a load spike none. The times are injected, so this holds at any load."""
+    from incrinf.engine.costs import SAMPLES, RegionKind
+
     size = (96, 128)
     model = _convs()
     x0 = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(2))
     engine = FrameEngine(capture(model, x0.shape[1:]))
     engine.full(x0)
-    engine.profile(repeats=3)
-    predicted, measured = [], []
+    program, costs = engine.program, engine.costs
+    steps, n = program.steps, len(program.steps)
+    per_flop, call, tail, frame = 1e-10, 3e-5, 2e-4, 1e-4
+    costs.set_profile([s.flops * per_flop for s in steps], [call] * n, [call] * n, tail, costs.move, frame)
+    assert costs.dense_total == pytest.approx(sum(s.flops for s in steps) * per_flop + tail)
+
+    def known(plan) -> tuple[float, float]:
+        """(seconds, multiply-adds) of the plan from the injected coefficients and the steps' multiply-adds."""
+        last = n if plan.switch is None else next(i for i, s in enumerate(steps) if s.out == plan.switch) + 1
+        seconds, flops = frame, 0.0
+        for step, boxes in zip(steps[:last], plan.steps[:last]):
+            for b in boxes:
+                seconds += call + step.flops * per_flop * area(b) / step.positions
+                flops += step.flops * area(b) / step.positions
+        rest = sum(s.flops for s in steps[last:])
+        return seconds + rest * per_flop + tail, flops + rest + program.tail_flops
+
+    plans, frames = [], []
     for side in (8, 24, 48, 96):
         box = (0, side, 0, min(side * 4 // 3, size[1]))
         x1 = x0.clone()
         x1[:, :, box[0]:box[1], box[2]:box[3]] += 1.0
         changed = (x1 != x0).any(dim=1)[0].numpy()
         plan = engine.plan_boxes([box])
-        runs = []
-        for _ in range(5):  # the fastest run counts: other jobs share the machine
-            engine.full(x0)
-            start = time.perf_counter()
-            engine.cached(x1, changed, plan=plan)
-            runs.append(time.perf_counter() - start)
-        predicted.append(plan.seconds)
-        measured.append(min(runs))
-        assert engine.last.predicted == pytest.approx(plan.seconds)  # no pruning: the plan is what ran
-    ratios = [m / p for m, p in zip(measured, predicted)]
-    assert max(ratios) / min(ratios) < 3, (predicted, measured)  # one scale factor explains every size
-    assert predicted == sorted(predicted) and measured[0] < measured[-1]
-    full = []
-    for _ in range(5):
-        start = time.perf_counter()
+        assert (plan.seconds, plan.flops) == pytest.approx(known(plan))
         engine.full(x0)
-        full.append(time.perf_counter() - start)
-    assert 0.4 < min(full) / engine.costs.dense_total < 2.5
+        out = engine.cached(x1, changed, plan=plan)
+        assert engine.last.predicted == pytest.approx(plan.seconds)  # no pruning: the plan is what ran
+        assert engine.last.flops == pytest.approx(plan.flops)
+        with torch.no_grad():
+            _close(out, model(x1))
+        plans.append(plan)
+        frames.append((box, engine.last.step_samples))
+    assert [p.seconds for p in plans] == sorted(p.seconds for p in plans)
+    assert [p.flops for p in plans] == sorted(p.flops for p in plans) and plans[0].flops < plans[-1].flops
+    # the steps measured at 2.5 times their coefficients, full frames at 1.5 times the profile's, one spike each
+    for _ in range(SAMPLES):
+        for _, samples in frames:
+            costs.record_steps(RegionKind.BOXES, [(c, a, 2.5 * (c + a)) for c, a, _ in samples])
+        costs.record_full(1.5 * costs.dense_total)
+    costs.record_steps(RegionKind.BOXES, [(c, a, 40.0 * (c + a)) for c, a, _ in frames[0][1]])
+    costs.record_full(40.0 * costs.dense_total)
+    assert costs.call_ratio(RegionKind.BOXES) == pytest.approx(2.5)
+    assert costs.compute_ratio(RegionKind.BOXES) == pytest.approx(2.5)
+    assert costs.full_seconds == pytest.approx(1.5 * costs.dense_total)
+    for (box, _), before in zip(frames, plans):
+        plan = engine.plan_boxes([box])
+        seconds, _ = known(plan)
+        dense = costs.suffix_parts(plan.switch) if plan.switch is not None else tail
+        regional = seconds - frame - dense
+        assert plan.seconds == pytest.approx(frame + 2.5 * regional + 1.5 * dense)
+        assert plan.seconds > before.seconds
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "efficientnet_lite0", "googlenet"])

@@ -28,8 +28,8 @@ from incrinf.kernels.depthwise_int8 import (
     depthwise_conv2d_int8_reference_order,
     pack_depthwise_int8,
 )
-from incrinf.kernels.depthwise_kernels import SLICES_PER_THREAD, TILE, requantize_block
-from incrinf.kernels.depthwise_pool import SpinPool, get_pool, slice_count
+from incrinf.kernels.depthwise_kernels import TILE, requantize_block
+from incrinf.kernels.depthwise_pool import SpinPool, claim_size, get_pool, planned_units, smallest_claim
 from incrinf.kernels.quantize import multiply_by_quantized_multiplier_np
 from incrinf.testing.depthwise_cases import SCALE_REGIMES, DepthwiseCase, make_problem, random_case
 
@@ -133,34 +133,36 @@ def test_every_available_thread_count_gives_the_same_result(case):
 )
 @given(case=cases(max_size=9))
 def test_the_pool_splits_every_layer_and_gives_the_same_result(case, no_minimum_slice):
-    """With no minimum slice size every layer of more than one work unit is cut into slices (partial rows and
-    tile ranges included) that the calling thread and a worker take in turn; the result must not change."""
+    """With no minimum work per claim every layer of more than one work unit is shared: the calling thread and
+    a worker claim unit ranges (partial rows and tile ranges included) in turn. The result must not change,
+    and every unit must be computed exactly once, in at least two claims."""
     problem = make_problem(case)
     kwargs = problem.kernel_kwargs()
     one = depthwise_conv2d_int8(problem.x, problem.w, problem.bias, threads=1, **kwargs)
     pool = get_pool(numba.config.NUMBA_NUM_THREADS)
-    before = pool.slices_done().sum()
+    claims, units_done = pool.claims_done().sum(), pool.units_done().sum()
     two = depthwise_conv2d_int8(problem.x, problem.w, problem.bias, threads=2, **kwargs)
     assert_same(two, one, case)
     n_tiles = -(-problem.x.shape[3] // TILE)
     units = two.shape[0] * two.shape[1] * n_tiles * case.depth_multiplier
     if units > 1 and two.size:
-        assert pool.slices_done().sum() - before == min(units, SLICES_PER_THREAD * 2)
+        assert pool.units_done().sum() - units_done == units
+        assert pool.claims_done().sum() - claims >= 2
 
 
 @pytest.fixture
 def no_minimum_slice():
-    """Every layer goes to the pool: no minimum number of multiply-adds per slice."""
-    previous = depthwise_pool.MIN_SLICE_MACS
-    depthwise_pool.MIN_SLICE_MACS = 1
+    """Every layer goes to the pool: no minimum number of multiply-adds per layer or claim."""
+    previous = depthwise_pool.MIN_SPLIT_MACS, depthwise_pool.MIN_CLAIM_MACS
+    depthwise_pool.MIN_SPLIT_MACS = depthwise_pool.MIN_CLAIM_MACS = 1
     yield
-    depthwise_pool.MIN_SLICE_MACS = previous
+    depthwise_pool.MIN_SPLIT_MACS, depthwise_pool.MIN_CLAIM_MACS = previous
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs numba's 2 threads")
 def test_a_pool_with_more_workers_than_cores_gives_the_same_result(no_minimum_slice):
-    """Three workers and the caller on this machine's cores, one unit per slice, many calls in a row: workers
-    that the OS runs late or not at all must neither lose nor repeat a slice."""
+    """Three workers and the caller on this machine's cores, claims down to one unit, many calls in a row:
+    workers that the OS runs late or not at all must neither lose nor repeat a unit."""
     from incrinf.kernels import depthwise_int8 as wrappers
 
     pool = SpinPool(max_threads=4)
@@ -181,13 +183,15 @@ def test_a_pool_with_more_workers_than_cores_gives_the_same_result(no_minimum_sl
             plan = wrappers.call_plan(problem.x.shape, packed, region=None, quant_args=quant, **geometry)
             if not plan.size:
                 continue
-            for helpers, n_slices in ((3, plan.units), (2, min(3, plan.units)), (3, min(2 * 4, plan.units))):
+            for helpers, min_claim in ((3, 1), (2, max(plan.units // 3, 1)), (3, 2)):
                 out.fill(0)
+                units = pool.units_done().sum()
                 pool.run(
                     problem.x.reshape(-1), packed.tile_weights, packed.tile_params, packed.zero_row,
-                    out.reshape(-1), plan.config, helpers, n_slices,
+                    out.reshape(-1), plan.config, helpers, min_claim,
                 )
-                assert_same(out, one, (problem.case, helpers, n_slices))
+                assert_same(out, one, (problem.case, helpers, min_claim))
+                assert pool.units_done().sum() - units == plan.units
     finally:
         pool.stop()
 
@@ -230,18 +234,29 @@ def test_the_kernel_is_compiled_with_noalias_arguments():
     assert depthwise_units._compiler._customize_flags(Flags()).noalias
 
 
-def test_slice_count_follows_the_multiply_adds():
-    """One thread, or a layer too small to pay for a second: one slice; otherwise 8 per thread, never more
-    than the layer's units, and none below MIN_SLICE_MACS."""
-    macs = depthwise_pool.MIN_SLICE_MACS
-    assert slice_count(1000, macs, 1) == 1
-    assert slice_count(1, 100 * macs, 2) == 1
-    assert slice_count(100, macs // 100, 2) == 1
-    assert slice_count(100, macs, 2) == SLICES_PER_THREAD * 2
-    assert slice_count(3, 100 * macs, 2) == 3
-    assert slice_count(5, macs, 2) == 5
-    assert slice_count(100, macs, 3) == SLICES_PER_THREAD * 3
-    assert slice_count(40, macs // 4, 2) == min(10, SLICES_PER_THREAD * 2)  # slices of 4 units: MIN_SLICE_MACS
+def test_claims_follow_the_multiply_adds():
+    """A layer of one unit or fewer than MIN_SPLIT_MACS multiply-adds runs alone (smallest claim 0); otherwise
+    the smallest claim is MIN_CLAIM_MACS worth of units (at least one). Claims take 1/(2 x threads) of what is
+    left, never less than the smallest claim nor more than is left."""
+    split, claim = depthwise_pool.MIN_SPLIT_MACS, depthwise_pool.MIN_CLAIM_MACS
+    assert smallest_claim(1, 100 * split) == 0
+    assert smallest_claim(100, split // 100 - 1) == 0
+    assert smallest_claim(100, split // 100 + 1) == -(-claim // (split // 100 + 1))
+    assert smallest_claim(100, 10 * claim) == 1
+    assert smallest_claim(1000, claim // 4) == 4
+    assert claim_size(100, 4, 3) == 25
+    assert claim_size(10, 4, 3) == 3
+    assert claim_size(2, 4, 3) == 2
+
+
+@pytest.mark.parametrize("units, macs_per_unit", [(112, 3584), (126, 2016), (210, 2016), (7, 30000), (30, 3000)])
+def test_planned_claims_split_the_work_evenly(units, macs_per_unit):
+    """Threads of equal speed end within one smallest claim of each other, and every unit is planned once."""
+    for threads in (2, 3, 4):
+        done = planned_units(units, macs_per_unit, threads)
+        assert sum(done) == units
+        assert max(done) - min(done) <= max(smallest_claim(units, macs_per_unit), 1)
+    assert planned_units(units, macs_per_unit, 1) == [units]
 
 
 _THREADS_SCRIPT = textwrap.dedent(
@@ -250,7 +265,7 @@ _THREADS_SCRIPT = textwrap.dedent(
     from incrinf.kernels import depthwise_conv2d_int8, depthwise_pool
     from incrinf.testing.depthwise_cases import make_problem, random_case
 
-    depthwise_pool.MIN_SLICE_MACS = 1  # every layer to the pool, up to 4 workers
+    depthwise_pool.MIN_SPLIT_MACS = depthwise_pool.MIN_CLAIM_MACS = 1  # every layer to the pool, up to 4 workers
     rng = np.random.default_rng(7)
     for _ in range(25):
         problem = make_problem(random_case(rng, max_size=9))

@@ -9,7 +9,7 @@ import skimage.data
 import torch
 import torch.nn as nn
 
-from incrinf.engine.costs import PRIOR_CALL
+from incrinf.engine.costs import PRIOR_CALL, FrameCosts
 from incrinf.graph import capture
 from incrinf.stream.agreement import Comparison, OutputKind, compare
 from incrinf.stream.config import StreamConfig
@@ -67,9 +67,8 @@ def _frozen_costs(session: StreamSession, monkeypatch: pytest.MonkeyPatch):
     n = len(costs.steps)
     calls = [PRIOR_CALL] * n
     costs.set_profile([s.dense for s in costs.steps], calls, calls, costs.tail, costs.move, 0.0)
-    for name in ("record_full", "record_steps", "record_kept"):
+    for name in ("record_full", "record_steps", "record_survival", "record_frame"):
         monkeypatch.setattr(costs, name, lambda *args: None)
-    monkeypatch.setattr(session._speed, "record_cached", lambda *args: None)
     return costs
 
 
@@ -169,14 +168,22 @@ def test_cost_calibration_takes_medians_of_ratios_per_kind():
     assert costs.box(0, 10) == pytest.approx(2.0 * costs.steps[0].box_call + 1.5 * costs.steps[0].per_position * 10,
                                              rel=0.01)
     assert costs.call_ratio(RegionKind.BLOCKS) == 1.0  # kinds are kept apart
-    # pruning: commits at a tensor that kept a fifth of what they computed discount the steps after it
-    name = costs.program.cached[0]
-    assert costs.kept(name) == 1.0
-    costs.record_kept(name, 100, 20)  # counts from the plan, no timing: one frame says it
-    assert costs.kept(name) == pytest.approx(0.2)
+    # pruning: a step that computed a fifth of its plan's positions in half of its boxes discounts that step's
+    # arithmetic and its per-box cost, and no other step's
+    assert costs.survival(1) == (1.0, 1.0)
+    costs.record_survival(1, (100, 4), (20, 2))  # counts from the plan, no timing: one frame says it
+    assert costs.survival(1) == pytest.approx((0.2, 0.5))
     for _ in range(4):
-        costs.record_kept(name, 100, 30)
-    assert costs.kept(name) == pytest.approx(0.3) and costs.kept(costs.program.cached[-1]) == 1.0
+        costs.record_survival(1, (100, 4), (30, 4))
+    assert costs.survival(1) == pytest.approx((0.3, 1.0)) and costs.survival(2) == (1.0, 1.0)
+    costs.record_survival(0, (100, 1), (0, 0))  # a step whose plan had nothing gives no sample
+    costs.record_survival(2, (0, 0), (5, 1))
+    assert costs.survival(2) == (1.0, 1.0)
+    # relative to an earlier step (regions already pruned there): the share between the two, at most 1
+    for _ in range(8):
+        costs.record_survival(2, (100, 4), (15, 4))
+    assert costs.survival(2, since=1) == pytest.approx((0.5, 1.0))
+    assert costs.survival(1, since=2) == pytest.approx((1.0, 1.0))
 
 
 # --- quality ----------------------------------------------------------------------------------------------------
@@ -201,6 +208,30 @@ def test_quality_guard_tightens_on_misses_and_relaxes_while_the_target_holds():
     assert guard.level == 0 and guard.pixel_threshold == 10.0  # relaxed back once the misses stopped
     summary = guard.summary
     assert summary.audits == 16 and summary.misses == 1 and summary.agreement == pytest.approx(15 / 16)
+
+
+def test_the_full_audit_interval_relaxes_while_samples_stand_in_and_tightens_after_a_miss():
+    """Sampled audits stand in for due full audits; a full one runs anyway every ``long_interval`` frames. That
+    interval starts at ``keyframe_interval``, doubles after each such full audit that held with room to spare (up
+    to 4x) and halves after a miss, and a sampled hold stretches the due interval up to it (no sample on every
+    frame between ``keyframe_interval`` and the long interval)."""
+    guard = QualityGuard(StreamConfig(audit_interval=2, keyframe_interval=8))
+    assert guard.long_interval == 8 and guard.long_due(8) and not guard.long_due(7)
+    assert guard.record(_label(1.0), 8) == Verdict.RELAX  # a long audit that held
+    assert guard.long_interval == 16 and not guard.long_due(8) and guard.long_due(16)
+    for _ in range(4):
+        guard.sampled_hold()
+    assert guard.interval == 16 and not guard.due(15) and guard.due(16)
+    for _ in range(3):
+        guard.record(_label(1.0), guard.long_interval)
+    assert guard.long_interval == 32  # at most four times keyframe_interval
+    guard.record(_label(1.0, 0.9), 32)  # held without room to spare: no relaxing
+    assert guard.long_interval == 32
+    guard.record(_label(0.0, 1.5), 32)  # a miss
+    assert guard.long_interval == 16 and guard.interval == 2
+    guard.record(_label(1.0), 4)  # a short audit that held does not relax the long interval
+    assert guard.long_interval == 16
+    assert QualityGuard(StreamConfig(keyframe_interval=0)).long_interval == 1024
 
 
 def test_quality_guard_suspends_the_cache_after_misses_at_the_tightest_level():
@@ -251,6 +282,46 @@ def test_the_near_tie_reference_grows_with_drift_sample_error_and_few_audits():
     exact = QualityGuard(StreamConfig(target_agreement=1.0))
     exact.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.04), 1)
     assert exact.risky(1e6)  # every flip counts: every cached label output is checked
+
+
+def test_the_near_tie_reference_grows_with_the_drift_the_audits_measured():
+    """The frames since the last full one widen the reference as much as the audits at different distances show
+    the loss growing: linearly until two distances were measured, not at all when audits far from the last full
+    frame lost no more than audits right after it (the change mask bounds a still camera's drift), linearly when
+    the loss grew in proportion, and a loss that grew like the square root scales like it."""
+    def guard_with(*audits: tuple[float, int]) -> QualityGuard:
+        guard = QualityGuard(StreamConfig(target_agreement=0.99))
+        for lost, frames in audits:
+            guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, lost), frames)
+        return guard
+
+    single = guard_with((0.1, 1))
+    assert single.drift_growth() == 1.0 and single.lead_at_risk(8) == pytest.approx(8 * single.lead_at_risk(1))
+    flat = guard_with((0.1, 1), (0.1, 4), (0.1, 8))
+    assert flat.drift_growth() == pytest.approx(0.0)
+    assert flat.lead_at_risk(8) == pytest.approx(flat.lead_at_risk(1))
+    linear = guard_with((0.1, 1), (0.4, 4))
+    assert linear.drift_growth() == pytest.approx(1.0)
+    root = guard_with((0.1, 1), (0.2, 4), (0.1 * 8 ** 0.5, 8))
+    assert root.drift_growth() == pytest.approx(0.5)
+    assert flat.lead_at_risk(8) < root.lead_at_risk(8) < linear.lead_at_risk(8)
+    shrinking = guard_with((0.4, 1), (0.1, 4))
+    assert shrinking.drift_growth() == 0.0  # never scaled down: a later frame is at least as far off as the audits
+
+
+def test_a_margin_below_a_lead_change_the_audits_measured_is_checked_whatever_near_tie_says():
+    """The case of an animated clip's cached frame: audits had measured lead changes of 0.042, 0.067 and 0.139,
+    the frame's margin was 0.127 (it lost 0.128 and flipped). Even a small ``near_tie`` (where the quantile times
+    near_tie is below the margin) checks it: the cache has been seen to be off by more than that margin. A margin
+    above every measured change and above near_tie times the quantile is not checked."""
+    guard = QualityGuard(StreamConfig(near_tie=0.02))
+    for lost, frames in ((0.042, 1), (0.0665, 3), (0.139, 4)):
+        guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, lost), frames)
+    assert guard.config.near_tie * guard.lead_at_risk(1) < 0.127  # the quantile alone would let it through
+    assert guard.measured_loss(1) == pytest.approx(0.139)
+    assert guard.risky(0.127, 1) and not guard.risky(0.15, 1)
+    assert guard.measured_loss(1, sampled_error=math.nan) <= guard.lead_at_risk(1)
+    assert not QualityGuard(StreamConfig(near_tie=0)).risky(0.0)  # 0: no checks at all
 
 
 def _tie_frames() -> list[np.ndarray]:
@@ -542,9 +613,9 @@ def test_a_sampled_audit_detects_an_injected_drift(frames, monkeypatch):
     # a small model at a small size: one tile's cone is a good part of a frame, so the budget is set higher
     session = StreamSession(model, audit_interval=2, keyframe_interval=64, feature_threshold=0.0, sample_budget=0.8,
                             max_backoff=0)
-    # the frames must run cached for samples to run: the plan's prediction alone decides (at this size a cached
-    # frame's Python overhead, which the measured residual would add, is close to a full frame's time)
-    monkeypatch.setattr(session._speed, "record_cached", lambda *args: None)
+    # the frames must run cached for samples to run: the plan's steps alone decide (at this size a cached frame's
+    # Python overhead, which the calibrated fixed cost per frame would add, is close to a full frame's time)
+    monkeypatch.setattr(FrameCosts, "record_frame", lambda *args: None)
     for frame in frames[:8]:
         session(frame)
     sampler = next(iter(session._samplers.values()))
@@ -623,21 +694,32 @@ def test_the_no_reuse_decision_counts_the_floor_pruning_cannot_cut(frames):
             assert not any(no_reuse) if reuse else all(no_reuse), (type(model).__name__, threshold)
 
 
-def test_the_speed_guard_scales_the_plan_by_what_cached_frames_measured_against_it():
-    """A plan that predicts 7 ms while its like measured 25 ms (time outside the steps, load the step coefficients
-    were not measured under) is predicted at the measured ratio, and sent to full inference when that is slower."""
+def test_the_cost_model_prices_a_cached_frame_with_what_frames_measured_outside_their_steps():
+    """A plan whose steps predict 7 ms while cached frames like it measured 25 ms, 18 ms of it outside the steps
+    (copies, index maps, bookkeeping), is predicted at 25 ms, and sent to full inference when that is slower: one
+    calibration of the cost model, its fixed cost per frame, not a second scale on top of the plan."""
     from types import SimpleNamespace
 
-    from incrinf.stream.decisions import RESIDUAL_WINDOW, SpeedGuard
+    from incrinf.engine import FrameEngine
+    from incrinf.engine.costs import SAMPLES, RegionKind
+    from incrinf.engine.frame_regions import plan_seconds
+    from incrinf.stream.decisions import SpeedGuard
 
+    engine = FrameEngine(capture(_wide(), (3, H, W)))
+    costs, boxes = engine.costs, RegionKind.BOXES
+    plan = engine.plan_boxes([(0, 8, 0, 8)])
+    steps = plan.seconds - costs.frame_seconds(boxes)
+    full = SimpleNamespace(full_seconds=steps + 0.013)
     guard = SpeedGuard()
-    costs, plan = SimpleNamespace(full_seconds=0.020), SimpleNamespace(seconds=0.007)
-    assert guard.predict(costs, plan).cached == pytest.approx(0.007) and guard.predict(costs, plan).cached_faster
-    for measured in (0.025, 0.024, 0.026):
-        guard.record_cached(0.007, measured)
-    guard.record_cached(0.0, 0.001)  # nothing recomputed: no ratio over zero
-    prediction = guard.predict(costs, plan)
-    assert prediction.cached == pytest.approx(0.025) and not prediction.cached_faster
-    for _ in range(RESIDUAL_WINDOW):  # the cached path got cheap again: the latest frames decide
-        guard.record_cached(0.007, 0.0035)
-    assert guard.predict(costs, plan).cached == pytest.approx(0.0035)
+    assert guard.predict(full, plan).cached_faster
+    for outside in (0.018, 0.017, 0.019, 0.018, 0.5):  # one load spike (the profile stands in for two frames)
+        costs.record_frame(boxes, outside)
+    assert costs.frame_seconds(boxes) == pytest.approx(0.018) and costs.frame_seconds(RegionKind.BLOCKS) == 0.0
+    plan = engine.plan_boxes([(0, 8, 0, 8)])  # a kept plan is priced with the current calibration
+    assert plan.seconds == pytest.approx(steps + 0.018)
+    assert plan_seconds(engine.program, costs, plan.parts) == pytest.approx(plan.seconds)
+    assert not guard.predict(full, plan).cached_faster
+    for _ in range(SAMPLES):  # the fixed cost got small again: the latest frames decide
+        costs.record_frame(boxes, 0.001)
+    assert engine.plan_boxes([(0, 8, 0, 8)]).seconds == pytest.approx(steps + 0.001)
+    assert guard.predict(full, engine.plan_boxes([(0, 8, 0, 8)])).cached_faster
