@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,7 @@ from incrinf.engine.plans import (
     step_indices,
 )
 from incrinf.engine.program import Program, Step
+from incrinf.engine.replays import Replays, graphs_enabled
 from incrinf.engine.stores import BaseStore
 from incrinf.geometry import Boxes
 from incrinf.graph import Graph, NodeKind, Operator, possibly_mutated
@@ -65,6 +66,7 @@ class Executor:
         mutated: tensors a later in-place operation overwrites (recorded as copies).
         fingerprint: the weights it was built from (data pointers and version counters).
         seconds: how long building it took.
+        replays: its planned batches recorded as CUDA graphs (:mod:`~incrinf.engine.replays`).
     """
 
     program: Program
@@ -72,6 +74,7 @@ class Executor:
     mutated: frozenset[str]
     fingerprint: tuple
     seconds: float
+    replays: Replays = field(default_factory=Replays, repr=False, compare=False)
 
     @property
     def layout_digest(self) -> str:
@@ -205,7 +208,8 @@ class BatchEngine:
 
     @torch.no_grad()
     def run_batch(self, batch: BatchPlan, values: torch.Tensor) -> WalkResult:
-        """The outputs of one planned batch.
+        """The outputs of one planned batch (on CUDA, replayed from a recorded graph where one is kept:
+        :mod:`~incrinf.engine.replays`).
 
         Args:
             batch: a batch of a plan of this engine's graph.
@@ -214,6 +218,13 @@ class BatchEngine:
         Returns:
             The walk's result (output with the batch axis n; flops per query; ``peak_bytes`` from the plan).
         """
+        if batch.index is not None and not batch.unchanged and graphs_enabled(self.store.device):
+            store = self.store
+            addresses = (store.input.data_ptr(), *(t.data_ptr() for t in store.tables.values()))
+            return self.executor.replays.run(batch, values, addresses, self._run_batch)
+        return self._run_batch(batch, values)
+
+    def _run_batch(self, batch: BatchPlan, values: torch.Tensor) -> WalkResult:
         program, store = self.program, self.store
         device = store.device
         indices = batch.index.steps if batch.index is not None else \

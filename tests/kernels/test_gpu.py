@@ -132,6 +132,44 @@ def test_occlusion_on_cuda_torch_and_triton_paths_agree(monkeypatch, exact_cuda)
 
 
 @_gpu
+def test_recorded_batches_replay_exactly(monkeypatch, exact_cuda):
+    """Planned batches recorded as CUDA graphs (from the second run of a plan on) give the eager run's heat maps,
+    for the image they were recorded with and for other images of the same shape (new base tables, wherever the
+    allocator puts them), with and without ResNet-style residual blocks."""
+    import torchvision
+
+    from incrinf.engine import replays
+    from incrinf.explain.occlusion import occlusion
+
+    recorded = []
+    real_record = replays.Replays._record
+
+    def record(self, *args):
+        found = real_record(self, *args)
+        recorded.append(found is not None)
+        return found
+
+    monkeypatch.setattr(replays.Replays, "_record", record)
+
+    torch.manual_seed(3)
+    nets = [_net_and_image(3)[0], torchvision.models.resnet18(num_classes=7).eval()]
+    for model in nets:
+        images = [torch.randn(1, 3, 64, 64) for _ in range(3)]
+        kwargs = dict(patch=12, stride=6, batch_size=16, progress=False, device="cuda")
+        monkeypatch.setenv(replays.GRAPHS_ENV, "0")
+        eager = [occlusion(model, x, target=1, **kwargs).heatmap for x in images]
+        assert not recorded
+        monkeypatch.setenv(replays.GRAPHS_ENV, "1")
+        kept = []  # the second image's store is allocated while the first's is alive: other addresses
+        for x, want in [*zip(images, eager), *zip(images, eager), (images[0], eager[0])]:
+            got = occlusion(model, x, target=1, **kwargs)
+            np.testing.assert_array_equal(got.heatmap, want)
+            kept.append(got)
+        assert recorded and all(recorded)  # every batch recorded (none fell back to eager)
+        recorded.clear()
+
+
+@_gpu
 def test_captum_drop_in_on_cuda_inputs(exact_cuda):
     captum_attr = pytest.importorskip("captum.attr")
     from incrinf.captum import Occlusion
