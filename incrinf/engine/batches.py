@@ -219,9 +219,7 @@ class BatchEngine:
             The walk's result (output with the batch axis n; flops per query; ``peak_bytes`` from the plan).
         """
         if batch.index is not None and not batch.unchanged and graphs_enabled(self.store.device):
-            store = self.store
-            addresses = (store.input.data_ptr(), *(t.data_ptr() for t in store.tables.values()))
-            return self.executor.replays.run(batch, values, addresses, self._run_batch)
+            return self.executor.replays.run(batch, values, self.store, self._run_batch)
         return self._run_batch(batch, values)
 
     def _run_batch(self, batch: BatchPlan, values: torch.Tensor) -> WalkResult:

@@ -5,15 +5,14 @@ engine's per-step work on the host (Python, one cuDNN call and one Triton launch
 costs more than the GPU's work on small boxes: ResNet18's 2809 occlusions at batch 128 run 957 steps, 46 ms of GPU
 time behind 0.2 s of host time. Recorded as a CUDA graph, a batch is one replay.
 
-A graph reads the addresses it was recorded with: the executor's weights, the plan's index tensors, the store's
-tables, the static copy of the batch's input values. It is therefore kept per executor (weights changed in place
-make a new executor) and keyed by the batch and the addresses of the store's tables, so it serves every input of
-that shape whose store lands at those addresses (PyTorch's caching allocator gives a store the blocks of the
-previous one of the same sizes), and never reads a freed or foreign table. Every graph of one executor shares one
-memory pool and replays are serialized by a lock, so the pool holds one batch's working memory, kept between
-runs (what a plain run allocates and frees each time). A batch is recorded the second time it runs with the same
-key (the first run, eager, compiles the kernels and sets cuDNN up); a model whose steps cannot be recorded (a host
-copy inside a step) runs eagerly from then on.
+A graph reads the addresses it was recorded with: the executor's weights, the plan's index tensors, and static
+copies of the store's tables and input, which a run copies its own store into before its first replay (one
+device copy of the base tables per input; a run for another input of that shape reuses every graph). Graphs are
+kept per executor (weights changed in place make a new executor), keyed by the batch. Every graph of one
+executor shares one memory pool, and replays are serialized by a lock, so the pool holds one batch's working
+memory, kept between runs (what a plain run allocates and frees each time). A batch is recorded the second time
+it runs (the first run, eager, compiles the kernels and sets cuDNN up); a model whose steps cannot be recorded (a
+host copy inside a step) runs eagerly from then on.
 
 ``INCRINF_CUDA_GRAPHS=0`` turns graphs off (every batch runs eagerly).
 """
@@ -23,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,18 +67,20 @@ class Replays:
         self.seen: set[tuple] = set()
         self.pool = None
         self.broken = False  # a step could not be recorded: run eagerly
+        self.tables: dict[str, torch.Tensor] = {}  # static copies of the bound store's tables
+        self.input: torch.Tensor | None = None
+        self.owner: Callable[[], Any] | None = None  # weak reference to the store copied in
 
-    def run(self, batch: Any, values: torch.Tensor, addresses: tuple, eager: Callable[[Any, torch.Tensor], Any]
-            ) -> Any:
-        """``eager(batch, values)``'s result, replayed from a graph when one is recorded for this key.
+    def run(self, batch: Any, values: torch.Tensor, store: Any, eager: Callable[[Any, torch.Tensor], Any]) -> Any:
+        """``eager(batch, values)``'s result, replayed from a graph when one is recorded for this batch.
 
         Args:
             batch: a planned batch with its index tensors.
             values: its input boxes' new values.
-            addresses: the data pointers of every store tensor the batch may read.
-            eager: runs the batch step by step (and is what gets recorded).
+            store: the :class:`~incrinf.engine.stores.BaseStore` the batch reads (its ``tables`` and ``input``).
+            eager: runs the batch step by step on ``store`` (and is what gets recorded).
         """
-        key = (id(batch), addresses, tuple(values.shape), values.dtype, values.device)
+        key = (id(batch), tuple(values.shape), values.dtype, values.device)
         with self.lock:
             found = self.recorded.get(key)
             if found is None:
@@ -87,19 +89,38 @@ class Replays:
                     return eager(batch, values)
                 while len(self.recorded) >= MAX_GRAPHS:
                     self.recorded.pop(next(iter(self.recorded)))
-                found = self._record(key, batch, values, eager)
+                self._bind(store)
+                found = self._record(key, batch, values, store, eager)
                 if found is None:
                     return eager(batch, values)
+            self._bind(store)
             found.values.copy_(values)
             found.graph.replay()
             return dataclasses.replace(found.result, output=_clone(found.result.output))
 
-    def _record(self, key: tuple, batch: Any, values: torch.Tensor, eager: Callable[[Any, torch.Tensor], Any]
-                ) -> _Recorded | None:
+    def _bind(self, store: Any) -> None:
+        """Copy ``store``'s tables and input into the static tensors the graphs read (unless they hold them)."""
+        if self.owner is not None and self.owner() is store:
+            return
+        shapes = {k: (t.shape, t.dtype) for k, t in store.tables.items()}
+        if {k: (t.shape, t.dtype) for k, t in self.tables.items()} != shapes or self.input is None \
+                or self.input.shape != store.input.shape:
+            self.recorded.clear()  # another layout: the graphs read tensors that no longer fit
+            self.tables = {k: torch.empty_like(t) for k, t in store.tables.items()}
+            self.input = torch.empty_like(store.input)
+        for k, t in store.tables.items():
+            self.tables[k].copy_(t)
+        self.input.copy_(store.input)
+        self.owner = weakref.ref(store)
+
+    def _record(self, key: tuple, batch: Any, values: torch.Tensor, store: Any,
+                eager: Callable[[Any, torch.Tensor], Any]) -> _Recorded | None:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         static = values.clone()
         graph = torch.cuda.CUDAGraph()
+        tables, image = store.tables, store.input
+        store.tables, store.input = self.tables, self.input  # the graph reads the static copies
         try:
             torch.cuda.synchronize(values.device)
             with torch.cuda.graph(graph, pool=self.pool):
@@ -108,6 +129,8 @@ class Replays:
             self.broken = True
             torch.cuda.synchronize(values.device)
             return None
+        finally:
+            store.tables, store.input = tables, image
         found = _Recorded(batch, graph, static, result)
         self.recorded[key] = found
         return found
