@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from incrinf.kernels import dispatch
+
 GRAPHS_ENV = "INCRINF_CUDA_GRAPHS"
 # Graphs kept per executor, the oldest dropped first (each holds its static input and output; the working memory
 # is the shared pool's).
@@ -80,7 +82,8 @@ class Replays:
             store: the :class:`~incrinf.engine.stores.BaseStore` the batch reads (its ``tables`` and ``input``).
             eager: runs the batch step by step on ``store`` (and is what gets recorded).
         """
-        key = (id(batch), tuple(values.shape), values.dtype, values.device)
+        # the gathers' path is part of what gets recorded (INCRINF_FORCE_TRITON may change between runs)
+        key = (id(batch), tuple(values.shape), values.dtype, values.device, dispatch.use_triton(values))
         with self.lock:
             found = self.recorded.get(key)
             if found is None:
