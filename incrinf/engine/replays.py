@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from incrinf.engine.stores import clone_output
 from incrinf.kernels import dispatch
 
 GRAPHS_ENV = "INCRINF_CUDA_GRAPHS"
@@ -48,16 +49,6 @@ class _Recorded:
     graph: torch.cuda.CUDAGraph
     values: torch.Tensor  # the static input the graph reads
     result: Any  # the eager run's result whose output tensors the graph writes
-
-
-def _clone(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.clone()
-    if isinstance(out, (list, tuple)):
-        return type(out)(_clone(o) for o in out)
-    if isinstance(out, dict):
-        return type(out)((k, _clone(v)) for k, v in out.items())
-    return out
 
 
 class Replays:
@@ -99,7 +90,7 @@ class Replays:
             self._bind(store)
             found.values.copy_(values)
             found.graph.replay()
-            return dataclasses.replace(found.result, output=_clone(found.result.output))
+            return dataclasses.replace(found.result, output=clone_output(found.result.output))
 
     def _bind(self, store: Any) -> None:
         """Copy ``store``'s tables and input into the static tensors the graphs read (unless they hold them)."""
