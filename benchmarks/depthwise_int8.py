@@ -367,9 +367,39 @@ def planned_share(layer: Layer, threads: int) -> float:
     """
     if threads == 1:
         return 1.0
+    units, macs_per_unit = layer_units(layer)
+    return max(depthwise_pool.planned_units(units, macs_per_unit, threads)) / units
+
+
+def layer_units(layer: Layer) -> tuple[int, int]:
+    """The layer's work units (output rows x channel tiles) and multiply-adds per unit, as the kernel plans them."""
     oh, ow = layer.out_hw()
-    units = oh * layer.depth_multiplier * -(-layer.channels // TILE)
-    return max(depthwise_pool.planned_units(units, ow * TILE * layer.kernel[0] * layer.kernel[1], threads)) / units
+    return oh * layer.depth_multiplier * -(-layer.channels // TILE), ow * TILE * layer.kernel[0] * layer.kernel[1]
+
+
+def print_plan(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
+    """Noise-free: how the pool plans each layer's work at every thread count above one (unit sizes, layers
+    shared, claims per call and their sizes, units per thread), from the plan's counts alone."""
+    for t in threads:
+        if t < 2:
+            continue
+        per_unit, claims, smallest, shared = [], [], [], 0
+        done = np.zeros(t)
+        for x in timings:
+            units, macs_per_unit = layer_units(x.layer)
+            plan = depthwise_pool.planned_claims(units, macs_per_unit, t)
+            per_unit.append(macs_per_unit)
+            shared += len(plan) > 1
+            claims.append(len(plan))
+            smallest.append(min(size for _, size in plan) * macs_per_unit)
+            for thread, size in plan:
+                done[thread] += size * macs_per_unit
+        print(
+            f"{model} plan at {t} threads: work units of {min(per_unit):,}-{max(per_unit):,} multiply-adds;"
+            f" {shared}/{len(timings)} layers shared; {min(claims)}-{max(claims)} claims per call, the smallest"
+            f" {min(smallest):,}-{max(smallest):,} multiply-adds; multiply-adds per thread "
+            + " / ".join(f"{share:.1%}" for share in done / done.sum())
+        )
 
 
 def print_thread_scaling(model: str, timings: list[Timing], threads: tuple[int, ...]) -> None:
@@ -506,6 +536,7 @@ def main(argv: list[str] | None = None) -> None:
         for t in threads:
             print_table(model, timings, t, anchors)
         print_thread_scaling(model, timings, threads)
+        print_plan(model, timings, threads)
         print(f"({load()}; every output equal to BUILTIN_REF's at every thread count)")
     all_threads = tuple(range(1, numba.config.NUMBA_NUM_THREADS + 1))
     print()

@@ -19,7 +19,8 @@ and no decision rests on a curve fitted to a few timings):
 
 - every cached frame on the CPU times its steps; a step whose predicted time is mostly fixed cost is a sample of
   the *call* ratio (measured over predicted), one that is mostly arithmetic a sample of the *compute* ratio, per
-  kind (boxes, blocks);
+  kind (boxes, blocks), summed over the frame's steps of each sort (a frame's time is set by its large steps, and
+  a shared machine's descheduling taxes it as it taxes a full frame: :meth:`FrameCosts.record_steps`);
 - full frames give the *dense* ratio (measured full frame over the profile's);
 - a feature threshold prunes regions as a frame runs, which the plan's geometry cannot know: per step, the median
   share of the plan's positions and of its boxes that the latest frames actually computed there (ratios of the
@@ -43,9 +44,8 @@ from enum import Enum
 
 from incrinf.engine.program import Program
 
-# Latest frames whose ratios (or times) the calibration takes the median of, and latest step samples.
+# Latest frames whose ratios (or times, or shares) the calibration takes the median of.
 SAMPLES = 9
-STEP_SAMPLES = 64
 # The profile's own word, as this many ratios of 1 beside the measured ones: a first cached frame that paid
 # one-time costs (new kernel shapes) does not set the scale alone.
 PRIOR_RATIOS = 2
@@ -118,8 +118,8 @@ class FrameCosts:
         self.move = PRIOR_SECONDS_PER_BYTE
         self.frame = 0.0
         self.profiled = False
-        self._call = {k: deque(maxlen=STEP_SAMPLES) for k in RegionKind}
-        self._compute = {k: deque(maxlen=STEP_SAMPLES) for k in RegionKind}
+        self._call = {k: deque(maxlen=SAMPLES) for k in RegionKind}
+        self._compute = {k: deque(maxlen=SAMPLES) for k in RegionKind}
         # per step index: shares of the plan's positions and boxes that the latest frames computed (pruning)
         self._area_share: dict[int, deque[float]] = {}
         self._box_share: dict[int, deque[float]] = {}
@@ -287,12 +287,25 @@ class FrameCosts:
 
     def record_steps(self, kind: RegionKind, samples: list[tuple[float, float, float]]) -> None:
         """A cached frame's measured steps: ``(fixed, arithmetic, measured)`` seconds each (the first two as
-        :meth:`box_parts` / :meth:`blocks_parts` give them)."""
+        :meth:`box_parts` / :meth:`blocks_parts` give them). The steps mostly fixed cost give the frame's call
+        ratio, the others its compute ratio: each the sum of their measured seconds over the sum of their
+        predicted ones. Sums per frame, not a median over steps: a frame's time is its large steps' (an unweighted
+        median of a few dozen steps is set by the many small ones), and on a shared machine a process is
+        descheduled for milliseconds at a time, a tax that a full frame's measured time pays in proportion to its
+        length; a median over steps would leave it out of the cached side only (on a still camera with three
+        walkers at load 6-7: steps 2.2-3.6x their coefficients in sum, 1.2-1.6x by their median, and frames
+        predicted at 40-54 ms ran 55-95 ms). The median over frames keeps one frame caught by a spike from moving
+        anything."""
+        sums = {"call": [0.0, 0.0], "compute": [0.0, 0.0]}
         for call, compute, measured in samples:
             total = call + compute
             if not total > 0 or not math.isfinite(measured):
                 continue
-            (self._call if call > DOMINANT * total else self._compute)[kind].append(measured / total)
+            part = sums["call" if call > DOMINANT * total else "compute"]
+            part[0], part[1] = part[0] + measured, part[1] + total
+        for name, (measured, predicted) in sums.items():
+            if predicted > 0:
+                (self._call if name == "call" else self._compute)[kind].append(measured / predicted)
         self._ratios = {}
 
     def record_survival(self, index: int, planned: tuple[int, int], computed: tuple[int, int]) -> None:

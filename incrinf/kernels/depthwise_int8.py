@@ -267,9 +267,15 @@ def depthwise_conv2d_int8_packed(
     except TypeError:  # an unhashable argument (a list): call_plan checks it
         plan = None
     # A cached plan serves the common argument types at once; values equal to a cached key's but of another
-    # type (True or 1.0 for 1) go through call_plan, which raises on the wrong ones.
+    # type (True or 1.0 for 1) go through call_plan, which raises on the wrong ones. (A pair equal to a cached
+    # key's has its two items, so its first and last are all there is to check.)
     if plan is None or not (
-        type(stride) is int and type(padding) is str and type(dilation) is int and region is None
+        (type(stride) is int or type(stride) is tuple and type(stride[0]) is int and type(stride[-1]) is int)
+        and (
+            type(dilation) is int
+            or type(dilation) is tuple and type(dilation[0]) is int and type(dilation[-1]) is int
+        )
+        and type(padding) is str and region is None
         and type(output_offset) is int and type(act_min) is int and type(act_max) is int
     ):
         plan = call_plan(xa.shape, packed, stride, padding, dilation, region, (output_offset, act_min, act_max))

@@ -18,7 +18,7 @@ This pool works the way XNNPACK's thread pool does, with one difference that mat
 - A call publishes its job, then claims units itself from the front while workers claim them from the back,
   as XNNPACK's pool gives each thread a contiguous range: a thread computes neighbouring rows, and in repeated
   calls about the same rows (their input and output stay in its core's caches). A claim takes a fraction of
-  what is left (a quarter of a thread's share at first, then less, down to :data:`MIN_CLAIM_MACS` worth:
+  what is left (half a thread's share of it, so less and less, down to :data:`MIN_CLAIM_MACS` worth:
   guided self-scheduling), so a call makes few claims and its threads finish within one small claim of each
   other. Claims are compare-and-swaps on one word that holds the job's generation and the first and last
   unclaimed units, so a worker that looks late never claims units of a newer job.
@@ -85,6 +85,7 @@ __all__ = [
     "get_pool",
     "claim_size",
     "make_job",
+    "planned_claims",
     "planned_units",
     "pool_control",
     "pool_threads",
@@ -181,26 +182,35 @@ def make_job(config, weights, params, zero_row, min_claim: int) -> np.ndarray:
 
 def claim_size(left: int, divisor: int, min_claim: int) -> int:
     """How many of the ``left`` unclaimed pieces a claim takes: ``left / divisor`` (``divisor`` is twice the
-    thread count, so the first claims are a quarter of a thread's share and the last ones small), at least
+    thread count: half a thread's share of what is left, so the claims shrink as the work runs out), at least
     ``min_claim``, at most ``left``. Guided self-scheduling: few claims, and a short wait at the end."""
     return min(max(min_claim, left // divisor), left)
 
 
-def planned_units(units: int, macs_per_unit: int, threads: int) -> list[int]:
-    """Units each thread computes when every thread runs at the same speed (noise-free, from the plan alone):
-    the calling thread claims first, then each thread claims again as soon as it has finished its last claim."""
+def planned_claims(units: int, macs_per_unit: int, threads: int) -> list[tuple[int, int]]:
+    """``(thread, units)`` of each claim of a call, in order, when every thread runs at the same speed
+    (noise-free, from the plan alone): the calling thread (0) claims first, then each thread claims again as
+    soon as it has finished its last claim. One claim of everything when the layer runs alone."""
     min_claim = smallest_claim(units, macs_per_unit)
     if threads <= 1 or not min_claim:
-        return [units] + [0] * max(threads - 1, 0)
-    done = [0] * threads
+        return [(0, units)]
+    claims = []
     clock = [0] * threads
     left = units
     while left:
         t = clock.index(min(clock))
         size = claim_size(left, 2 * threads, min_claim)
-        done[t] += size
+        claims.append((t, size))
         clock[t] += size
         left -= size
+    return claims
+
+
+def planned_units(units: int, macs_per_unit: int, threads: int) -> list[int]:
+    """Units each thread computes in :func:`planned_claims`."""
+    done = [0] * max(threads, 1)
+    for t, size in planned_claims(units, macs_per_unit, threads):
+        done[t] += size
     return done
 
 

@@ -126,12 +126,15 @@ class StreamConfig:
             number of tiles).
         sample_tolerance: a sample flags when its error exceeds this many times the largest error seen at recent
             full audits that held the target.
-        near_tie: a cached classifier output whose top-1 margin is within this many times the lead it may have
-            lost (:meth:`~incrinf.stream.guards.QualityGuard.lead_at_risk`: the quantile at ``target_agreement`` of
-            the recent audits' lead changes, scaled to the frame's drift and sampled error) is audited on the spot
-            (every cached frame before the first audit); 0: never. The default is the leave-one-out choice over the
-            clip set (``benchmarks/stream.py --loo --near-tie``: the smallest candidate keeping every other clip at
-            100% top-1); without checks (0) four of ten clips flipped 1-4 frames of 24.
+        near_tie: a cached classifier output is audited on the spot (every cached frame before the first audit)
+            when its top-1 margin is within the largest lead change the recent audits measured (scaled to the
+            frame's drift and sampled error: :meth:`~incrinf.stream.guards.QualityGuard.measured_loss`) or within
+            this many times the lead it may have lost (:meth:`~incrinf.stream.guards.QualityGuard.lead_at_risk`:
+            the quantile at ``target_agreement`` of an exponential fit to those changes); 0: no checks at all. The
+            default is the leave-one-out choice over the clip set (``benchmarks/stream.py --loo --near-tie``: the
+            smallest candidate from which on every other clip keeps 100% top-1): with the measured-change bound
+            every clip kept 100% at every candidate from 0.02 to 0.3, and without checks (0) five of ten clips
+            flipped 1-3 frames of 24.
         keep_stats: per-frame records kept in :attr:`StreamSession.stats` (the newest; None: all). A stream never
             ends, and an unbounded log grows by a record per frame.
         oracle_sample: on this share of the frames that had a plan, run both the cached path and full inference,
@@ -163,7 +166,7 @@ class StreamConfig:
     sampled_audits: bool = True
     sample_budget: float = 0.05
     sample_tolerance: float = 1.5
-    near_tie: float = 0.1
+    near_tie: float = 0.02
     keep_stats: int | None = 1000
     oracle_sample: float = 0.0
 

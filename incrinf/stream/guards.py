@@ -15,10 +15,10 @@
   measured (a margin below what the cache has been seen to be off by is never trusted), and ``near_tie`` times
   the quantile at the target of an exponential fit to those changes (single frames' changes are heavy-tailed).
   Each audit's change is scaled to the frame by what differs between them (:meth:`QualityGuard.lead_at_risk`):
-  the frames since the last full one (raised to the growth the audits at different distances show) and, when
-  the frame had a sampled audit, its own measured error against the one the audit's sample saw. The interval of
-  full audits that run whatever sampled audits say starts at ``keyframe_interval`` and adapts
-  (:meth:`QualityGuard.long_due`).
+  the frames since the last full one (raised to the growth the audits at different distances show, on its
+  cautious side) and, when the frame had a sampled audit, its own measured error against the one the audit's
+  sample saw. The interval of full audits that run whatever sampled audits say starts at ``keyframe_interval``
+  and adapts (:meth:`QualityGuard.long_due`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
-from itertools import combinations
 
 from incrinf.stream.agreement import Comparison, OutputKind
 from incrinf.stream.config import StreamConfig
@@ -211,14 +210,18 @@ class QualityGuard:
 
     def drift_growth(self) -> float:
         """How the lead a cached frame loses grows with the frames since the last full one: the exponent ``g`` of
-        ``loss ~ frames ** g`` from the recent audits (the median of the slopes between every two audits at
-        different distances, on log scales: one heavy-tailed loss moves a median little), within [0, 1]; 1 (linear
-        growth, the cautious guess) until two audits at different distances have measured a loss."""
+        ``loss ~ frames ** g`` fitted to the recent audits on log scales (least squares), raised by its standard
+        error (a few heavy-tailed losses give a loose fit: the cautious side of it), within [0, 1]; 1 (linear
+        growth, the cautious guess) until three audits at two or more distances have measured a loss."""
         points = [(math.log(max(a.frames, 1)), math.log(a.lost)) for a in self._lead_lost if a.lost > _LOSS_FLOOR]
-        slopes = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in combinations(points, 2) if x1 != x0]
-        if not slopes:
+        xs = [x for x, _ in points]
+        if len(points) < 3 or len(set(xs)) < 2:
             return 1.0
-        return min(max(statistics.median(slopes), 0.0), 1.0)
+        mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+        residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in points) / (len(points) - 2)
+        return min(max(slope + math.sqrt(residual / sxx), 0.0), 1.0)
 
     # --- audits ------------------------------------------------------------------------------------------------
 

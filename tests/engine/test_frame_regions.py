@@ -248,12 +248,14 @@ def test_a_reused_plan_is_priced_with_the_current_calibration():
     boxes = engine.clusters(changed)
     first = engine.plan_boxes(boxes)
     # a drift of the calibration within one key step keeps the plan, priced as a fresh plan would be
-    engine.costs.record_steps(RegionKind.BOXES, [(0.0, 1.0, 1.01)] * 3)
+    for _ in range(3):  # three frames
+        engine.costs.record_steps(RegionKind.BOXES, [(0.0, 1.0, 1.01)] * 3)
     again = engine.plan_boxes(boxes)
     fresh = plan_regions(engine.geometry, boxes)
     assert engine.last_plan_status.value == "hit" and again.steps == first.steps == fresh.steps
     assert again.seconds == pytest.approx(fresh.seconds, rel=1e-9) and again.seconds != first.seconds
     # boxes that take twice as long as measured: a new state, planned again
-    engine.costs.record_steps(RegionKind.BOXES, [(0.0, 1.0, 2.0)] * 9)
+    for _ in range(9):
+        engine.costs.record_steps(RegionKind.BOXES, [(0.0, 1.0, 2.0)] * 3)
     engine.plan_boxes(boxes)
     assert engine.last_plan_status.value == "miss"

@@ -229,10 +229,16 @@ def test_good_args_run_and_empty_region():
     ("dilation pair float", dict(dilation=(1, 1.0)), TypeError),
     ("output_offset float", dict(output_offset=-2.0), TypeError),
     ("act_max bool", dict(act_max=True), TypeError),
+    ("stride pair bool", dict(stride=(1, True)), TypeError),
+    ("stride pair float", dict(stride=(1.0, 1)), TypeError),
+    ("dilation pair bool", dict(dilation=(True, 1)), TypeError),
+    ("stride pair numpy", dict(stride=(np.int64(1), 1)), None),
 ])
-def test_cached_call_plans_do_not_hide_bad_arguments(name, change, error):
+@pytest.mark.parametrize("pairs", [False, True], ids=["int args", "pair args"])
+def test_cached_call_plans_do_not_hide_bad_arguments(name, change, error, pairs):
     """A call with plain arguments caches its checked plan; values equal to those (``True == 1 == 1.0``) but
-    of the wrong type must still raise, and valid non-plain ones (numpy ints, lists) must still work."""
+    of the wrong type must still raise, and valid non-plain ones (numpy ints, lists) must still work, whether
+    the cached call gave stride and dilation as ints or as pairs."""
     x, w, bias, kwargs = _good_args()
     packed = pack_depthwise_int8(
         w,
@@ -243,7 +249,10 @@ def test_cached_call_plans_do_not_hide_bad_arguments(name, change, error):
         in_channels=x.shape[3],
     )
     call = dict(stride=1, padding=(1, 1, 1, 1), dilation=1, output_offset=-2, act_min=-128, act_max=1)
+    if pairs:
+        call.update(stride=(1, 1), padding="same", dilation=(1, 1))
     expected = depthwise_conv2d_int8_packed(x, packed, **call)  # caches the plan of the plain arguments
+    assert_same(depthwise_conv2d_int8_packed(x, packed, **call), expected, "cached")
     if error is None:
         assert_same(depthwise_conv2d_int8_packed(x, packed, **{**call, **change}), expected, name)
     else:
