@@ -148,7 +148,9 @@ class OcclusionStats(RunStats):
             "positions": self.positions, "batches": self.batches, "batch_size": self.batch_size,
             "seconds": self.seconds, "seconds_per_position": self.seconds_per_position, "flops_full": self.flops_full,
             "theoretical_speedup": self.theoretical_speedup, "realized_flop_ratio": self.realized_flop_ratio,
-            "peak_memory_bytes": self.peak_memory_bytes, **self.extra,
+            "peak_memory_bytes": self.peak_memory_bytes, "capture_seconds": self.capture_seconds,
+            "executor_seconds": self.executor_seconds, "base_seconds": self.base_seconds,
+            "plan_seconds": self.plan_seconds, "plan_hit": self.plan_hit, **self.extra,
             "tau": s.tau, "feature_threshold": s.feature_threshold, "setting_source": s.source,
             "approximate": self.approximate, "stage_one_stride": None if drill is None else drill.stage_one_stride,
         }

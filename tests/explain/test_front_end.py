@@ -65,6 +65,8 @@ def test_sampled_and_measured_errors_are_typed_and_agree_with_the_flat_view() ->
     assert 0.0 < error.ssim <= 1.0 and error.seconds > 0
     flat = fast.stats.as_dict()
     assert flat["sampled_max_abs_error"] == error.max_abs_error and flat["estimated_ssim"] == error.ssim
+    fixed = ("capture_seconds", "executor_seconds", "base_seconds", "plan_seconds", "plan_hit")
+    assert all(flat[k] == getattr(fast.stats, k) for k in fixed) and flat["base_seconds"] > 0
     assert fast.stats["tau"] == 0.5 and "max_abs_error" not in fast.stats
     assert "estimated SSIM" in describe_approximation(fast.stats)
 
