@@ -9,8 +9,11 @@ process and with the same batch size:
 - ``incr-triton``: the same engine with the Triton window-preparation kernels (the default on CUDA).
 
 Prints the median of ``--repeats`` warm runs (methods interleaved), speedups over Captum, the theoretical
-(FLOP-ratio) speedup, peak GPU memory of each method above what was resident before it started, and the
-largest heat-map difference to Captum. Exits with status 2 and a message when no CUDA GPU is present.
+(FLOP-ratio) speedup, peak GPU memory of each method above what was resident before it started (the largest of
+every run's, the cold one's included), and the largest heat-map difference to Captum. The cold run of each
+incrinf path is eager; from the first warm run on its planned batches run as recorded CUDA graphs
+(``incrinf.engine.replays``; ``INCRINF_CUDA_GRAPHS=0`` in the environment measures the eager engine instead).
+Exits with status 2 and a message when no CUDA GPU is present.
 ``--cpu-smoke`` runs the same code on the CPU with tiny inputs (for checking the script, not for timings).
 """
 
