@@ -84,6 +84,7 @@ class _Frame:
     oracle: tuple[float, float] = (math.nan, math.nan)  # measured cached and full engine seconds
     sampled: float = math.nan  # a sampled audit's error
     checked: float = 0.0  # seconds of a near-tie check's or audit's full run on top of the cached frame
+    overhead: float = 0.0  # seconds of the decision (stillness test, matching, mask, plan) before the engine ran
     probes: tuple[torch.Tensor, torch.Tensor] | None = None  # the probe, cached and full, at a full audit
 
     @property
@@ -232,7 +233,7 @@ class StreamSession:
         self._decide(f, engine, matrix_given)
         attempt = f.fallback is None or f.fallback.cause in _MISSES
         prediction = self._plan(f, engine)
-        overhead = time.perf_counter() - decided
+        overhead = f.overhead = time.perf_counter() - decided
         since_full = self._index - self._last_full
         audit = f.fallback is None and quality is not None and quality.due(since_full)
         oracle = f.plan is not None and self._oracle_due()
@@ -434,6 +435,8 @@ class StreamSession:
             return False
         if cause == Cause.BACKING_OFF and self._backoff.skip > 1:
             return False  # this frame's stretch goes on
+        if cause in (*_MISSES, Cause.SLOWER) and self._backoff.starts_with_miss(f.overhead):
+            return False  # this miss starts a stretch
         quality = self._quality
         return not (cause == Cause.SUSPENDED and quality is not None and quality.suspended_for > 1)
 
