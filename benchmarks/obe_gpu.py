@@ -9,8 +9,11 @@ process and with the same batch size:
 - ``incr-triton``: the same engine with the Triton window-preparation kernels (the default on CUDA).
 
 Prints the median of ``--repeats`` warm runs (methods interleaved), speedups over Captum, the theoretical
-(FLOP-ratio) speedup, peak GPU memory of each method above what was resident before it started, and the
-largest heat-map difference to Captum. Exits with status 2 and a message when no CUDA GPU is present.
+(FLOP-ratio) speedup, peak GPU memory of each method above what was resident before it started (the largest of
+every run's, the cold one's included), and the largest heat-map difference to Captum. The cold run of each
+incrinf path is eager; from the first warm run on its planned batches run as recorded CUDA graphs
+(``incrinf.engine.replays``; ``INCRINF_CUDA_GRAPHS=0`` in the environment measures the eager engine instead).
+Exits with status 2 and a message when no CUDA GPU is present.
 ``--cpu-smoke`` runs the same code on the CPU with tiny inputs (for checking the script, not for timings).
 """
 
@@ -136,22 +139,26 @@ def _bench_model(name: str, args: argparse.Namespace, device: torch.device) -> R
         return go
 
     launches = [0]
-    real_gather = triton_gather.gather_rows
+    real_gather, real_boxes = triton_gather.gather_rows, triton_gather.gather_boxes
 
-    def counting_gather(*a, **k):
-        launches[0] += 1
-        return real_gather(*a, **k)
+    def counting(kernel: Callable) -> Callable:
+        def launch(*a, **k):
+            launches[0] += 1
+            return kernel(*a, **k)
+        return launch
 
     fns = {"captum": run_captum, "incr-torch": run_incr("0"), "incr-triton": run_incr("")}
     results: dict[str, torch.Tensor] = {}
     for method, fn in fns.items():  # cold: plan building, kernel compilation, cuDNN setup
         if method == "incr-triton":
-            triton_gather.gather_rows = counting_gather
+            triton_gather.gather_rows, triton_gather.gather_boxes = counting(real_gather), counting(real_boxes)
         try:
-            row.cold[method], _, results[method] = _measure(fn, device)
+            row.cold[method], cold_peak, results[method] = _measure(fn, device)
         finally:
-            triton_gather.gather_rows = real_gather
-        row.seconds[method], row.peak[method] = [], None
+            triton_gather.gather_rows, triton_gather.gather_boxes = real_gather, real_boxes
+        # warm runs replay recorded CUDA graphs, whose working memory (the graphs' pool) was allocated while
+        # recording: the peak is the largest of every run's, the eager cold run's included
+        row.seconds[method], row.peak[method] = [], cold_peak
     row.triton_launches = launches[0]
     for _ in range(args.repeats):
         for method, fn in fns.items():  # interleaved, so drift hits every method alike

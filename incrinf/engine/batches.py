@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ import torch
 
 from incrinf.cache import LookupStatus, runtime_cache
 from incrinf.engine.boxes import WalkResult, chain, compute, shares_memory, walk
-from incrinf.engine.layout import Layout, table_layout
+from incrinf.engine.layout import Layout, compact, table_layout
 from incrinf.engine.memory import release_free_memory
 from incrinf.engine.plans import (
     BatchIndex,
@@ -43,6 +43,7 @@ from incrinf.engine.plans import (
     step_indices,
 )
 from incrinf.engine.program import Program, Step
+from incrinf.engine.replays import Replays, graphs_enabled
 from incrinf.engine.stores import BaseStore
 from incrinf.geometry import Boxes
 from incrinf.graph import Graph, NodeKind, Operator, possibly_mutated
@@ -65,6 +66,7 @@ class Executor:
         mutated: tensors a later in-place operation overwrites (recorded as copies).
         fingerprint: the weights it was built from (data pointers and version counters).
         seconds: how long building it took.
+        replays: its planned batches recorded as CUDA graphs (:mod:`~incrinf.engine.replays`).
     """
 
     program: Program
@@ -72,6 +74,7 @@ class Executor:
     mutated: frozenset[str]
     fingerprint: tuple
     seconds: float
+    replays: Replays = field(default_factory=Replays, repr=False, compare=False)
 
     @property
     def layout_digest(self) -> str:
@@ -195,7 +198,7 @@ class BatchEngine:
         key = PlanKey(self.graph.signature, tuple(self.graph.input_shape), self.executor.layout_digest,
                       boxes_digest(starts, sizes), len(starts), float(tau), int(batch_size or 0),
                       0 if batch_size else int(memory or 0),  # a given batch size leaves the budget unread
-                      str(x.device), str(x.dtype))
+                      str(x.device), str(x.dtype), compact(x.device, self.graph.spatial_dims))
         return runtime_cache().get_or_create(
             key, lambda k: build_plan(self.program, self.executor.layout, k, starts, sizes))
 
@@ -205,7 +208,8 @@ class BatchEngine:
 
     @torch.no_grad()
     def run_batch(self, batch: BatchPlan, values: torch.Tensor) -> WalkResult:
-        """The outputs of one planned batch.
+        """The outputs of one planned batch (on CUDA, replayed from a recorded graph where one is kept:
+        :mod:`~incrinf.engine.replays`).
 
         Args:
             batch: a batch of a plan of this engine's graph.
@@ -214,6 +218,11 @@ class BatchEngine:
         Returns:
             The walk's result (output with the batch axis n; flops per query; ``peak_bytes`` from the plan).
         """
+        if batch.index is not None and not batch.unchanged and graphs_enabled(self.store.device):
+            return self.executor.replays.run(batch, values, self.store, self._run_batch)
+        return self._run_batch(batch, values)
+
+    def _run_batch(self, batch: BatchPlan, values: torch.Tensor) -> WalkResult:
         result = self.run_to_tail(batch, values)
         if not result.unchanged:
             result.output = self.tail(result.output)

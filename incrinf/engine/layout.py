@@ -214,25 +214,59 @@ def table_layout(program: Program, mutated: set[str] = frozenset(), alias: bool 
 
 
 @dataclass(frozen=True)
+class BoxIndex:
+    """A gather described by its boxes' corners instead of row indices: N boxes of extent ``size`` read from a
+    table of extents ``dims``, each with its region (extent ``region``) overlaid at its offset inside the box.
+    The kernels compute every row address from these few bytes on the device
+    (:func:`incrinf.kernels.dispatch.gather_boxes`). Axes are padded to three (leading extents of 1).
+
+    Attributes:
+        geometry: (N, 6) int32 on the device: per box its first corner in the table, then its region's corner
+            relative to the box.
+        size: (3,) the boxes' extent.
+        dims: (3,) the table's extents.
+        region: (3,) the regions' extent (None: no overlay).
+        batch_stride: table rows added per box (N stacked maps).
+    """
+
+    geometry: torch.Tensor
+    size: tuple[int, int, int]
+    dims: tuple[int, int, int]
+    region: tuple[int, int, int] | None
+    batch_stride: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.geometry.numel() * self.geometry.element_size()
+
+
+@dataclass(frozen=True)
 class Gather:
     """The index tensors of one read: rows of a table, optionally overlaid with a region's values.
 
     Attributes:
-        read: (R,) table row of every gathered row.
+        read: (R,) table row of every gathered row (None when ``box`` describes the read).
         dest: (K,) gathered rows receiving region values (None: no overlay).
         origin: (K,) region row of each ``dest`` (None: region rows 0..K-1 in order).
         combined: the fused index of the Triton kernels (None off CUDA).
+        box: the read by its boxes' corners (on CUDA: no row indices at all).
     """
 
-    read: torch.Tensor
+    read: torch.Tensor | None
     dest: torch.Tensor | None = None
     origin: torch.Tensor | None = None
     combined: torch.Tensor | None = None
+    box: BoxIndex | None = None
+
+    @property
+    def overlays(self) -> bool:
+        """Whether the read overlays a region's values."""
+        return self.dest is not None or (self.box is not None and self.box.region is not None)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.read, self.dest, self.origin, self.combined)
-                   if t is not None)
+                   if t is not None) + (self.box.nbytes if self.box is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -240,16 +274,41 @@ class Projection:
     """The index tensors of a full projection: N copies of a map with each query's box written in.
 
     Attributes:
-        dest: (K,) rows of the (N * positions) result receiving region values.
+        dest: (K,) rows of the (N * positions) result receiving region values (None when ``box`` describes it).
         combined: the fused index of the Triton kernels (None off CUDA).
+        box: the projection by the boxes' corners (on CUDA).
     """
 
-    dest: torch.Tensor
+    dest: torch.Tensor | None
     combined: torch.Tensor | None = None
+    box: BoxIndex | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.dest, self.combined) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.dest, self.combined) if t is not None) \
+            + (self.box.nbytes if self.box is not None else 0)
+
+
+def _three(values, fill: int) -> tuple[int, ...]:
+    return (fill,) * (3 - len(values)) + tuple(int(v) for v in values)
+
+
+def compact(device: torch.device, d: int) -> bool:
+    """Whether gathers on ``device`` of ``d``-dimensional maps are described by their boxes (:class:`BoxIndex`)."""
+    return d <= 3 and dispatch.wants_box_index(device)
+
+
+def box_index(start: np.ndarray, size: tuple[int, ...], dims: tuple[int, ...], region: Boxes | None,
+              offset: np.ndarray | None, device: torch.device, batch_stride: int = 0) -> BoxIndex:
+    """The :class:`BoxIndex` of N boxes at ``start`` (N, d) of extent ``size`` in a table of extents ``dims``,
+    with ``region`` overlaid at ``offset`` (N, d) inside each box."""
+    n, d = start.shape
+    geometry = np.zeros((n, 6), np.int32)
+    geometry[:, 3 - d:3] = start
+    if region is not None:
+        geometry[:, 6 - d:] = offset
+    return BoxIndex(torch.from_numpy(geometry).to(device), _three(size, 1), _three(dims, 1),
+                    None if region is None else _three(region.size, 1), batch_stride)
 
 
 def _tensor(a: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
@@ -296,6 +355,9 @@ def window_index(layout: Layout, spec: WindowSpec, place: Place, src: Boxes | No
     # window start in table coordinates: out * stride - offset + origin; the table holds exactly the padding of
     # this window, so the origin equals the offset
     start = out.start() * np.asarray(spec.stride) + (np.asarray(place.origin) - np.asarray(spec.offset))
+    if compact(device, len(read)):
+        offset = None if src is None else src.start() + np.asarray(place.origin) - start
+        return Gather(None, box=box_index(start, read, table.dims, src, offset, device))
     dest = origin = None
     if src is not None:
         dest, origin = overlay_rows(src, src.start() + np.asarray(place.origin) - start, read)
@@ -306,6 +368,9 @@ def aligned_index(layout: Layout, place: Place, region: Boxes | None, out: Boxes
     """A tensor's base values in ``out`` (N boxes of one size), its changed boxes ``region`` overlaid."""
     table = layout.tables[place.table]
     start = out.start() + np.asarray(place.origin)
+    if compact(device, len(out.size)):
+        offset = None if region is None else region.start() - out.start()
+        return Gather(None, box=box_index(start, out.size, table.dims, region, offset, device))
     dest = origin = None
     if region is not None:
         dest, origin = overlay_rows(region, region.start() - out.start(), out.size)
@@ -314,8 +379,21 @@ def aligned_index(layout: Layout, place: Place, region: Boxes | None, out: Boxes
 
 def projection_index(dims: tuple[int, ...], region: Boxes, device: torch.device) -> Projection:
     """Rows of N stacked maps of extents ``dims`` that receive each query's box."""
+    if compact(device, len(dims)):
+        return Projection(None, box=box_index(np.zeros((region.n, len(dims)), np.int64), dims, dims, region,
+                                              region.start(), device))
     positions = math.prod(dims)
     dest = _tensor(box_rows(region.start(), region.size, dims, batch_stride=positions), device)
     combined = dispatch.fuse_scatter_index(dest, None, region.n, positions) \
         if dispatch.wants_fused_index(device) else None
     return Projection(dest, combined)
+
+
+def part_overlay(region: Boxes, out: Boxes, device: torch.device) -> Gather:
+    """Where a concatenation part's changed boxes ``region`` land in the step's boxes ``out`` (an overlay without
+    a read: ``dest``/``origin`` rows, or a :class:`BoxIndex` on CUDA)."""
+    offset = region.start() - out.start()
+    if compact(device, len(out.size)):
+        return Gather(None, box=box_index(np.zeros_like(offset), out.size, out.size, region, offset, device))
+    dest, origin = overlay_rows(region, offset, out.size)
+    return Gather(None, _tensor(dest, device), _tensor(origin, device))

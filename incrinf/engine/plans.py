@@ -27,11 +27,13 @@ import torch
 
 from incrinf.engine.boxes import step_box
 from incrinf.engine.layout import (
+    BoxIndex,
     Gather,
     Layout,
     Projection,
     aligned_index,
-    overlay_rows,
+    compact,
+    part_overlay,
     projection_index,
     window_index,
 )
@@ -64,6 +66,8 @@ class PlanKey(NamedTuple):
         memory: bytes one batch may use (with ``batch_size`` 0).
         device: where the index tensors live.
         dtype: the values' dtype (bytes per element).
+        boxed: whether its gathers are described by their boxes' corners (:func:`~incrinf.engine.layout.compact`)
+            rather than row indices.
     """
 
     signature: str
@@ -76,6 +80,7 @@ class PlanKey(NamedTuple):
     memory: int
     device: str
     dtype: str
+    boxed: bool = False
 
 
 def boxes_digest(starts: np.ndarray, sizes: np.ndarray) -> str:
@@ -115,10 +120,12 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class Overlay:
-    """Rows of a gathered box receiving a region's values (``dest`` None: every row, in order)."""
+    """Rows of a gathered box receiving a region's values (``dest`` and ``box`` None: every row, in order;
+    ``box``: the region's place by its boxes' corners, on CUDA)."""
 
     dest: torch.Tensor | None
     origin: torch.Tensor | None
+    box: BoxIndex | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +149,7 @@ class StepIndex:
         for part in self.parts:
             if part is not None:
                 total += sum(t.numel() * t.element_size() for t in (part.dest, part.origin) if t is not None)
+                total += part.box.nbytes if part.box is not None else 0
         return total
 
 
@@ -362,9 +370,8 @@ def step_indices(program: Program, layout: Layout, batch: BatchPlan, device: tor
                 elif region.same_place(out):
                     parts.append(Overlay(None, None))
                 else:
-                    dest, origin = overlay_rows(region, region.start() - out.start(), out.size)
-                    parts.append(Overlay(torch.from_numpy(dest).to(device),
-                                         None if origin is None else torch.from_numpy(origin).to(device)))
+                    overlay = part_overlay(region, out, device)
+                    parts.append(Overlay(overlay.dest, overlay.origin, overlay.box))
             yield StepIndex(None, (base,), tuple(parts))
         else:
             yield StepIndex(None, tuple(
@@ -403,8 +410,14 @@ def forward_peak_bytes(program: Program, n: int, element_size: int, names: set[s
     return peak
 
 
-def _index_estimate(program: Program, batch_steps: list[StepPlan], n: int, boundary: list[Boxes | None]) -> int:
-    """Bytes of a batch's index tensors, without making them (int64 rows; the overlays at most as many again)."""
+def _index_estimate(program: Program, batch_steps: list[StepPlan], n: int, boundary: list[Boxes | None],
+                    device: torch.device) -> int:
+    """Bytes of a batch's index tensors, without making them (int64 rows; the overlays at most as many again;
+    gathers described by their boxes' corners: 24 bytes per box)."""
+    if compact(device, program.graph.spatial_dims):
+        gathers = sum(1 if program.steps[sp.index].window is not None else max(1, sum(not s for s in sp.same))
+                      for sp in batch_steps) + sum(r is not None for r in boundary)
+        return 24 * n * gathers
     rows = 0
     for sp in batch_steps:
         step = program.steps[sp.index]
@@ -605,7 +618,7 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
     for lo, hi in bounds:
         queries = order[lo:hi]
         start, (steps, boundary, unchanged, macs, peak) = geometry(queries)
-        estimate = _index_estimate(program, steps, len(queries), boundary)
+        estimate = _index_estimate(program, steps, len(queries), boundary, device)
         made.append((queries, start, steps, boundary, unchanged, macs, peak, estimate))
     peak = max(m[6] for m in made)
     index_bytes = sum(m[7] for m in made)

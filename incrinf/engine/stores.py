@@ -107,7 +107,12 @@ class BaseStore:
     def gather(self, place: Place, index: Gather, region: Boxes | None, n: int, size: tuple[int, ...],
                channels: tuple[int, ...]) -> torch.Tensor:
         """(N, C..., *size) rows of a place gathered by ``index``, with ``region``'s values overlaid."""
-        values = to_rows(region.values, self.d) if region is not None and index.dest is not None else None
+        values = to_rows(region.values, self.d) if region is not None and index.overlays else None
+        if index.box is not None:
+            b = index.box
+            rows = dispatch.gather_boxes(self.table(place), b.geometry, b.size, b.dims, values, b.region,
+                                         b.batch_stride)
+            return from_rows(rows, n, size, channels)
         rows = dispatch.prepare_windows(self.table(place), index.read, index.dest, values, index.origin,
                                         index.combined)
         return from_rows(rows, n, size, channels)
@@ -132,6 +137,11 @@ class BaseStore:
     def project(self, name: str, region: Boxes, n: int, index: Projection) -> torch.Tensor:
         """(N, C..., *dims): N copies of ``name``'s base tensor with each query's box written in."""
         base_rows = to_rows(self.plain(name), self.d).contiguous()
+        if index.box is not None:
+            b = index.box
+            rows = dispatch.gather_boxes(base_rows, b.geometry, b.size, b.dims, to_rows(region.values, self.d),
+                                         b.region, b.batch_stride)
+            return from_rows(rows, n, self.program.dims(name), self._channels(name))
         rows = dispatch.project(base_rows, n, index.dest, to_rows(region.values, self.d), None, index.combined)
         return from_rows(rows, n, self.program.dims(name), self._channels(name))
 
@@ -146,7 +156,10 @@ class BaseStore:
                 continue
             target = rows[:, first:first + count]
             incoming = to_rows(region.values, self.d)
-            if overlay.dest is None:
+            if overlay.box is not None:
+                b = overlay.box
+                dispatch.gather_boxes(None, b.geometry, b.size, b.dims, incoming, b.region, out=target)
+            elif overlay.dest is None:
                 target.copy_(incoming)
             else:
                 source = incoming if overlay.origin is None else incoming.index_select(0, overlay.origin)

@@ -216,10 +216,12 @@ class OcclusionRunner:
             if self.feature_threshold > 0:  # pruned boxes follow the data: walked without the plan's boxes
                 result = self.engine.run(Boxes(batch.start.lo, batch.start.size, boxes_values), self.tau,
                                          self.feature_threshold)
-            else:
+            elif plan.tail_queries:
                 result = self.engine.run_to_tail(batch, boxes_values)
+            else:  # a whole batch at once (on CUDA, a recorded graph replayed where one is kept)
+                result = self.engine.run_batch(batch, boxes_values)
             del boxes_values
-            if self.feature_threshold > 0 or result.unchanged:
+            if self.feature_threshold > 0 or result.unchanged or not plan.tail_queries:
                 outputs.append(result.output if reduce is None else _reduced(reduce, result.output, batch.n))
                 done.append(batch.queries)
                 bar.update(batch.n)

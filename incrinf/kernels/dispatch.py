@@ -56,6 +56,15 @@ def wants_fused_index(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and triton_available()
 
 
+def wants_box_index(device: torch.device | str) -> bool:
+    """Whether plans for ``device`` describe their gathers by the boxes' corners (:func:`gather_boxes`: a few
+    bytes per box, the row addresses computed on the device) instead of row index tensors made on the host: on
+    CUDA (either path), or when Triton is forced."""
+    if os.environ.get(FORCE_ENV, "").strip() not in ("", "0"):
+        return True
+    return torch.device(device).type == "cuda"
+
+
 def _triton():
     from incrinf.kernels import triton_gather
 
@@ -148,6 +157,19 @@ def project(base_rows: torch.Tensor, n: int, dest: torch.Tensor, region_rows: to
             combined = fuse_scatter_index(dest, source, n, base_rows.shape[0])
         return tg.gather_rows(base_rows, combined, region_rows)
     return _torch_path.project_full(base_rows, n, dest, region_rows, source)
+
+
+def gather_boxes(base_rows: torch.Tensor | None, geometry: torch.Tensor, size: tuple[int, int, int],
+                 dims: tuple[int, int, int], region_rows: torch.Tensor | None = None,
+                 region_size: tuple[int, int, int] | None = None, batch_stride: int = 0,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """N boxes of one extent gathered from a row table with a region overlaid, addressed by the boxes' corners
+    (see :func:`incrinf.kernels.triton_gather.gather_boxes` for the arguments): one Triton kernel, or PyTorch
+    index ops whose indices are made on the device."""
+    like = base_rows if base_rows is not None else region_rows
+    if like is not None and use_triton(like):
+        return _triton().gather_boxes(base_rows, geometry, size, dims, region_rows, region_size, batch_stride, out)
+    return _torch_path.gather_boxes(base_rows, geometry, size, dims, region_rows, region_size, batch_stride, out)
 
 
 # --- device memory -----------------------------------------------------------------------------------------

@@ -88,15 +88,28 @@ class BackOff:
             self.skip -= 1
         elif paid is not None:
             self.misses += 1
-            if not self.config.max_backoff or self.misses < self.config.backoff_after:
+            if not self._starts(self.misses, self._savings):
                 return
             if not self.config.speed_guard:
                 self.stretch = min(max(2 * self.stretch, 2), self.config.max_backoff)
-            elif self._savings and statistics.median(self._savings) > 0:
-                return  # the hits between the misses pay for them
             else:
                 self.stretch = min(max(2, self._budgeted(full_seconds)), self.config.max_backoff)
             self.skip = self.stretch
+
+    def starts_with_miss(self, overhead: float) -> bool:
+        """Whether one more miss, an attempt that ended in a full frame after ``overhead`` seconds of decision,
+        would start a stretch (the frame after it then runs plain: the miss need not refill the cache)."""
+        savings = list(self._savings)
+        if self.config.speed_guard:
+            savings.append(-overhead)
+        return self._starts(self.misses + 1, savings[-SAVINGS_WINDOW:])
+
+    def _starts(self, misses: int, savings: deque[float] | list[float]) -> bool:
+        """Whether ``misses`` in a row, with the latest attempts' net ``savings``, start a stretch."""
+        if not self.config.max_backoff or misses < self.config.backoff_after:
+            return False
+        # with the speed guard, the hits between the misses may pay for them
+        return not (self.config.speed_guard and savings and statistics.median(savings) > 0)
 
     def _budgeted(self, full_seconds: float) -> int:
         """The shortest stretch whose one attempt at its end costs at most 2% of the stretch's time: the misses'

@@ -132,9 +132,9 @@ class StreamConfig:
             this many times the lead it may have lost (:meth:`~incrinf.stream.guards.QualityGuard.lead_at_risk`:
             the quantile at ``target_agreement`` of an exponential fit to those changes); 0: no checks at all. The
             default is the leave-one-out choice over the clip set (``benchmarks/stream.py --loo --near-tie``: the
-            smallest candidate from which on every other clip keeps 100% top-1): with the measured-change bound
-            every clip kept 100% at every candidate from 0.02 to 0.3, and without checks (0) five of ten clips
-            flipped 1-3 frames of 24.
+            smallest candidate at which every other clip keeps 100% top-1): with the measured-change bound every
+            clip but one kept 100% at every candidate from 0.02 to 0.3 (bigbuckbunny flipped a frame of 24 at 0.2
+            and 0.3), and without checks (0) five of ten clips flipped 1-4 frames of 24.
         keep_stats: per-frame records kept in :attr:`StreamSession.stats` (the newest; None: all). A stream never
             ends, and an unbounded log grows by a record per frame.
         oracle_sample: on this share of the frames that had a plan, run both the cached path and full inference,

@@ -83,6 +83,8 @@ class _Frame:
     plan: RegionPlan | BlockPlan | None = None
     oracle: tuple[float, float] = (math.nan, math.nan)  # measured cached and full engine seconds
     sampled: float = math.nan  # a sampled audit's error
+    checked: float = 0.0  # seconds of a near-tie check's or audit's full run on top of the cached frame
+    overhead: float = 0.0  # seconds of the decision (stillness test, matching, mask, plan) before the engine ran
     probes: tuple[torch.Tensor, torch.Tensor] | None = None  # the probe, cached and full, at a full audit
 
     @property
@@ -231,7 +233,7 @@ class StreamSession:
         self._decide(f, engine, matrix_given)
         attempt = f.fallback is None or f.fallback.cause in _MISSES
         prediction = self._plan(f, engine)
-        overhead = time.perf_counter() - decided
+        overhead = f.overhead = time.perf_counter() - decided
         since_full = self._index - self._last_full
         audit = f.fallback is None and quality is not None and quality.due(since_full)
         oracle = f.plan is not None and self._oracle_due()
@@ -264,10 +266,12 @@ class StreamSession:
             if audited and ran_cached and (comparison is None or verify):
                 self._speed.record_check(verify)
         cause = f.fallback.cause if f.fallback is not None else None
-        # a near-tie check is a cost of the cached path (a scheduled audit stands in for a keyframe): the frame counts
-        # as a cached one whose time includes the check's full run
+        # a near-tie checked frame counts as the cached frame it was, without the check's full run: the speed guard
+        # charges the cached path its expected checks (a full frame times the check rate) and sends frames to full
+        # inference once they make it slower; counted here too, a clip whose checks come often early (every cached
+        # frame is checked before the first audit) would back off for a stretch sized by a full frame per check
         paid = self._backoff.paid(None if verify else cause, attempt, saving, prediction.full,
-                                  overhead + engine_seconds, overhead)
+                                  overhead + engine_seconds - (f.checked if verify else 0.0), overhead)
         f.times.decide = time.perf_counter() - bookkeeping
         commit_start = time.perf_counter()
         commit = (f, tuple(x.shape), refreshed, paid, engine.costs.full_seconds, oracle)
@@ -368,6 +372,7 @@ class StreamSession:
             cached_out, out = out, engine.full(f.x)
             spent = time.perf_counter() - audit_start
             f.times.audit += spent
+            f.checked = spent
             costs.record_full(spent)
             comparison = compare(cached_out, out, self.config.target_agreement, self.config.target_error)
             if cached_probe is not None:
@@ -430,6 +435,8 @@ class StreamSession:
             return False
         if cause == Cause.BACKING_OFF and self._backoff.skip > 1:
             return False  # this frame's stretch goes on
+        if cause in (*_MISSES, Cause.SLOWER) and self._backoff.starts_with_miss(f.overhead):
+            return False  # this miss starts a stretch
         quality = self._quality
         return not (cause == Cause.SUSPENDED and quality is not None and quality.suspended_for > 1)
 

@@ -132,6 +132,45 @@ def test_occlusion_on_cuda_torch_and_triton_paths_agree(monkeypatch, exact_cuda)
 
 
 @_gpu
+def test_recorded_batches_replay_exactly(monkeypatch, exact_cuda):
+    """Planned batches recorded as CUDA graphs (from the second run of a plan on) give the eager run's heat maps,
+    for the image they were recorded with and for other images of the same shape (their tables copied into the
+    graphs' static ones); a model with a step that cannot be recorded (the border factors of an average pool
+    without its padding, made on the host) falls back to eager runs with the same results."""
+    import torchvision
+
+    from incrinf.engine import replays
+    from incrinf.explain.occlusion import occlusion
+
+    recorded = []
+    real_record = replays.Replays._record
+
+    def record(self, *args):
+        found = real_record(self, *args)
+        recorded.append(found is not None)
+        return found
+
+    monkeypatch.setattr(replays.Replays, "_record", record)
+    torch.manual_seed(3)
+    nets = [(torchvision.models.resnet18(num_classes=7).eval(), True), (_net_and_image(3)[0], False)]
+    for model, recordable in nets:
+        images = [torch.randn(1, 3, 64, 64) for _ in range(3)]
+        kwargs = dict(patch=12, stride=6, batch_size=16, progress=False, device="cuda")
+        monkeypatch.setenv(replays.GRAPHS_ENV, "0")
+        eager = [occlusion(model, x, target=1, **kwargs).heatmap for x in images]
+        assert not recorded
+        monkeypatch.setenv(replays.GRAPHS_ENV, "1")
+        kept = []  # results alive: later stores land elsewhere and are copied in
+        for x, want in [*zip(images, eager), *zip(images, eager), (images[0], eager[0])]:
+            got = occlusion(model, x, target=1, **kwargs)
+            scale = float(np.abs(want).max())
+            np.testing.assert_allclose(got.heatmap, want, rtol=1e-5, atol=1e-6 * scale)
+            kept.append(got)
+        assert recorded and all(recorded) == recordable and (recordable or len(recorded) == 1)
+        recorded.clear()
+
+
+@_gpu
 def test_captum_drop_in_on_cuda_inputs(exact_cuda):
     captum_attr = pytest.importorskip("captum.attr")
     from incrinf.captum import Occlusion

@@ -30,6 +30,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
 
+from incrinf.engine.layout import Projection  # noqa: E402
 from incrinf.kernels import dispatch  # noqa: E402
 from incrinf.kernels import gather as torch_path  # noqa: E402
 from incrinf.kernels import triton_gather as tg  # noqa: E402
@@ -252,42 +253,103 @@ def _tiny_batch():
     return BatchEngine(graph, image), start
 
 
-def test_real_plan_windows_and_scatters_match_torch(monkeypatch):
-    """Every windowing and projection of a real plan (positions at corners and edges) through both paths."""
-    engine, start = _tiny_batch()
-    monkeypatch.setenv(dispatch.FORCE_ENV, "1")  # plans carry the fused indexes the kernels use
-    corners = np.stack(start.lo, axis=1)
-    plan, _ = engine.plan(corners, np.broadcast_to(np.asarray(start.size), corners.shape), batch_size=len(corners))
+def _plan_reads(engine, index_of_batch, batch):
+    """(table, gather, n) of every windowing, aligned read and full projection of a planned batch."""
     store, layout, program = engine.store, engine.executor.layout, engine.program
+    for sp, si in zip(batch.steps, index_of_batch.steps):
+        step = program.steps[sp.index]
+        place = layout.windows[step.out] if step.window is not None else None
+        gathers = [(place, si.window)] if place is not None else \
+            [(layout.reads[name], g) for name, g in zip(step.inputs, si.inputs) if g is not None]
+        for where, index in gathers:
+            yield store.table(where), index, batch.n
+    for name, projection in zip(program.boundary, index_of_batch.projections):
+        if projection is not None:
+            yield to_rows(store.plain(name)).contiguous(), projection, batch.n
+
+
+def test_real_plan_windows_and_scatters_match_torch(monkeypatch):
+    """Every windowing and projection of a real plan (positions at corners and edges) through both paths: the
+    row indices of a CPU plan (PyTorch index ops and the Triton gather), and the same reads described by their
+    boxes' corners (the form plans take on CUDA: the Triton kernel and PyTorch's on-device indices)."""
+    from incrinf.engine.plans import batch_index
+
+    engine, start = _tiny_batch()
+    corners = np.stack(start.lo, axis=1)
+    monkeypatch.setenv(dispatch.FORCE_ENV, "1")  # plans describe their reads by the boxes' corners
+    plan, _ = engine.plan(corners, np.broadcast_to(np.asarray(start.size), corners.shape), batch_size=len(corners))
     checked = 0
+    gen = torch.Generator().manual_seed(0)
     for batch in plan.batches:
-        index_of_batch = engine.index(batch)
-        for sp, si in zip(batch.steps, index_of_batch.steps):
-            step = program.steps[sp.index]
-            place = layout.windows[step.out] if step.window is not None else None
-            gathers = [(place, si.window)] if place is not None else \
-                [(layout.reads[name], g) for name, g in zip(step.inputs, si.inputs) if g is not None]
-            for where, index in gathers:
-                if index.dest is None:
-                    continue
-                table = store.table(where)
-                n_region = int(index.dest.numel() if index.origin is None else index.origin.max() + 1)
-                region = torch.randn(n_region, table.shape[1])
-                expected = _reference_windows(table, index.read, index.dest, region, index.origin)
-                got = dispatch.prepare_windows(table, index.read, index.dest, region, index.origin, index.combined)
-                assert torch.equal(got, expected), step.out
-                checked += 1
-        for name, projection in zip(program.boundary, index_of_batch.projections):
-            if projection is None:
+        boxed = engine.index(batch)
+        monkeypatch.setenv(dispatch.FORCE_ENV, "")
+        as_rows = batch_index(engine.program, engine.executor.layout, batch, torch.device("cpu"))
+        monkeypatch.setenv(dispatch.FORCE_ENV, "1")
+        for (table, box, n), (_, rows, _) in zip(_plan_reads(engine, boxed, batch),
+                                                 _plan_reads(engine, as_rows, batch)):
+            assert box.box is not None and rows.box is None
+            b = box.box
+            if b.region is None:
+                expected = table.index_select(0, rows.read)
+                for path in ("1", "0"):
+                    monkeypatch.setenv(dispatch.FORCE_ENV, path)
+                    assert torch.equal(dispatch.gather_boxes(table, b.geometry, b.size, b.dims), expected)
                 continue
-            table = to_rows(store.plain(name)).contiguous()
-            region = torch.randn(int(projection.dest.numel()), table.shape[1])
-            n = int(projection.dest.max()) // table.shape[0] + 1
-            expected = torch_path.project_full(table, n, projection.dest, region)
-            assert torch.equal(dispatch.project(table, n, projection.dest, region, None, projection.combined),
-                               expected), name
+            region = torch.randn(n * int(np.prod(b.region)), table.shape[1], generator=gen)
+            if isinstance(rows, Projection):
+                expected = torch_path.project_full(table, n, rows.dest, region)
+                assert torch.equal(dispatch.project(table, n, rows.dest, region, None, rows.combined), expected)
+            else:
+                expected = _reference_windows(table, rows.read, rows.dest, region, rows.origin)
+                got = dispatch.prepare_windows(table, rows.read, rows.dest, region, rows.origin, rows.combined)
+                assert torch.equal(got, expected)
+            for path in ("1", "0"):
+                monkeypatch.setenv(dispatch.FORCE_ENV, path)
+                got = dispatch.gather_boxes(table, b.geometry, b.size, b.dims, region, b.region, b.batch_stride)
+                assert torch.equal(got, expected), path
+            monkeypatch.setenv(dispatch.FORCE_ENV, "1")
             checked += 1
     assert checked >= 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(seed=st.integers(0, 2**16), c=st.sampled_from(CHANNELS))
+@FAST
+def test_box_gather_matches_row_gather(monkeypatch, dtype, seed, c):
+    """Boxes of 1, 2 and 3 axes anywhere in a table, regions sticking out of them: the box-addressed gather (Triton
+    interpreted, PyTorch) equals the row gather and overlay built from :func:`~incrinf.engine.windows.box_rows`
+    and :func:`~incrinf.engine.layout.overlay_rows`; an overlay alone writes only the region's rows."""
+    from incrinf.engine.layout import box_index, overlay_rows
+    from incrinf.engine.windows import box_rows
+    from incrinf.geometry import Boxes
+
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    d = int(rng.integers(1, 4))
+    dims = tuple(int(x) for x in rng.integers(1, 8, size=d))
+    size = tuple(int(rng.integers(1, x + 1)) for x in dims)
+    n = int(rng.integers(1, 4))
+    start = np.stack([rng.integers(0, x - s + 1, size=n) for x, s in zip(dims, size)], axis=1)
+    extent = tuple(int(x) for x in rng.integers(1, 5, size=d))
+    offset = np.stack([rng.integers(-3, s + 1, size=n) for s in size], axis=1)
+    region = Boxes(tuple(offset.T), extent)  # only its extent is read
+    table = _values(int(np.prod(dims)), c, dtype, gen)
+    values = _values(n * int(np.prod(extent)), c, dtype, gen)
+    b = box_index(start, size, dims, region, offset, torch.device("cpu"))
+    dest, origin = overlay_rows(region, offset, size)
+    rows = torch.from_numpy(box_rows(start, size, dims))
+    expected = _reference_windows(table, rows, torch.from_numpy(dest), values,
+                                  None if origin is None else torch.from_numpy(origin))
+    for path in ("1", "0"):
+        monkeypatch.setenv(dispatch.FORCE_ENV, path)
+        assert torch.equal(dispatch.gather_boxes(table, b.geometry, b.size, b.dims, values, b.region), expected)
+        canvas = _values(len(rows), c + 2, dtype, gen)
+        target = canvas[:, 1:1 + c]  # a column slice, as a concatenation's part
+        want = canvas.clone()
+        torch_path.overlay_rows(want[:, 1:1 + c], torch.from_numpy(dest), values,
+                                None if origin is None else torch.from_numpy(origin))
+        dispatch.gather_boxes(None, b.geometry, b.size, b.dims, values, b.region, out=target)
+        assert torch.equal(canvas, want), path
 
 
 def test_engine_outputs_equal_with_triton_kernels(monkeypatch):
@@ -296,8 +358,9 @@ def test_engine_outputs_equal_with_triton_kernels(monkeypatch):
     engine, start = _tiny_batch()
     expected = engine.run(start).output
     launches = []  # the engine routes its gathers through the dispatcher; forcing Triton must launch kernels
-    real_gather = tg.gather_rows
+    real_gather, real_boxes = tg.gather_rows, tg.gather_boxes
     monkeypatch.setattr(tg, "gather_rows", lambda *a, **k: launches.append("g") or real_gather(*a, **k))
+    monkeypatch.setattr(tg, "gather_boxes", lambda *a, **k: launches.append("g") or real_boxes(*a, **k))
     monkeypatch.setenv(dispatch.FORCE_ENV, "1")
     got = engine.run(start).output
     assert "g" in launches  # the kernels really ran (projection is a gather from two sources too)

@@ -9,7 +9,7 @@ import skimage.data
 import torch
 import torch.nn as nn
 
-from incrinf.engine.costs import PRIOR_CALL, FrameCosts
+from incrinf.engine.costs import PRIOR_CALL
 from incrinf.graph import capture
 from incrinf.stream.agreement import Comparison, OutputKind, compare
 from incrinf.stream.config import StreamConfig
@@ -100,8 +100,9 @@ def test_speed_guard_switches_to_full_inference_when_the_cached_path_is_slow(fra
 
 
 def test_near_tie_checks_are_charged_to_the_cached_path(frames):
-    """A clip where every cached frame is a near tie pays a full frame on top of each cached one: those checks count
-    as misses, so the session backs off to plain frames instead of auditing every frame."""
+    """A clip where every cached frame is a near tie pays a full frame on top of each cached one: the speed guard
+    charges the cached path those checks, runs the frames full, and the misses back off to plain frames instead of
+    auditing every frame."""
     model = _wide()
     session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0)
     session._quality.risky = lambda margin, *_: True  # every cached frame's top-1 is a near tie
@@ -112,6 +113,30 @@ def test_near_tie_checks_are_charged_to_the_cached_path(frames):
     near_ties = [s for s in session.stats[1:] if s.audit]
     assert near_ties and all(s.reason.startswith("audit: near tie") for s in near_ties)
     assert len(near_ties) <= session.config.backoff_after + 1, causes
+
+
+def test_a_near_tie_checked_frame_counts_as_the_cached_frame_it_was(frames):
+    """A near-tie check's full run is the quality guard's cost, charged to the cached path by the speed guard's
+    expected checks: the back-off takes the checked frame by its cached part, so checks that come early (every cached
+    frame is checked before the first audit) do not start a stretch of plain frames sized by a full frame each."""
+    model = _wide()
+    session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0)
+    session._quality.risky = lambda margin, *_: True
+    taken = []
+    paid = session._backoff.paid
+
+    def spy(cause, attempt, saving, predicted_full, seconds, overhead):
+        taken.append((cause, seconds))
+        return paid(cause, attempt, saving, predicted_full, seconds, overhead)
+
+    session._backoff.paid = spy
+    for frame in frames[:2]:
+        session(frame)
+    checked = session.stats[1]
+    assert checked.audit and checked.reason.startswith("audit: near tie"), checked.reason
+    cause, seconds = taken[1]
+    assert cause is None  # a cached frame, not an audit (audits are no attempts)
+    assert 0 < seconds and seconds + checked.times.audit <= checked.seconds  # its time without the check's full run
 
 
 def test_the_speed_guard_charges_the_cached_path_its_expected_near_tie_checks(frames, monkeypatch):
@@ -623,10 +648,12 @@ def test_a_sampled_audit_detects_an_injected_drift(frames, monkeypatch):
     # a small model at a small size: one tile's cone is a good part of a frame, so the budget is set higher
     session = StreamSession(model, audit_interval=2, keyframe_interval=64, feature_threshold=0.0, sample_budget=0.8,
                             max_backoff=0)
-    # the frames must run cached for samples to run: the plan's steps alone decide (at this size a cached frame's
-    # Python overhead, which the calibrated fixed cost per frame would add, is close to a full frame's time)
-    monkeypatch.setattr(FrameCosts, "record_frame", lambda *args: None)
-    for frame in frames[:8]:
+    session(frames[0])  # the first frame profiles the engine and picks the sampled audits' probe
+    # the frames must run cached for samples to run: from here on the plan's multiply-adds and bytes alone decide,
+    # whatever the machine's load (at this size a cached frame's Python overhead, which a calibration from
+    # wall-clock times would add, is close to a full frame's time)
+    _frozen_costs(session, monkeypatch)
+    for frame in frames[1:8]:
         session(frame)
     sampler = next(iter(session._samplers.values()))
     assert sampler.ready and sampler.probe is not None  # a full audit held: samples stand in for the next ones

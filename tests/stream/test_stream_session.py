@@ -394,14 +394,17 @@ def test_back_off_after_frames_that_cannot_use_the_cache(zoo, photo):
     rng = np.random.default_rng(1)
     noise = [rng.integers(0, 256, (H, W, 3), dtype=np.uint8) for _ in range(12)]  # nothing to match
     frame = _crop(photo, 40, 60)
-    reasons = []
+    reasons, kept = [], []
     for image in [frame, *noise, frame, frame, frame, frame]:
         out = session(image)
         reasons.append(session.stats[-1].reason.split(":")[0])
+        kept.append(session._engines[session._shape].has_cache)
         _assert_close(out, _full(model, image))
     # three misses, 2 frames off, a probe (miss), 4 off (the cap), a probe (miss), 4 off ... then recovery
     assert reasons[:13] == ["first frame", *["match failed"] * 3, *["backing off"] * 2, "match failed",
                             *["backing off"] * 4, "match failed", "backing off"]
+    # a miss that starts a stretch and the stretch's frames but its last keep no cache: no frame after them uses it
+    assert kept[:13] == [True, True, True, False, False, True, False, False, False, False, True, False, False]
     assert reasons[13:] == ["backing off", "backing off", "backing off", "ok"]  # the probe reuses the cache
     assert session.stats[-1].mode == "cached" and session._backoff.skip == session._backoff.stretch == 0
     detections = session._estimator.detections
