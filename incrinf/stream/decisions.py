@@ -49,9 +49,11 @@ class Prediction:
         return math.isnan(self.full) or math.isnan(self.cached) or self.cached_total < self.full
 
 
-# A frame the guard sends to full inference although its predicted cached time is within this factor of a full
-# frame's is, every PROBE_EVERY such frames, run cached anyway: the calibration ratios learn only from frames that
-# ran, and those samples may be stale (a load spike that has passed, new content).
+# A frame the guard sends to full inference although its plan's predicted time is within this factor of a full
+# frame's is, every PROBE_EVERY such frames, run cached anyway: the calibration ratios and the check rate learn only
+# from frames that ran cached, and those samples may be stale (a load spike that has passed, new content, near ties
+# that have resolved). The plan alone decides, without the expected checks: a check rate measured on a few frames
+# would otherwise keep every later frame from running cached, and so from ever measuring it again.
 PROBE_WITHIN = 1.5
 PROBE_EVERY = 8
 # Latest cached frames (after the quality guard's first audit) whose near-tie checks give the expected check rate.
@@ -92,7 +94,7 @@ class SpeedGuard:
         if prediction.cached_faster:
             self._rejected = 0
             return True
-        if not prediction.cached_total < PROBE_WITHIN * prediction.full:
+        if not prediction.cached < PROBE_WITHIN * prediction.full:
             return False
         self._rejected += 1
         if self._rejected >= PROBE_EVERY:

@@ -170,6 +170,23 @@ def test_the_speed_guard_charges_the_cached_path_its_expected_near_tie_checks(fr
     assert all(s.predicted_cached < s.predicted_full for s in later)  # the plan alone would have run cached
 
 
+def test_a_check_rate_that_rejects_every_frame_is_probed_again():
+    """The check rate is measured on frames that ran cached: once it sends every frame to full inference it would
+    never be measured again, so a plan within PROBE_WITHIN of a full frame runs cached every PROBE_EVERY rejections,
+    whatever the expected checks add."""
+    from incrinf.stream.decisions import PROBE_EVERY, PROBE_WITHIN, Prediction, SpeedGuard
+
+    guard = SpeedGuard()
+    for _ in range(8):
+        guard.record_check(True)
+    stuck = Prediction(1.0, 0.6, guard.check_rate * 1.0)  # the plan saves 40%, a check every frame costs a frame
+    assert not stuck.cached_faster and stuck.cached_total > PROBE_WITHIN * stuck.full
+    choices = [guard.choose_cached(stuck) for _ in range(2 * PROBE_EVERY)]
+    assert choices == ([False] * (PROBE_EVERY - 1) + [True]) * 2
+    hopeless = Prediction(1.0, PROBE_WITHIN * 1.01, 0.0)  # the plan alone is far slower: never probed
+    assert not any(guard.choose_cached(hopeless) for _ in range(2 * PROBE_EVERY))
+
+
 def test_cost_calibration_takes_medians_of_ratios_per_kind():
     from incrinf.engine import FrameEngine
     from incrinf.engine.costs import RegionKind

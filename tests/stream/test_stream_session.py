@@ -545,7 +545,9 @@ def test_integer_pan_moves_a_stride_one_stem(photo):
 def test_keyframe_interval_one_runs_full_inference_on_every_frame(zoo, photo):
     # a natural thing to ask for: the dependent settings (the audit interval, with the quality guard on) adapt
     model = zoo["mobilenet_v2"]
-    session = GuardedSession(model, keyframe_interval=1)
+    # min_saving=0: the profile's measured seconds on a loaded machine may judge that this small input's cache cannot
+    # pay ("no reuse", full frames for another reason), which is not what this test is about
+    session = GuardedSession(model, keyframe_interval=1, min_saving=0.0)
     frames = [_crop(photo, 40 + k, 60) for k in (0, 0, 0, 2)]
     for frame in frames:
         _assert_close(session(frame), _full(model, frame))
