@@ -90,6 +90,27 @@ class SpeedGuard:
         full = costs.full_seconds
         return Prediction(full, plan.seconds, self.check_rate * full)
 
+    @property
+    def probe_due(self) -> bool:
+        """Whether the next frame rejected by :meth:`hopeless` or :meth:`choose_cached` would be probed."""
+        return self._rejected + 1 >= PROBE_EVERY
+
+    def hopeless(self, engine: FrameEngine, pruning: bool) -> str:
+        """Why no plan of the next frame can be faster than a full frame (``""``: one may be): the expected near-tie
+        checks alone, on top of the cheapest plan there is (:func:`cheapest_seconds`), cost a full frame. Known before
+        the frame's stillness test, matching, mask and plan, which then need not run. Such a frame counts as a
+        rejection towards the probe (:meth:`choose_cached`): the frame a probe is due on is planned."""
+        costs = engine.costs
+        if not costs.profiled or not self._checks or self.probe_due:
+            return ""
+        full, cheapest = costs.full_seconds, cheapest_seconds(engine, pruning)
+        checks = self.check_rate * full
+        if not cheapest + checks >= full:
+            return ""
+        self._rejected += 1
+        return (f"the cheapest plan ({cheapest * 1e3:.1f} ms) + {checks * 1e3:.1f} ms expected near-tie checks vs "
+                f"{full * 1e3:.1f} ms full")
+
     def choose_cached(self, prediction: Prediction) -> bool:
         if prediction.cached_faster:
             self._rejected = 0
@@ -105,6 +126,13 @@ class SpeedGuard:
 
 def plan_kind(plan: RegionPlan | BlockPlan) -> RegionKind:
     return RegionKind.BOXES if isinstance(plan, RegionPlan) else RegionKind.BLOCKS
+
+
+def cheapest_seconds(engine: FrameEngine, pruning: bool = False) -> float:
+    """Predicted seconds of the cheapest cached frame there is: the smallest change's plan, or under value-based
+    ``pruning`` the floor it can be pruned down to (:meth:`~incrinf.engine.FrameEngine.floor`)."""
+    seconds = engine.best_case().seconds
+    return min(seconds, engine.floor()[1]) if pruning else seconds
 
 
 def best_saving(engine: FrameEngine, pruning: bool = False) -> float:
