@@ -323,9 +323,14 @@ class StreamSession:
             return out, None, False, cached_seconds
         self._calibrate(f, engine, cached_seconds)
         audit = self._sample(f, engine, audit)
-        # a classifier's near tie is checked on the spot (see QualityGuard.risky)
-        verify = not audit and quality is not None and quality.risky(top1_margin(out), self._index - self._last_full,
-                                                                      f.sampled)
+        # a classifier's near tie is checked on the spot (see QualityGuard.risky): by a sample of the frame first (a
+        # fraction of a frame: its measured drift replaces the guess from the frames since the last full one), in
+        # full when the margin is still at risk or the sample flags
+        margin, since_full = top1_margin(out), self._index - self._last_full
+        verify = not audit and quality is not None and quality.risky(margin, since_full, f.sampled)
+        if verify and math.isnan(f.sampled):
+            audit = self._sample(f, engine, False, near_tie=True)
+            verify = not audit and quality.risky(margin, since_full, f.sampled)
         if audit or verify:
             sampler = self._samplers.get(tuple(f.x.shape))
             probe = sampler.probe if sampler is not None else None
@@ -341,17 +346,17 @@ class StreamSession:
                 f.probes = (cached_probe, engine.engine.cache.map(probe.name))
         return out, comparison, verify, time.perf_counter() - clock
 
-    def _sample(self, f: FrameState, engine: CameraEngine, due: bool) -> bool:
+    def _sample(self, f: FrameState, engine: CameraEngine, due: bool, near_tie: bool = False) -> bool:
         """A sampled audit where one is due (in place of a due full audit, or every ``audit_interval`` frames since
-        the last check); returns whether a full audit runs on this frame (a due one the sample cannot stand in
-        for, or one the sample flagged)."""
+        the last check, or on a near tie); returns whether a full audit runs on this frame (a due one the sample
+        cannot stand in for, or one the sample flagged)."""
         quality, sampler = self._quality, self._samplers.get(tuple(f.x.shape))
         if quality is None or sampler is None or not sampler.ready:
             return due
         since_full = self._index - self._last_full
         if due and quality.long_due(since_full):
             return True  # the long interval: a full audit whatever a sample would say
-        if not due and self._index - self._last_check < self.config.first_audit_interval:
+        if not due and not near_tie and self._index - self._last_check < self.config.first_audit_interval:
             return False
         clock = time.perf_counter()
         result = sampler.check(engine.engine, f.x, f.mask)
