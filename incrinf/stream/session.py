@@ -411,10 +411,13 @@ class StreamSession:
 
     def _check_certain(self) -> bool:
         """Whether a cached frame now would be checked by full inference: the previous output's top-1 lead is within
-        what a cached frame may lose (a near tie lasts over frames). Before the first audit every cached label output
-        is checked, and that check is the guard's first measurement: not counted."""
-        quality = self._quality
-        return quality is not None and quality.audited and quality.risky(self._margin, self._index - self._last_full)
+        what a cached frame may lose (a near tie lasts over frames), and no sampled audit can check it for a fraction
+        of a frame first. Before the first audit every cached label output is checked, and that check is the guard's
+        first measurement: not counted."""
+        quality, sampler = self._quality, self._samplers.get(self._shape)
+        if quality is None or not quality.audited or (sampler is not None and sampler.ready):
+            return False
+        return quality.risky(self._margin, self._index - self._last_full)
 
     @property
     def _pruning(self) -> bool:
