@@ -1,15 +1,16 @@
 """The back-off policy: after frames that tried the cache in vain, a stretch of plain frames that skip the attempt.
 
 An attempt (the still-camera test, keypoint matching, the change mask, planning) that ends in a full frame is a
-*miss*; so is a cached frame that did not beat full inference (with the speed guard: its decision and engine time
-against the predicted full frame; without it, a moving camera's frame that saved less than 1.25x of the
-multiply-adds). ``backoff_after`` misses in a row start a stretch of frames that run plain inference without
-trying. Without the speed guard stretches double (2, 4, ...) up to ``max_backoff``. With it, a stretch starts
-only while the latest attempts saved nothing (misses that cost a few milliseconds of decision each are worth it
-while the hits between them save a good part of a frame): the median attempt's net saving, not the sum, so that one
-frame caught by a load spike (a cached frame of 97 ms against full frames measured at 36 ms before the spike; a full
-frame then took 90 ms) does not outweigh the frames around it that saved; and lasts just long enough for the attempt
-ending it to cost at most 2% of the stretch's time: doubling would only delay noticing that the cache pays again.
+*miss*; so is an audited frame whose cached output missed the quality target, and a cached frame that did not beat
+full inference (with the speed guard: its decision and engine time against the predicted full frame; without it, a
+moving camera's frame that saved less than 1.25x of the multiply-adds). ``backoff_after`` misses in a row start a
+stretch of frames that run plain inference without trying. Without the speed guard stretches double (2, 4, ...) up to
+``max_backoff``. With it, a stretch starts only while the latest attempts saved nothing (misses that cost a few
+milliseconds of decision each are worth it while the hits between them save a good part of a frame): the median
+attempt's net saving, not the sum, so that one frame caught by a load spike (a cached frame of 97 ms against full
+frames measured at 36 ms before the spike; a full frame then took 90 ms) does not outweigh the frames around it that
+saved; and lasts just long enough for the attempt ending it to cost at most 2% of the stretch's time: doubling would
+only delay noticing that the cache pays again.
 """
 
 from __future__ import annotations
@@ -57,21 +58,26 @@ class BackOff:
         return self.skip > 0
 
     def paid(self, cause: Cause | None, attempt: bool, flops_saving: float, predicted_full: float, seconds: float,
-             overhead: float) -> bool | None:
+             overhead: float, missed_audit: bool = False) -> bool | None:
         """Whether a frame that tried the cache paid for trying (None: it did not try).
+
+        An audit (or near-tie check) that held is the quality guard's cost, no attempt; one that missed is a miss:
+        the cached run was in vain (its output was replaced by full inference's), and it cost the decision and the
+        cached run on top of the full frame.
 
         Args:
             cause: why the frame ran full, or None for a cached frame.
             attempt: the frame tried the cache (it was no first frame, keyframe, stretch frame ...).
             flops_saving: a moving camera's full / computed multiply-adds (``inf`` for a still camera).
             predicted_full: the predicted engine time of a full frame (NaN: unknown).
-            seconds: the frame's decision and engine time.
+            seconds: the frame's decision and engine time (an audit's full run excluded).
             overhead: the decision's time alone (what a miss cost).
+            missed_audit: the frame was an audit whose cached output missed the target.
         """
-        if not attempt or cause == Cause.AUDIT:
+        if not attempt or (cause == Cause.AUDIT and not missed_audit):
             return None
         if self.config.speed_guard:
-            net = -overhead if cause is not None else predicted_full - seconds
+            net = -seconds if missed_audit else -overhead if cause is not None else predicted_full - seconds
             self._savings.append(0.0 if math.isnan(net) else net)
         if cause is not None:
             return False

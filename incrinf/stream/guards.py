@@ -15,10 +15,11 @@
   measured (a margin below what the cache has been seen to be off by is never trusted), and ``near_tie`` times
   the quantile at the target of an exponential fit to those changes (single frames' changes are heavy-tailed).
   Each audit's change is scaled to the frame by what differs between them (:meth:`QualityGuard.lead_at_risk`):
-  the frames since the last full one (raised to the growth the audits at different distances show, on its
-  cautious side) and, when the frame had a sampled audit, its own measured error against the one the audit's
-  sample saw. The interval of full audits that run whatever sampled audits say starts at ``keyframe_interval``
-  and adapts (:meth:`QualityGuard.long_due`).
+  when the frame had a sampled audit, its own measured error against the one the audit's sample saw, else the
+  frames since the last full one (raised to the growth the audits at different distances show, on its cautious
+  side). A near tie is first checked that way, by a sample of the frame (a fraction of a frame), and audited in
+  full only when the sampled drift leaves its margin at risk. The interval of full audits that run whatever
+  sampled audits say starts at ``keyframe_interval`` and adapts (:meth:`QualityGuard.long_due`).
 """
 
 from __future__ import annotations
@@ -175,16 +176,17 @@ class QualityGuard:
     def lead_at_risk(self, frames_since_full: int = 1, sampled_error: float = math.nan) -> float:
         """The top-1 lead a cached frame ``frames_since_full`` frames after the last full one may have lost.
 
-        Each recent audit's measured loss is first scaled up (never down) to this frame: by the frames since the
-        full frame against the audit's, raised to the growth exponent the audits themselves show
-        (:meth:`drift_growth`: the change mask recomputes every cell that moved by the threshold, so the cache's
-        drift need not accumulate frame by frame) and, when this frame had a sampled audit (``sampled_error``), by
-        its error against the error the audit's own sample measured between the cached and the full probe (the
-        frame's own measurement of how far its cache is off). The losses of single frames are heavy-tailed (a
-        frame may lose three times the lead of the audits around it), so the largest of a few audits is no bound:
-        the losses are taken as exponentially distributed, their mean raised by its standard error (``1 / sqrt(n)``
-        of it for ``n`` audits), and the reference is the quantile that only ``1 - target_agreement`` of the frames
-        exceed (``mean * ln(1 / (1 - target))``), never below the largest scaled loss itself."""
+        Each recent audit's measured loss is first scaled up (never down) to this frame: when this frame had a
+        sampled audit (``sampled_error``) and the audit's own sample measured the error between the cached and the
+        full probe, by the ratio of the two (the frame's own measurement of how far its cache is off, which grows
+        with its drift); else by the frames since the full frame against the audit's, raised to the growth exponent
+        the audits themselves show (:meth:`drift_growth`: the change mask recomputes every cell that moved by the
+        threshold, so the cache's drift need not accumulate frame by frame). The losses of single frames are
+        heavy-tailed (a frame may lose three times the lead of the audits around it), so the largest of a few audits
+        is no bound: the losses are taken as exponentially distributed, their mean raised by its standard error
+        (``1 / sqrt(n)`` of it for ``n`` audits), and the reference is the quantile that only
+        ``1 - target_agreement`` of the frames exceed (``mean * ln(1 / (1 - target))``), never below the largest
+        scaled loss itself."""
         return self._reference(self._scaled_losses(frames_since_full, sampled_error))
 
     def _scaled_losses(self, frames_since_full: int, sampled_error: float) -> list[float]:
@@ -192,9 +194,13 @@ class QualityGuard:
         growth = self.drift_growth()
         losses = []
         for audit in self._lead_lost:
-            scale = max(1.0, frames_since_full / max(audit.frames, 1)) ** growth
             if sampled_error > 0 and audit.probe_error > _PROBE_FLOOR:
-                scale = max(scale, sampled_error / audit.probe_error)
+                # the frame's own measurement of its drift stands in for the extrapolation by frames (a guess at how
+                # drift grows); never below the audit's own loss (pruning after the probe, which the sample cannot
+                # see, is bounded by the feature threshold at every commit: it does not grow with the frames)
+                scale = max(1.0, sampled_error / audit.probe_error)
+            else:
+                scale = max(1.0, frames_since_full / max(audit.frames, 1)) ** growth
             losses.append(audit.lost * scale)
         return losses
 

@@ -22,7 +22,6 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,17 +29,16 @@ import torch
 import torch.nn as nn
 
 from incrinf.engine import CacheMemory
-from incrinf.engine.blocks import BlockPlan
-from incrinf.engine.frame_regions import RegionPlan
 from incrinf.graph import capture, has_windows
 from incrinf.normalization import Normalization
 from incrinf.stream.agreement import Comparison, compare, top1_margin
 from incrinf.stream.audits import SampledAudit
 from incrinf.stream.backoff import BackOff
 from incrinf.stream.camera import CameraEngine
-from incrinf.stream.change_mask import ChangeMask, change_mask
+from incrinf.stream.change_mask import change_mask
 from incrinf.stream.config import StreamConfig
 from incrinf.stream.decisions import Prediction, SpeedGuard, best_saving, plan_kind
+from incrinf.stream.frame_state import Fallback, FrameState
 from incrinf.stream.guards import Agreement, QualityGuard, Verdict
 from incrinf.stream.inputs import FrameInput
 from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
@@ -51,45 +49,6 @@ from incrinf.validation import check_homography
 
 # Frames that tried the cache in vain; they count towards a back-off.
 _MISSES = (Cause.MATCH_FAILED, Cause.CACHE_UNUSABLE, Cause.CHANGED_FRACTION)
-
-
-@dataclass(frozen=True)
-class _Fallback:
-    """Why a frame runs fully: a cause and its detail in words."""
-
-    cause: Cause
-    detail: str = ""
-
-    @property
-    def text(self) -> str:
-        """The :attr:`FrameStats.reason` text, ``"cause: detail"``."""
-        return f"{self.cause.value}: {self.detail}" if self.detail else self.cause.value
-
-
-@dataclass
-class _Frame:
-    """One frame's state while it runs."""
-
-    x: torch.Tensor
-    pixels: np.ndarray
-    raw_size: tuple[int, int]
-    times: FrameTimes
-    fallback: _Fallback | None = None
-    matrix: np.ndarray | None = None
-    mask: ChangeMask | None = None
-    warped: np.ndarray | None = None
-    n_matches: int = 0
-    features: FrameFeatures | None = None
-    plan: RegionPlan | BlockPlan | None = None
-    oracle: tuple[float, float] = (math.nan, math.nan)  # measured cached and full engine seconds
-    sampled: float = math.nan  # a sampled audit's error
-    checked: float = 0.0  # seconds of a near-tie check's or audit's full run on top of the cached frame
-    overhead: float = 0.0  # seconds of the decision (stillness test, matching, mask, plan) before the engine ran
-    probes: tuple[torch.Tensor, torch.Tensor] | None = None  # the probe, cached and full, at a full audit
-
-    @property
-    def still(self) -> bool:
-        return self.matrix is not None and np.array_equal(self.matrix, np.eye(3))
 
 
 class StreamSession:
@@ -152,7 +111,7 @@ class StreamSession:
         self._engines: dict[tuple[int, ...], CameraEngine] = {}
         self._no_reuse: dict[tuple[int, ...], str] = {}  # frame shapes on which the cache cannot pay, and why
         self._samplers: dict[tuple[int, ...], SampledAudit] = {}
-        self._speed = SpeedGuard()
+        self._speed = SpeedGuard(self.config.max_backoff)
         self._quality = QualityGuard(self.config) if self.config.quality_guard else None
         self._backoff = BackOff(self.config)
         self.stats: FrameLog = FrameLog(self.config.keep_stats)
@@ -222,7 +181,7 @@ class StreamSession:
         x, pixels, raw_size = self.inputs(frame)
         matrix_given = check_homography(homography)
         self._join()
-        f = _Frame(x, pixels, raw_size, FrameTimes())
+        f = FrameState(x, pixels, raw_size, FrameTimes())
         f.times.prepare = time.perf_counter() - start
         engine = self._engine(tuple(x.shape))
         quality = self._quality
@@ -245,7 +204,7 @@ class StreamSession:
             raise
         bookkeeping = time.perf_counter()
         if f.fallback is None and engine.full_reason:
-            f.fallback = _Fallback(Cause.CACHE_UNUSABLE, engine.full_reason)
+            f.fallback = Fallback(Cause.CACHE_UNUSABLE, engine.full_reason)
         ran_cached = f.fallback is None and not oracle
         cached = f.fallback is None and comparison is None and not oracle
         refreshed = engine.last.refreshed if cached else None
@@ -259,7 +218,7 @@ class StreamSession:
                 quality.probe_error(self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS,
                                                                            f.sampled))
             why = "near tie, " if verify else ""
-            f.fallback = _Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
+            f.fallback = Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
                                                 f"{verdict.value}")
         if quality is not None:
             quality.tick()
@@ -270,8 +229,9 @@ class StreamSession:
         # charges the cached path its expected checks (a full frame times the check rate) and sends frames to full
         # inference once they make it slower; counted here too, a clip whose checks come often early (every cached
         # frame is checked before the first audit) would back off for a stretch sized by a full frame per check
-        paid = self._backoff.paid(None if verify else cause, attempt, saving, prediction.full,
-                                  overhead + engine_seconds - (f.checked if verify else 0.0), overhead)
+        missed = comparison is not None and verdict == Verdict.MISS  # the cached run was in vain: a miss
+        paid = self._backoff.paid(None if verify and not missed else cause, attempt, saving, prediction.full,
+                                  overhead + engine_seconds - f.checked, overhead, missed)
         f.times.decide = time.perf_counter() - bookkeeping
         commit_start = time.perf_counter()
         commit = (f, tuple(x.shape), refreshed, paid, engine.costs.full_seconds, oracle)
@@ -307,11 +267,12 @@ class StreamSession:
             times=f.times,
         ))
         self._index += 1
+        self._margin = top1_margin(out) if self._quality is not None else math.nan
         return out
 
     # --- steps -------------------------------------------------------------------------------------------
 
-    def _plan(self, f: _Frame, engine: CameraEngine) -> Prediction:
+    def _plan(self, f: FrameState, engine: CameraEngine) -> Prediction:
         """Plan a frame that may run cached and predict its cost; with the speed guard, send it to full
         inference when the plan says the cached path would be slower."""
         costs = engine.costs
@@ -319,15 +280,16 @@ class StreamSession:
             return Prediction(costs.full_seconds if costs.profiled else math.nan, math.nan)
         clock = time.perf_counter()
         f.plan = engine.plan(f.mask.pixel_mask, f.matrix, f.mask.clusters() if f.still else None)
-        prediction = self._speed.predict(costs, f.plan) if costs.profiled else Prediction(math.nan, math.nan)
+        prediction = self._speed.predict(costs, f.plan, f.near_tie) if costs.profiled \
+            else Prediction(math.nan, math.nan)
         f.times.plan = time.perf_counter() - clock
         if self.config.speed_guard and not self._speed.choose_cached(prediction):
             checks = f" + {prediction.checks * 1e3:.1f} ms expected near-tie checks" if prediction.checks else ""
-            f.fallback = _Fallback(Cause.SLOWER, f"predicted {prediction.cached * 1e3:.1f} ms cached{checks} vs "
+            f.fallback = Fallback(Cause.SLOWER, f"predicted {prediction.cached * 1e3:.1f} ms cached{checks} vs "
                                                  f"{prediction.full * 1e3:.1f} ms full")
         return prediction
 
-    def _run(self, f: _Frame, engine: CameraEngine, audit: bool, oracle: bool
+    def _run(self, f: FrameState, engine: CameraEngine, audit: bool, oracle: bool
              ) -> tuple[Any, Comparison | None, bool, float]:
         """Run the frame: ``(output, the audit's comparison or None, whether the audit was a near-tie check, engine
         seconds)``; times the engine and the audit, and calibrates the cost model."""
@@ -361,9 +323,14 @@ class StreamSession:
             return out, None, False, cached_seconds
         self._calibrate(f, engine, cached_seconds)
         audit = self._sample(f, engine, audit)
-        # a classifier's near tie is checked on the spot (see QualityGuard.risky)
-        verify = not audit and quality is not None and quality.risky(top1_margin(out), self._index - self._last_full,
-                                                                      f.sampled)
+        # a classifier's near tie is checked on the spot (see QualityGuard.risky): by a sample of the frame first (a
+        # fraction of a frame: its measured drift replaces the guess from the frames since the last full one), in
+        # full when the margin is still at risk or the sample flags
+        margin, since_full = top1_margin(out), self._index - self._last_full
+        verify = not audit and quality is not None and quality.risky(margin, since_full, f.sampled)
+        if verify and math.isnan(f.sampled):
+            audit = self._sample(f, engine, False, near_tie=True)
+            verify = not audit and quality.risky(margin, since_full, f.sampled)
         if audit or verify:
             sampler = self._samplers.get(tuple(f.x.shape))
             probe = sampler.probe if sampler is not None else None
@@ -379,17 +346,17 @@ class StreamSession:
                 f.probes = (cached_probe, engine.engine.cache.map(probe.name))
         return out, comparison, verify, time.perf_counter() - clock
 
-    def _sample(self, f: _Frame, engine: CameraEngine, due: bool) -> bool:
+    def _sample(self, f: FrameState, engine: CameraEngine, due: bool, near_tie: bool = False) -> bool:
         """A sampled audit where one is due (in place of a due full audit, or every ``audit_interval`` frames since
-        the last check); returns whether a full audit runs on this frame (a due one the sample cannot stand in
-        for, or one the sample flagged)."""
+        the last check, or on a near tie); returns whether a full audit runs on this frame (a due one the sample
+        cannot stand in for, or one the sample flagged)."""
         quality, sampler = self._quality, self._samplers.get(tuple(f.x.shape))
         if quality is None or sampler is None or not sampler.ready:
             return due
         since_full = self._index - self._last_full
         if due and quality.long_due(since_full):
             return True  # the long interval: a full audit whatever a sample would say
-        if not due and self._index - self._last_check < self.config.first_audit_interval:
+        if not due and not near_tie and self._index - self._last_check < self.config.first_audit_interval:
             return False
         clock = time.perf_counter()
         result = sampler.check(engine.engine, f.x, f.mask)
@@ -402,7 +369,7 @@ class StreamSession:
             quality.sampled_hold()
         return False
 
-    def _calibrate(self, f: _Frame, engine: CameraEngine, seconds: float) -> None:
+    def _calibrate(self, f: FrameState, engine: CameraEngine, seconds: float) -> None:
         """Feed the cost model what the cached frame's steps measured (the pruning was recorded as it ran) and
         what the frame's measured ``seconds`` spent beyond them (its fixed cost); without the speed guard the
         coefficients stay as they are, so runs are reproducible."""
@@ -411,7 +378,7 @@ class StreamSession:
             engine.costs.record_steps(kind, engine.last.step_samples)
             engine.costs.record_frame(kind, seconds - engine.last.timed_seconds)
 
-    def _full_frame(self, f: _Frame, engine: CameraEngine) -> Any:
+    def _full_frame(self, f: FrameState, engine: CameraEngine) -> Any:
         """Full inference of a frame that falls back: plain (nothing kept) when the next frame cannot use the
         cache either, else refilling it (the first frame also profiles the engine's costs)."""
         if not self._next_may_use_cache(f):
@@ -428,17 +395,29 @@ class StreamSession:
                 self._samplers[tuple(f.x.shape)] = sampler
         return out
 
-    def _next_may_use_cache(self, f: _Frame) -> bool:
+    def _next_may_use_cache(self, f: FrameState) -> bool:
         """Whether the frame after this full one may use the cache (else this one need not fill it)."""
         cause = f.fallback.cause
         if cause in (Cause.NO_REUSE, Cause.KEYFRAME) and (cause == Cause.NO_REUSE or self.config.every_frame_full):
             return False
         if cause == Cause.BACKING_OFF and self._backoff.skip > 1:
             return False  # this frame's stretch goes on
+        if cause == Cause.SLOWER and f.plan is None:
+            return self._speed.probe_due  # no plan can pay: only a probe's frame uses the cache
         if cause in (*_MISSES, Cause.SLOWER) and self._backoff.starts_with_miss(f.overhead):
             return False  # this miss starts a stretch
         quality = self._quality
         return not (cause == Cause.SUSPENDED and quality is not None and quality.suspended_for > 1)
+
+    def _check_certain(self) -> bool:
+        """Whether a cached frame now would be checked by full inference: the previous output's top-1 lead is within
+        what a cached frame may lose (a near tie lasts over frames), and no sampled audit can check it for a fraction
+        of a frame first. Before the first audit every cached label output is checked, and that check is the guard's
+        first measurement: not counted."""
+        quality, sampler = self._quality, self._samplers.get(self._shape)
+        if quality is None or not quality.audited or (sampler is not None and sampler.ready):
+            return False
+        return quality.risky(self._margin, self._index - self._last_full)
 
     @property
     def _pruning(self) -> bool:
@@ -454,36 +433,42 @@ class StreamSession:
 
     # --- steps -------------------------------------------------------------------------------------------
 
-    def _decide(self, f: _Frame, engine: CameraEngine, matrix_given: np.ndarray | None) -> None:
+    def _decide(self, f: FrameState, engine: CameraEngine, matrix_given: np.ndarray | None) -> None:
         """Set the frame's fallback (None: cached), homography, change mask, warped reference and keypoints;
         mutates nothing else. Keypoints are detected only when a homography is estimated (the previous frame's
         lazily, when it had none)."""
         no_reuse = self._no_reuse.get(tuple(f.x.shape))
         if no_reuse is not None:
-            f.fallback = _Fallback(Cause.NO_REUSE, no_reuse)
+            f.fallback = Fallback(Cause.NO_REUSE, no_reuse)
             return
         if self._prev_pixels is None:
-            f.fallback = _Fallback(Cause.FIRST_FRAME)
+            f.fallback = Fallback(Cause.FIRST_FRAME)
             return
         if f.raw_size != self._raw_size or tuple(f.x.shape) != self._shape:
-            f.fallback = _Fallback(Cause.SIZE_CHANGED)
+            f.fallback = Fallback(Cause.SIZE_CHANGED)
             return
         if self._failed:
-            f.fallback = _Fallback(Cause.PREVIOUS_FAILED)
+            f.fallback = Fallback(Cause.PREVIOUS_FAILED)
             return
         if self.config.every_frame_full or (self._quality is None and self.config.keyframe_interval
                                             and self._index - self._last_full >= self.config.keyframe_interval):
-            f.fallback = _Fallback(Cause.KEYFRAME)  # with the quality guard: audits instead
+            f.fallback = Fallback(Cause.KEYFRAME)  # with the quality guard: audits instead
             return
         if self._quality is not None and self._quality.suspended:
-            f.fallback = _Fallback(Cause.SUSPENDED, "the cached path missed the target at the tightest settings")
+            f.fallback = Fallback(Cause.SUSPENDED, "the cached path missed the target at the tightest settings")
             return
         if self._backoff.active:
-            f.fallback = _Fallback(Cause.BACKING_OFF, f"{self._backoff.misses} frames in a row could not use the "
+            f.fallback = Fallback(Cause.BACKING_OFF, f"{self._backoff.misses} frames in a row could not use the "
                                                       "cache or saved little with it")
             return
-        if not engine.has_cache:  # dropped after a failure inside the engine
-            f.fallback = _Fallback(Cause.PREVIOUS_FAILED)
+        f.near_tie = self._check_certain()
+        hopeless = self._speed.hopeless(engine.engine, self._pruning, f.near_tie) \
+            if self.config.speed_guard else ""
+        if hopeless:  # known before the stillness test, matching, mask and plan: none of them runs
+            f.fallback = Fallback(Cause.SLOWER, hopeless)
+            return
+        if not engine.has_cache:  # dropped after a failure inside the engine, or by a plain frame
+            f.fallback = Fallback(Cause.PREVIOUS_FAILED, "no cache kept")
             return
         config, times = self.config, f.times
         clock = time.perf_counter()
@@ -510,7 +495,7 @@ class StreamSession:
             f.n_matches = result.n_matches
             if not result.ok:
                 times.match += time.perf_counter() - clock
-                f.fallback = _Fallback(Cause.MATCH_FAILED, result.reason)
+                f.fallback = Fallback(Cause.MATCH_FAILED, result.reason)
                 return
             f.matrix = result.matrix
         size = f.pixels.shape[:2]
@@ -526,7 +511,7 @@ class StreamSession:
             unusable = engine.unusable_fraction(f.matrix)
             if unusable > engine.dense_cut:  # checked before the warp and mask it would make useless
                 f.mask = None
-                f.fallback = _Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by the motion")
+                f.fallback = Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by the motion")
                 f.times.mask += time.perf_counter() - mask_start
                 return
             f.warped = warp_image(self._reference, f.matrix)
@@ -535,10 +520,10 @@ class StreamSession:
         f.times.mask += time.perf_counter() - mask_start
         fraction = f.mask.recompute_fraction
         if fraction > config.max_ratio:
-            f.fallback = _Fallback(Cause.CHANGED_FRACTION, f"{fraction:.2f} > max_ratio {config.max_ratio:g}")
+            f.fallback = Fallback(Cause.CHANGED_FRACTION, f"{fraction:.2f} > max_ratio {config.max_ratio:g}")
             f.warped = None
 
-    def _commit(self, f: _Frame, shape: tuple[int, ...], refreshed: list[tuple[int, int, int, int]] | None,
+    def _commit(self, f: FrameState, shape: tuple[int, ...], refreshed: list[tuple[int, int, int, int]] | None,
                 paid: bool | None, full_seconds: float, oracle: bool) -> None:
         """The frame succeeded: it becomes the previous frame."""
         if f.fallback is None and not oracle:
@@ -573,6 +558,7 @@ class StreamSession:
         self._planned = 0
         self._backoff.reset()
         self._failed = False
+        self._margin = math.nan  # the latest output's top-1 lead (NaN: none, or a map)
 
     def _join(self) -> None:
         if self._worker is not None:

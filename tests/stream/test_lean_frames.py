@@ -1,0 +1,174 @@
+"""The lean frame: work the decision does not need is skipped (incrinf.stream.session, decisions, backoff, camera).
+
+Decisions here rest on injected costs and outcomes, never on wall-clock timings: the speed guard's coefficients are
+frozen at the plan's priors, near ties and flipped outputs are injected.
+"""
+
+import math
+
+import cv2
+import numpy as np
+import pytest
+import skimage.data
+import torch
+import torch.nn as nn
+
+from incrinf import models
+from incrinf.engine.costs import PRIOR_CALL
+from incrinf.stream.backoff import BackOff
+from incrinf.stream.camera import CameraEngine
+from incrinf.stream.config import StreamConfig
+from incrinf.stream.decisions import PROBE_EVERY, cheapest_seconds
+from incrinf.stream.session import StreamSession
+from incrinf.stream.stats import Cause
+
+H, W = 64, 80
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def frames() -> list[np.ndarray]:
+    """A still camera: a photo with a small bright square moving across it."""
+    photo = cv2.resize(skimage.data.chelsea(), (W, H), interpolation=cv2.INTER_AREA)
+    out = []
+    for k in range(24):
+        frame = photo.copy()
+        x = 4 + 2 * k
+        frame[20:30, x:x + 10] = 250
+        out.append(frame)
+    return out
+
+
+def _wide() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 48, 3, padding=1), nn.ReLU()]
+    for _ in range(4):
+        layers += [nn.Conv2d(48, 48, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 10)).eval()
+
+
+def _full(model: nn.Module, frame: np.ndarray) -> torch.Tensor:
+    x = torch.from_numpy(frame).permute(2, 0, 1)[None].float() / 255.0
+    with torch.no_grad():
+        return model((x - 0.5) / 0.5)
+
+
+def _frozen_costs(session: StreamSession, monkeypatch: pytest.MonkeyPatch):
+    """The cost coefficients at the plan's priors, kept there (no profile, no calibration from timings)."""
+    costs = next(iter(session._engines.values())).costs
+    calls = [PRIOR_CALL] * len(costs.steps)
+    costs.set_profile([s.dense for s in costs.steps], calls, calls, costs.tail, costs.move, 0.0)
+    for name in ("record_full", "record_steps", "record_survival", "record_frame"):
+        monkeypatch.setattr(costs, name, lambda *args: None)
+    return costs
+
+
+def test_no_frame_is_planned_while_a_near_tie_check_is_certain(frames, monkeypatch):
+    """After the first audit, a cached frame whose previous output was a near tie would be checked by full inference
+    (a near tie lasts over frames): the cheapest plan there is plus that check costs a full frame, and the session
+    knows it before the frame's stillness test, matching, mask and plan, runs it plain without them, and plans (and
+    probes) a frame only now and then, at intervals that double while the probes confirm it (8, then 16 frames)."""
+    model = _wide()
+    session = StreamSession(model, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
+                            sampled_audits=False, input_size=(H, W))
+    costs = _frozen_costs(session, monkeypatch)
+    session._quality.risky = lambda margin, *_: True  # every output's top-1 is a near tie
+    n = 2 + 3 * PROBE_EVERY + 2
+    engine = next(iter(session._engines.values())).engine
+    kept = []
+    for k in range(n):
+        frame = frames[k % len(frames)]
+        torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
+        kept.append(engine.has_cache)
+    assert cheapest_seconds(engine) < costs.full_seconds  # the plan alone would pay
+    stats = session.stats[1:]
+    assert stats[0].cause == Cause.AUDIT  # checked by rule: the guard's first measurement
+    planned = [s for s in stats[1:] if s.times.plan > 0]
+    skipped = [s for s in stats[1:] if s.times.plan == 0]
+    assert all(s.cause == Cause.SLOWER and "expected near-tie checks" in s.reason for s in skipped)
+    assert all(s.times.match == s.times.mask == 0 and math.isnan(s.predicted_cached) for s in skipped)
+    # the probes run cached (and are checked: audits), 8 and then 16 frames apart
+    assert [s.index for s in planned] == [1 + PROBE_EVERY, 1 + 3 * PROBE_EVERY], [s.reason for s in stats]
+    assert all(s.cause == Cause.AUDIT for s in planned)
+    # a skipped frame runs plain (keeps no cache) unless the next frame is a probe's
+    assert all(kept[s.index] == (s.index + 1 in {p.index for p in planned}) for s in skipped)
+
+
+def test_probes_grow_rare_while_they_confirm_and_start_anew_after_a_frame_that_pays():
+    from incrinf.stream.decisions import Prediction, SpeedGuard
+
+    guard = SpeedGuard(max_interval=4 * PROBE_EVERY)
+    stuck = Prediction(1.0, 0.6, 1.0)  # the plan saves 40%, a certain check costs a frame
+    probes = [i for i in range(1, 8 * PROBE_EVERY) if guard.choose_cached(stuck)]
+    gaps = [b - a for a, b in zip([0, *probes], probes)]
+    assert gaps == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]  # doubling up to the longest stretch
+    assert guard.choose_cached(Prediction(1.0, 0.3))  # a frame that pays on its own
+    assert [guard.choose_cached(stuck) for _ in range(PROBE_EVERY)] == [False] * (PROBE_EVERY - 1) + [True]
+
+
+def test_a_missed_audit_is_a_miss_that_costs_its_cached_run():
+    """An audit whose cached output missed the target was an attempt in vain: a miss whose cost is the decision and
+    the cached run (what it spent on top of the full frame); an audit that held is no attempt."""
+    full = 0.036
+    backoff = BackOff(StreamConfig(backoff_after=3, max_backoff=64))
+    assert backoff.paid(Cause.AUDIT, True, math.inf, full, 0.020, 0.003) is None
+    for _ in range(3):
+        paid = backoff.paid(Cause.AUDIT, True, math.inf, full, 0.020, 0.003, missed_audit=True)
+        assert paid is False
+        backoff.count(Cause.AUDIT, paid, full)
+    assert list(backoff._savings) == [-0.020] * 3
+    # a stretch sized by what the misses cost: its one attempt at the end costs at most 2% of it
+    assert backoff.active and backoff.stretch == math.ceil(0.020 / (0.02 * full))
+
+
+def test_a_near_tie_check_that_missed_counts_as_a_miss(frames):
+    model = _wide()
+    session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0)
+    session._quality.risky = lambda margin, *_: True
+    session(frames[0])
+    executor = next(iter(session._engines.values()))
+    honest = executor.cached
+
+    def flipped(*args, **kwargs):  # the cached output answers another class
+        out = honest(*args, **kwargs).clone()
+        out[0, int(out.argmin())] = out.max() + 1.0
+        return out
+
+    executor.cached = flipped
+    taken = []
+    paid = session._backoff.paid
+
+    def spy(*args):
+        taken.append(args)
+        return paid(*args)
+
+    session._backoff.paid = spy
+    session(frames[1])
+    checked = session.stats[1]
+    assert checked.audit and "miss" in checked.reason, checked.reason
+    cause, attempt, _, _, seconds, overhead, missed = taken[0]
+    assert cause == Cause.AUDIT and attempt and missed
+    assert overhead < seconds and seconds + checked.times.audit <= checked.seconds  # the cached run, not the check
+    assert session._backoff.misses == 1
+
+
+def test_an_unusable_motion_is_told_without_building_the_index_maps(monkeypatch):
+    """A sub-stride pan leaves most of the first cached map misaligned: that share is estimated on a subgrid of the
+    map, and the full index maps (the costly part) are built only for a motion the frame can use."""
+    model = models.load("mobilenet_v2")
+    photo = cv2.resize(skimage.data.chelsea(), (320, 240), interpolation=cv2.INTER_AREA)
+    session = StreamSession(model, speed_guard=False, quality_guard=False, still_fraction=0)
+    session(np.ascontiguousarray(photo[40:120, 60:156]))
+    engine = next(iter(session._engines.values()))
+    calls = []
+    original = CameraEngine._warp_maps
+    monkeypatch.setattr(CameraEngine, "_warp_maps", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    for shift in (3.0, 5.0, 1.3):
+        pan = np.array([[1.0, 0, -shift], [0, 1, 0], [0, 0, 1]])
+        estimate = engine.unusable_fraction(pan)
+        assert estimate > engine.dense_cut and calls == []
+        exact = original(engine, pan)[engine.engine.first_resolution].invalid.mean()
+        assert abs(estimate - exact) < 0.05
+    usable = np.array([[1.0, 0, -32.0], [0, 1, 0], [0, 0, 1]])  # a whole-position pan: reads its sources exactly
+    assert engine.unusable_fraction(usable) <= engine.dense_cut and calls == [1]

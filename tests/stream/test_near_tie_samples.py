@@ -1,0 +1,84 @@
+"""Near ties checked by a sample of the frame first: a full check only when the sampled drift leaves the margin at
+risk (incrinf.stream.guards.QualityGuard.risky, incrinf.stream.session)."""
+
+import math
+
+import cv2
+import numpy as np
+import pytest
+import skimage.data
+import torch
+import torch.nn as nn
+
+from incrinf.engine.costs import PRIOR_CALL
+from incrinf.stream.agreement import Comparison, OutputKind
+from incrinf.stream.config import StreamConfig
+from incrinf.stream.guards import QualityGuard
+from incrinf.stream.session import StreamSession
+from incrinf.stream.stats import Cause
+
+H, W = 64, 80
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_a_frames_own_sample_replaces_the_extrapolation_by_frames():
+    """One audit lost 0.4 of the lead one frame after a full one, its sample measured 0.1 at the probe. Five frames
+    later, without a sample of its own, a frame is scaled by the frames (linear growth with one audit): 2.0, so a
+    margin of 0.9 is a near tie. With a sample that measured the same drift as the audit's, the frame is as far off
+    as the audit was, not five times: 0.9 is safe; with twice the drift, it is not. Never below the audit's loss."""
+    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02))
+    guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.4), 1)
+    guard.probe_error(0.1)
+    assert guard.measured_loss(5) == pytest.approx(2.0)
+    assert guard.risky(0.9, 5)
+    assert guard.measured_loss(5, sampled_error=0.1) == pytest.approx(0.4)
+    assert not guard.risky(0.9, 5, sampled_error=0.1)
+    assert guard.measured_loss(5, sampled_error=0.3) == pytest.approx(1.2) and guard.risky(0.9, 5, sampled_error=0.3)
+    assert guard.measured_loss(5, sampled_error=0.01) == pytest.approx(0.4)  # never narrower than the audit's own
+    unsampled = QualityGuard(StreamConfig(target_agreement=0.99))
+    unsampled.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.4), 1)  # no probe error: frames scale it
+    assert unsampled.measured_loss(5, sampled_error=0.1) == pytest.approx(2.0)
+
+
+def _frames() -> list[np.ndarray]:
+    """A still camera: a photo with a small bright square moving across it."""
+    photo = cv2.resize(skimage.data.chelsea(), (W, H), interpolation=cv2.INTER_AREA)
+    out = []
+    for k in range(10):
+        frame = photo.copy()
+        frame[20:30, 4 + 2 * k:14 + 2 * k] = 250
+        out.append(frame)
+    return out
+
+
+def _classifier() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 48, 3, padding=1), nn.ReLU()]
+    for _ in range(4):
+        layers += [nn.Conv2d(48, 48, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 10)).eval()
+
+
+def test_a_near_tie_is_sampled_before_it_is_checked_in_full(monkeypatch):
+    """Every cached frame's margin is at risk unless the frame's own sample says otherwise: the first is checked in
+    full (no audit has held yet, so no sample can stand in), the later ones by a sample each (a fraction of a
+    frame) and returned from the cache; the outputs stay exact (no pruning)."""
+    model = _classifier()
+    frames = _frames()
+    session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0, sample_budget=0.8,
+                            max_backoff=0)
+    session._quality.risky = lambda margin, since=1, sampled=math.nan: math.isnan(sampled)
+    session(frames[0])  # profiles the engine and picks the sampled audits' probe
+    costs = next(iter(session._engines.values())).costs  # from here on the plans alone decide (no wall clock)
+    calls = [PRIOR_CALL] * len(costs.steps)
+    costs.set_profile([s.dense for s in costs.steps], calls, calls, costs.tail, costs.move, 0.0)
+    for name in ("record_full", "record_steps", "record_survival", "record_frame"):
+        monkeypatch.setattr(costs, name, lambda *args: None)
+    for frame in frames[1:]:
+        x = torch.from_numpy(frame).permute(2, 0, 1)[None].float() / 255.0
+        torch.testing.assert_close(session(frame), model((x - 0.5) / 0.5), rtol=1e-4, atol=1e-4)
+    stats = session.stats[1:]
+    assert stats[0].cause == Cause.AUDIT and stats[0].reason.startswith("audit: near tie")
+    later = stats[1:]
+    assert all(s.mode == "cached" and not math.isnan(s.sampled_error) for s in later), [s.reason for s in later]
