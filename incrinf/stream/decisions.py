@@ -50,10 +50,13 @@ class Prediction:
 
 
 # A frame the guard sends to full inference although its plan's predicted time is within this factor of a full
-# frame's is, every PROBE_EVERY such frames, run cached anyway: the calibration ratios and the check rate learn only
+# frame's is, after PROBE_EVERY such frames, run cached anyway: the calibration ratios and the check rate learn only
 # from frames that ran cached, and those samples may be stale (a load spike that has passed, new content, near ties
 # that have resolved). The plan alone decides, without the expected checks: a check rate measured on a few frames
-# would otherwise keep every later frame from running cached, and so from ever measuring it again.
+# would otherwise keep every later frame from running cached, and so from ever measuring it again. Each probe doubles
+# the interval to the next (up to the longest back-off stretch): a probe that confirms the rejections costs a cached
+# run (and its check) for nothing, so on a clip where the cache keeps losing probes grow rare; a frame that runs
+# cached on its own merits starts the intervals anew.
 PROBE_WITHIN = 1.5
 PROBE_EVERY = 8
 # Latest cached frames (after the quality guard's first audit) whose near-tie checks give the expected check rate.
@@ -71,8 +74,10 @@ class SpeedGuard:
     times a full frame.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_interval: int = 64) -> None:
         self._rejected = 0
+        self._max_interval = max(max_interval, PROBE_EVERY)
+        self.probe_every = PROBE_EVERY  # rejections before the next probe
         self._checks: deque[bool] = deque(maxlen=CHECK_WINDOW)
 
     def record_check(self, checked: bool) -> None:
@@ -84,27 +89,28 @@ class SpeedGuard:
         """Share of the latest cached frames whose near tie was checked by full inference (0 before any)."""
         return sum(self._checks) / len(self._checks) if self._checks else 0.0
 
-    def predict(self, costs: FrameCosts, plan: RegionPlan | BlockPlan) -> Prediction:
+    def predict(self, costs: FrameCosts, plan: RegionPlan | BlockPlan, check_certain: bool = False) -> Prediction:
         """The full frame's and the planned cached frame's expected engine seconds (the plan's), the expected
-        checks included."""
+        checks included (a full frame with ``check_certain``)."""
         full = costs.full_seconds
-        return Prediction(full, plan.seconds, self.check_rate * full)
+        return Prediction(full, plan.seconds, (1.0 if check_certain else self.check_rate) * full)
 
     @property
     def probe_due(self) -> bool:
         """Whether the next frame rejected by :meth:`hopeless` or :meth:`choose_cached` would be probed."""
-        return self._rejected + 1 >= PROBE_EVERY
+        return self._rejected + 1 >= self.probe_every
 
-    def hopeless(self, engine: FrameEngine, pruning: bool) -> str:
+    def hopeless(self, engine: FrameEngine, pruning: bool, check_certain: bool = False) -> str:
         """Why no plan of the next frame can be faster than a full frame (``""``: one may be): the expected near-tie
-        checks alone, on top of the cheapest plan there is (:func:`cheapest_seconds`), cost a full frame. Known before
-        the frame's stillness test, matching, mask and plan, which then need not run. Such a frame counts as a
-        rejection towards the probe (:meth:`choose_cached`): the frame a probe is due on is planned."""
+        checks alone, on top of the cheapest plan there is (:func:`cheapest_seconds`), cost a full frame; with
+        ``check_certain`` (the previous output was a near tie) the check is expected for sure. Known before the
+        frame's stillness test, matching, mask and plan, which then need not run. Such a frame counts as a rejection
+        towards the probe (:meth:`choose_cached`): the frame a probe is due on is planned."""
         costs = engine.costs
-        if not costs.profiled or not self._checks or self.probe_due:
+        if not costs.profiled or not (self._checks or check_certain) or self.probe_due:
             return ""
         full, cheapest = costs.full_seconds, cheapest_seconds(engine, pruning)
-        checks = self.check_rate * full
+        checks = (1.0 if check_certain else self.check_rate) * full
         if not cheapest + checks >= full:
             return ""
         self._rejected += 1
@@ -114,12 +120,14 @@ class SpeedGuard:
     def choose_cached(self, prediction: Prediction) -> bool:
         if prediction.cached_faster:
             self._rejected = 0
+            self.probe_every = PROBE_EVERY
             return True
         if not prediction.cached < PROBE_WITHIN * prediction.full:
             return False
         self._rejected += 1
-        if self._rejected >= PROBE_EVERY:
+        if self._rejected >= self.probe_every:
             self._rejected = 0
+            self.probe_every = min(2 * self.probe_every, self._max_interval)
             return True
         return False
 

@@ -49,6 +49,7 @@ class FrameState:
     checked: float = 0.0  # seconds of a near-tie check's or audit's full run on top of the cached frame
     overhead: float = 0.0  # seconds of the decision (stillness test, matching, mask, plan) before the engine ran
     probes: tuple[torch.Tensor, torch.Tensor] | None = None  # the probe, cached and full, at a full audit
+    near_tie: bool = False  # the previous output was a near tie: a cached frame now would be checked
 
     @property
     def still(self) -> bool:

@@ -111,7 +111,7 @@ class StreamSession:
         self._engines: dict[tuple[int, ...], CameraEngine] = {}
         self._no_reuse: dict[tuple[int, ...], str] = {}  # frame shapes on which the cache cannot pay, and why
         self._samplers: dict[tuple[int, ...], SampledAudit] = {}
-        self._speed = SpeedGuard()
+        self._speed = SpeedGuard(self.config.max_backoff)
         self._quality = QualityGuard(self.config) if self.config.quality_guard else None
         self._backoff = BackOff(self.config)
         self.stats: FrameLog = FrameLog(self.config.keep_stats)
@@ -267,6 +267,7 @@ class StreamSession:
             times=f.times,
         ))
         self._index += 1
+        self._margin = top1_margin(out) if self._quality is not None else math.nan
         return out
 
     # --- steps -------------------------------------------------------------------------------------------
@@ -279,7 +280,8 @@ class StreamSession:
             return Prediction(costs.full_seconds if costs.profiled else math.nan, math.nan)
         clock = time.perf_counter()
         f.plan = engine.plan(f.mask.pixel_mask, f.matrix, f.mask.clusters() if f.still else None)
-        prediction = self._speed.predict(costs, f.plan) if costs.profiled else Prediction(math.nan, math.nan)
+        prediction = self._speed.predict(costs, f.plan, f.near_tie) if costs.profiled \
+            else Prediction(math.nan, math.nan)
         f.times.plan = time.perf_counter() - clock
         if self.config.speed_guard and not self._speed.choose_cached(prediction):
             checks = f" + {prediction.checks * 1e3:.1f} ms expected near-tie checks" if prediction.checks else ""
@@ -407,6 +409,16 @@ class StreamSession:
         quality = self._quality
         return not (cause == Cause.SUSPENDED and quality is not None and quality.suspended_for > 1)
 
+    def _check_certain(self) -> bool:
+        """Whether a cached frame now would be checked by full inference: the previous output's top-1 lead is within
+        what a cached frame may lose (a near tie lasts over frames), and no sampled audit can check it for a fraction
+        of a frame first. Before the first audit every cached label output is checked, and that check is the guard's
+        first measurement: not counted."""
+        quality, sampler = self._quality, self._samplers.get(self._shape)
+        if quality is None or not quality.audited or (sampler is not None and sampler.ready):
+            return False
+        return quality.risky(self._margin, self._index - self._last_full)
+
     @property
     def _pruning(self) -> bool:
         """Whether cached frames prune by value (a change may then die down to the engine's floor)."""
@@ -449,12 +461,14 @@ class StreamSession:
             f.fallback = Fallback(Cause.BACKING_OFF, f"{self._backoff.misses} frames in a row could not use the "
                                                       "cache or saved little with it")
             return
-        hopeless = self._speed.hopeless(engine.engine, self._pruning) if self.config.speed_guard else ""
+        f.near_tie = self._check_certain()
+        hopeless = self._speed.hopeless(engine.engine, self._pruning, f.near_tie) \
+            if self.config.speed_guard else ""
         if hopeless:  # known before the stillness test, matching, mask and plan: none of them runs
             f.fallback = Fallback(Cause.SLOWER, hopeless)
             return
         if not engine.has_cache:  # dropped after a failure inside the engine, or by a plain frame
-            f.fallback = Fallback(Cause.PREVIOUS_FAILED)
+            f.fallback = Fallback(Cause.PREVIOUS_FAILED, "no cache kept")
             return
         config, times = self.config, f.times
         clock = time.perf_counter()
@@ -544,6 +558,7 @@ class StreamSession:
         self._planned = 0
         self._backoff.reset()
         self._failed = False
+        self._margin = math.nan  # the latest output's top-1 lead (NaN: none, or a map)
 
     def _join(self) -> None:
         if self._worker is not None:

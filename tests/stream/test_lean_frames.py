@@ -64,33 +64,47 @@ def _frozen_costs(session: StreamSession, monkeypatch: pytest.MonkeyPatch):
     return costs
 
 
-def test_no_frame_is_planned_while_expected_checks_make_every_plan_slower(frames, monkeypatch):
-    """Once every recent cached frame needed a near-tie check (a full run on top), even the cheapest plan there is
-    plus the expected check costs a full frame: the session knows that before the frame's stillness test, matching,
-    mask and plan, runs it plain without them, and plans (and probes) only every PROBE_EVERY-th frame."""
+def test_no_frame_is_planned_while_a_near_tie_check_is_certain(frames, monkeypatch):
+    """After the first audit, a cached frame whose previous output was a near tie would be checked by full inference
+    (a near tie lasts over frames): the cheapest plan there is plus that check costs a full frame, and the session
+    knows it before the frame's stillness test, matching, mask and plan, runs it plain without them, and plans (and
+    probes) a frame only now and then, at intervals that double while the probes confirm it (8, then 16 frames)."""
     model = _wide()
-    session = StreamSession(model, max_backoff=0, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
+    session = StreamSession(model, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
                             sampled_audits=False, input_size=(H, W))
     costs = _frozen_costs(session, monkeypatch)
-    session._quality.risky = lambda margin, *_: True  # every cached frame's top-1 is a near tie
-    n = 3 + 2 * PROBE_EVERY
+    session._quality.risky = lambda margin, *_: True  # every output's top-1 is a near tie
+    n = 2 + 3 * PROBE_EVERY + 2
     engine = next(iter(session._engines.values())).engine
     kept = []
-    for frame in frames[:n]:
+    for k in range(n):
+        frame = frames[k % len(frames)]
         torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
         kept.append(engine.has_cache)
     assert cheapest_seconds(engine) < costs.full_seconds  # the plan alone would pay
     stats = session.stats[1:]
-    assert [s.cause for s in stats[:2]] == [Cause.AUDIT, Cause.AUDIT]  # checked by rule, then the first after it
-    planned = [s for s in stats[2:] if s.times.plan > 0]
-    skipped = [s for s in stats[2:] if s.times.plan == 0]
+    assert stats[0].cause == Cause.AUDIT  # checked by rule: the guard's first measurement
+    planned = [s for s in stats[1:] if s.times.plan > 0]
+    skipped = [s for s in stats[1:] if s.times.plan == 0]
     assert all(s.cause == Cause.SLOWER and "expected near-tie checks" in s.reason for s in skipped)
     assert all(s.times.match == s.times.mask == 0 and math.isnan(s.predicted_cached) for s in skipped)
-    # the probes: one frame in PROBE_EVERY is planned and runs cached (then checked: an audit)
-    assert [s.index for s in planned] == [2 + PROBE_EVERY, 2 + 2 * PROBE_EVERY], [s.reason for s in stats]
+    # the probes run cached (and are checked: audits), 8 and then 16 frames apart
+    assert [s.index for s in planned] == [1 + PROBE_EVERY, 1 + 3 * PROBE_EVERY], [s.reason for s in stats]
     assert all(s.cause == Cause.AUDIT for s in planned)
     # a skipped frame runs plain (keeps no cache) unless the next frame is a probe's
     assert all(kept[s.index] == (s.index + 1 in {p.index for p in planned}) for s in skipped)
+
+
+def test_probes_grow_rare_while_they_confirm_and_start_anew_after_a_frame_that_pays():
+    from incrinf.stream.decisions import Prediction, SpeedGuard
+
+    guard = SpeedGuard(max_interval=4 * PROBE_EVERY)
+    stuck = Prediction(1.0, 0.6, 1.0)  # the plan saves 40%, a certain check costs a frame
+    probes = [i for i in range(1, 8 * PROBE_EVERY) if guard.choose_cached(stuck)]
+    gaps = [b - a for a, b in zip([0, *probes], probes)]
+    assert gaps == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]  # doubling up to the longest stretch
+    assert guard.choose_cached(Prediction(1.0, 0.3))  # a frame that pays on its own
+    assert [guard.choose_cached(stuck) for _ in range(PROBE_EVERY)] == [False] * (PROBE_EVERY - 1) + [True]
 
 
 def test_a_missed_audit_is_a_miss_that_costs_its_cached_run():
