@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from incrinf.errors import CaptureError
-from incrinf.explain.runner import OcclusionRunner
+from incrinf.explain.heatmaps import TargetRunner
 from incrinf.extras import require
 from incrinf.graph import captured_graph
 
@@ -107,12 +107,11 @@ class Occlusion(_attr.Occlusion):
             ch = torch.arange(shape[0]).view(1, -1)
             c0 = torch.from_numpy(corners[:, 0]).view(-1, 1)
             channels = (ch >= c0) & (ch < c0 + window[0])
-        runner = OcclusionRunner(self.forward_func, image.detach())
-        base = _select(runner.base_output, target)
-        outputs, stats = runner.run(corners[:, 1:], window[1:], baseline, channels, batch, progress,
-                                    desc="incrinf occlusion", reduce=lambda out: _select(out, target))
+        scoring = _scoring(self.forward_func, image, target)
+        diffs, stats = scoring.windows(corners[:, 1:], window[1:], baseline, batch, progress, "incrinf occlusion",
+                                       channels=channels)
         self.last_stats.append(stats.as_dict())
-        diffs = (base - outputs).to(image.dtype)
+        diffs = torch.from_numpy(diffs).to(image.dtype)
         total = torch.zeros(shape, dtype=image.dtype, device=image.device)
         weight = torch.zeros(shape, dtype=image.dtype, device=image.device)
         for corner, d in zip(corners, diffs.tolist()):
@@ -193,12 +192,10 @@ class FeatureAblation(_attr.FeatureAblation):
 
     def _one(self, image: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor | float, target: Any, batch: int,
              progress: bool) -> torch.Tensor:
-        runner = OcclusionRunner(self.forward_func, image.detach())
-        base = _select(runner.base_output, target)
-        features, outputs, stats = runner.run_features(mask, baseline, batch, progress, desc="incrinf ablation",
-                                                       reduce=lambda out: _select(out, target))
+        scoring = _scoring(self.forward_func, image, target)
+        features, diffs, stats = scoring.features(mask, baseline, batch, progress, "incrinf ablation")
         self.last_stats.append(stats.as_dict())
-        diffs = base - outputs  # (F,)
+        diffs = torch.from_numpy(diffs).to(image.device)  # (F,)
         index = torch.from_numpy(np.searchsorted(features, mask.cpu().numpy())).to(diffs.device)
         per_element = diffs[index]  # (C or 1, *spatial)
         return per_element.expand(image.shape[1:]).unsqueeze(0).clone()
@@ -311,6 +308,12 @@ def _target_for(target: Any, i: int, n: int) -> Any:
             raise ValueError(f"target list has {len(target)} entries for {n} examples")
         return target[i]
     raise TypeError(f"unsupported target {target!r}")
+
+
+def _scoring(model: nn.Module, image: torch.Tensor, target: Any) -> TargetRunner:
+    """The explain front end's runner for one example, scoring Captum's ``target`` (an index into each output
+    row, or None for one output per example)."""
+    return TargetRunner.build(model, image.detach(), lambda out: _select(out, target), "logit", warn=False)
 
 
 def _select(out: torch.Tensor, target: Any) -> torch.Tensor:

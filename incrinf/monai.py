@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 
 from incrinf.errors import CaptureError
+from incrinf.explain.heatmaps import TargetRunner
 from incrinf.explain.occluders import Constant, Gaussian, Occluder, PatchFunction
-from incrinf.explain.runner import OcclusionRunner
 from incrinf.extras import require
 from incrinf.graph import captured_graph
 
@@ -102,14 +102,15 @@ class OcclusionSensitivity(_visualize.OcclusionSensitivity):
                                             mode="gaussian" if self.mode == "gaussian" else "constant")
 
         with eval_mode(self.nn_module):
-            runner = OcclusionRunner(self.nn_module, image.detach())
+            # every output of the model, as the explain front end scores them (target "all")
+            scoring = TargetRunner.build(self.nn_module, image.detach(), "all", "logit", warn=False)
             # MONAI's windows first (its own sliding window, answered with zeros), then every window from one plan
             # (batches of windows of similar reach, n_batch at a time), then MONAI's blend of the outputs
-            windows = _Windows(window, runner.graph.output.shape[1])
+            windows = _Windows(window, scoring.base.numel())
             slide(windows, False)
             corners = windows.corners()
-            out, stats = runner.run(corners, window, self._occluder(image, window), batch_size=self.n_batch,
-                                    progress=self.verbose, desc="incrinf occlusion")
+            out, stats = scoring.window_scores(corners, window, self._occluder(image, window), self.n_batch,
+                                               self.verbose, "incrinf occlusion")
             sensitivity_im = slide(_Predictor(corners, self._activated(out, image.shape[1]), window), False)
         stats.capture_seconds = capture_seconds
         self.last_stats = stats.as_dict()

@@ -97,18 +97,27 @@ class TargetRunner:
             return None
         return int(batch_size)
 
-    def windows(self, positions: np.ndarray, window: tuple[int, ...], baseline: Any, batch_size: int | None,
-                progress: bool = False, desc: str = "occlusion", memory: int | None = None
-                ) -> tuple[np.ndarray, RunStats]:
-        """Drops with each window occluded: (N,), or (K, N) for ``"all"``, and the run's counts.
+    def window_scores(self, positions: np.ndarray, window: tuple[int, ...], baseline: Any, batch_size: int | None,
+                      progress: bool = False, desc: str = "occlusion", memory: int | None = None, *,
+                      channels: torch.Tensor | None = None) -> tuple[torch.Tensor, RunStats]:
+        """The target's scores with each window occluded: (N,), or (N, K) for ``"all"``, and the run's counts.
 
         Args:
             positions: (N, d) window corners.
             window: (d,) window size.
             batch_size: positions per batch, or None to fill ``memory`` bytes of working memory.
+            channels: optional (N, C) bool, the channels each window occludes (all when None).
         """
-        scores, run = self.runner.run(positions, window, baseline, batch_size=batch_size, progress=progress,
-                                      desc=desc, reduce=self.target.scores, memory=memory)
+        return self.runner.run(positions, window, baseline, channels, batch_size=batch_size, progress=progress,
+                               desc=desc, reduce=self.target.scores, memory=memory)
+
+    def windows(self, positions: np.ndarray, window: tuple[int, ...], baseline: Any, batch_size: int | None,
+                progress: bool = False, desc: str = "occlusion", memory: int | None = None, *,
+                channels: torch.Tensor | None = None) -> tuple[np.ndarray, RunStats]:
+        """Drops with each window occluded: (N,), or (K, N) for ``"all"``, and the run's counts (arguments as
+        :meth:`window_scores`)."""
+        scores, run = self.window_scores(positions, window, baseline, batch_size, progress, desc, memory,
+                                         channels=channels)
         return drops(self.base, scores), run
 
     def features(self, mask: torch.Tensor, baseline: Any, batch_size: int | None, progress: bool = False,

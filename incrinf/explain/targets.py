@@ -103,7 +103,7 @@ def reduced(reducer: Reducer, output: Any) -> torch.Tensor:
     if scores.dim() == 0 or scores.shape[0] != n or scores[0].numel() != 1:
         raise ValueError(f"the target reducer must return one value per example, shape ({n},), for a batch of {n}; "
                          f"got shape {tuple(scores.shape)}")
-    return scores.reshape(n).float()
+    return _as_scores(scores.reshape(n))
 
 
 def batch_size(output: Any) -> int:
@@ -123,7 +123,13 @@ def batch_size(output: Any) -> int:
 
 
 def _flat(output: torch.Tensor) -> torch.Tensor:
-    return output.reshape(output.shape[0], -1).float()
+    return _as_scores(output.reshape(output.shape[0], -1))
+
+
+def _as_scores(values: torch.Tensor) -> torch.Tensor:
+    """Scores in float32, or float64 for a model computing in float64 (its differences keep their precision, as
+    with the plain libraries the drop-ins stand in for)."""
+    return values if values.dtype == torch.float64 else values.float()
 
 
 __all__ = ["OUTPUTS", "Reducer", "Target", "batch_size", "check_output", "reduced", "resolve"]
