@@ -328,7 +328,7 @@ class StreamSession:
         # full when the margin is still at risk or the sample flags
         margin, since_full = top1_margin(out), self._index - self._last_full
         verify = not audit and quality is not None and quality.risky(margin, since_full, f.sampled)
-        if verify and math.isnan(f.sampled):
+        if verify and math.isnan(f.sampled) and not math.isnan(margin):
             audit = self._sample(f, engine, False, near_tie=True)
             verify = not audit and quality.risky(margin, since_full, f.sampled)
         if audit or verify:
