@@ -16,9 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from incrinf.engine.costs import FrameCosts
+from incrinf.engine.boxes import merge_values
+from incrinf.engine.costs import FrameCosts, RegionKind
 from incrinf.engine.frame_regions import area, bounding, run_box
 from incrinf.engine.program import Program
 from incrinf.engine.stores import take
@@ -117,16 +119,22 @@ def exact_tiles(program: Program, frame: torch.Tensor, probe: Probe, tiles: list
                 costs: FrameCosts | None = None) -> list[torch.Tensor]:
     """The exact values (1, C, th, tw) of the probe's ``tiles``, recomputed from ``frame`` (1, C, H, W) through
     their cones: one cone per tile, or (with ``costs``) one cone around all of them when that costs less (deep
-    probes of a large receptive field: the tiles' cones overlap in most of the early maps)."""
+    probes of a large receptive field: the tiles' cones overlap in most of the early maps). Tiles whose cones are
+    translates of one another (inside the maps: no padding read) run as one batch through a single cone."""
     cones = [cone(program, probe.step, tile) for tile in tiles]
+    reads = _translated_reads(program, probe, cones) if len(cones) > 1 else None
     if costs is not None and len(cones) > 1:
         union: dict[str, Box] = {}
         for needed in cones:
             for name, box in needed.items():
                 union[name] = bounding(union[name], box) if name in union else box
-        if _cones_seconds(program, costs, probe.step, [union]) <= _cones_seconds(program, costs, probe.step, cones):
+        apart = _batch_seconds(program, costs, probe.step, cones) if reads is not None \
+            else _cones_seconds(program, costs, probe.step, cones)
+        if _cones_seconds(program, costs, probe.step, [union]) <= apart:
             scratch = _run_cone(program, frame, probe, union)
             return [scratch.map(probe.name)[..., a:b, c:d].clone() for a, b, c, d in tiles]
+    if reads is not None:
+        return _run_batched(program, frame, probe, cones, reads)
     out = []
     for tile, needed in zip(tiles, cones):
         t = _run_cone(program, frame, probe, needed).map(probe.name)
@@ -137,6 +145,19 @@ def exact_tiles(program: Program, frame: torch.Tensor, probe: Probe, tiles: list
 def _cones_seconds(program: Program, costs: FrameCosts, step: int, cones: list[dict[str, Box]]) -> float:
     return sum(costs.box(index, area(needed[program.steps[index].out]))
                for needed in cones for index in range(step + 1) if program.steps[index].out in needed)
+
+
+def _batch_seconds(program: Program, costs: FrameCosts, step: int, cones: list[dict[str, Box]]) -> float:
+    """Translated cones run as one batch: each step's fixed cost once, its arithmetic per cone."""
+    one = cones[0]
+    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
+    seconds = 0.0
+    for index in range(step + 1):
+        name = program.steps[index].out
+        if name in one:
+            call, compute = costs.box_parts(index, area(one[name]))
+            seconds += call_ratio * call + len(cones) * compute_ratio * compute
+    return seconds
 
 
 def _run_cone(program: Program, frame: torch.Tensor, probe: Probe, needed: dict[str, Box]) -> _Scratch:
@@ -164,6 +185,76 @@ def _run_cone(program: Program, frame: torch.Tensor, probe: Probe, needed: dict[
         full[..., box[0]:box[1], box[2]:box[3]] = values
         scratch.maps[step.out] = full
     return scratch
+
+
+def _translated_reads(program: Program, probe: Probe, cones: list[dict[str, Box]]
+                      ) -> dict[str, tuple[tuple[str, tuple[int, int, int, int]], ...]] | None:
+    """Per step of the cone, what it reads: ``(tensor, rows and columns relative to that tensor's box)``, when every
+    cone has the same boxes up to a shift and reads the same relative windows with no padding (a batch can then run
+    them as one); None otherwise (a tile near a border, average-pool border factors)."""
+    first = cones[0]
+    sizes = {name: (b[1] - b[0], b[3] - b[2]) for name, b in first.items()}
+    if any(set(c) != set(first) or any((b[1] - b[0], b[3] - b[2]) != sizes[n] for n, b in c.items())
+           for c in cones[1:]):
+        return None
+    reads = {}
+    for index in range(probe.step + 1):
+        step = program.steps[index]
+        if step.out not in first:
+            continue
+        if step.factors is not None:
+            return None
+        relative = None
+        for needed in cones:
+            box = needed[step.out]
+            if step.window is not None:
+                spec, source = step.window, step.window.source
+                dims = program.dims(source)
+                window = []
+                for a in range(2):
+                    lo = box[2 * a] * spec.stride[a] - spec.offset[a]
+                    hi = (box[2 * a + 1] - 1) * spec.stride[a] - spec.offset[a] + spec.extent[a]
+                    if lo < 0 or hi > dims[a]:
+                        return None  # the window reads padding
+                    window.extend((lo, hi))
+                own = ((source, tuple(window)),)
+            else:
+                own = tuple((name, box) for name in step.inputs)
+            rel = tuple((name, (w[0] - needed[name][0], w[1] - needed[name][0], w[2] - needed[name][2],
+                                w[3] - needed[name][2])) for name, w in own)
+            if relative is None:
+                relative = rel
+            elif rel != relative:
+                return None
+        reads[step.out] = relative
+    return reads
+
+
+def _run_batched(program: Program, frame: torch.Tensor, probe: Probe, cones: list[dict[str, Box]],
+                 reads: dict[str, tuple[tuple[str, tuple[int, int, int, int]], ...]]) -> list[torch.Tensor]:
+    """The probe's tiles of translated cones (``reads``: :func:`_translated_reads`) recomputed as one batch: each
+    step runs once on the N cones' values (N, C, *box), not once per tile (a shallow probe's sample costs mostly
+    per-call overhead)."""
+    source = program.graph.input.name
+    values = {source: torch.cat([frame[..., b[0]:b[1], b[2]:b[3]] for b in (c[source] for c in cones)])
+              .contiguous(memory_format=torch.channels_last)}
+    n = len(cones)
+    for index in range(probe.step + 1):
+        step = program.steps[index]
+        if step.out not in reads:
+            continue
+        box = cones[0][step.out]
+        crops = {name: values[name][..., r0:r1, c0:c1] for name, (r0, r1, c0, c1) in reads[step.out]}
+        if step.window is not None:
+            out = step.op(crops[step.window.source])
+        else:
+            out = merge_values(program, step, crops, Boxes((np.full(n, box[0]), np.full(n, box[2])),
+                                                            (box[1] - box[0], box[3] - box[2])))
+        for fn in step.functions:
+            out = fn(out)
+        values[step.out] = out
+    probe_values = values[probe.name]
+    return [probe_values[i:i + 1].clone() for i in range(n)]
 
 
 def _as_boxes(box: Box) -> Boxes:
