@@ -290,6 +290,13 @@ def depthwise_conv2d_int8_packed(
     return out
 
 
+def _pack_for(x, w, bias, input_offset, output_multiplier, output_shift, depth_multiplier) -> PackedDepthwiseInt8:
+    """A raw filter packed for the channels of ``x`` (the unpacked entry points pack on every call)."""
+    return pack_depthwise_int8(w, bias, input_offset=input_offset, output_multiplier=output_multiplier,
+                               output_shift=output_shift, depth_multiplier=depth_multiplier,
+                               in_channels=_check_x(x).shape[3])
+
+
 def depthwise_conv2d_int8(
     x: np.ndarray | torch.Tensor,
     w: np.ndarray | torch.Tensor,
@@ -335,15 +342,7 @@ def depthwise_conv2d_int8(
         ValueError: wrong shapes or layouts, channel mismatch, out-of-range multipliers, shifts,
             offsets or clamp, or a region outside the output.
     """
-    packed = pack_depthwise_int8(
-        w,
-        bias,
-        input_offset=input_offset,
-        output_multiplier=output_multiplier,
-        output_shift=output_shift,
-        depth_multiplier=depth_multiplier,
-        in_channels=_check_x(x).shape[3],
-    )
+    packed = _pack_for(x, w, bias, input_offset, output_multiplier, output_shift, depth_multiplier)
     return depthwise_conv2d_int8_packed(
         x,
         packed,
@@ -387,15 +386,7 @@ def depthwise_conv2d_int8_reference_order(
     else:
         if input_offset is None or output_multiplier is None or output_shift is None:
             raise TypeError("input_offset, output_multiplier and output_shift are required with a raw filter")
-        packed = pack_depthwise_int8(
-            w,
-            bias,
-            input_offset=input_offset,
-            output_multiplier=output_multiplier,
-            output_shift=output_shift,
-            depth_multiplier=depth_multiplier,
-            in_channels=_check_x(x).shape[3],
-        )
+        packed = _pack_for(x, w, bias, input_offset, output_multiplier, output_shift, depth_multiplier)
     xa, geo, quant, out = _prepare(x, packed, stride, padding, dilation, region, output_offset, act_min, act_max)
     if out.size:
         (sh, sw), (dh, dw), pads, (y0, _, x0, _) = geo
