@@ -10,7 +10,7 @@ import torch.nn as nn
 
 monai_visualize = pytest.importorskip("monai.visualize")
 
-import incrinf.monai  # noqa: E402
+from incrinf.explain.runner import OcclusionRunner  # noqa: E402
 from incrinf.geometry import incremental_flops, input_boxes, propagate  # noqa: E402
 from incrinf.graph import captured_graph  # noqa: E402
 from incrinf.monai import OcclusionSensitivity  # noqa: E402
@@ -49,13 +49,13 @@ def test_b_box_runs_exactly_the_boxes_windows_and_equals_monai(b_box, monkeypatc
     want_map, want_class = monai_visualize.OcclusionSensitivity(monai_model, **options)(x, b_box=b_box)
 
     ran = []  # the corners the drop-in hands to incremental inference
-    original = incrinf.monai.OcclusionRunner.run
+    original = OcclusionRunner.run  # whichever way the drop-in reaches it, every run goes through this class
 
     def recording_run(self, corners, *args, **kwargs):
         ran.append(np.asarray(corners))
         return original(self, corners, *args, **kwargs)
 
-    monkeypatch.setattr(incrinf.monai.OcclusionRunner, "run", recording_run)
+    monkeypatch.setattr(OcclusionRunner, "run", recording_run)
     ours = OcclusionSensitivity(model, **options)
     got_map, got_class = ours(x, b_box=b_box)
 
