@@ -22,7 +22,7 @@ averaged over those frames, and "wrong" counts the frames the guard sent the slo
 ``--loo``: every candidate setting of the grid below runs on every clip; for each clip the candidate that does
 best on the *other* clips (every other clip at >= 99% agreement and >= 0.95x mean and median speed of full CL,
 then the highest geometric-mean speedup) is reported on the held-out clip. The defaults are the candidate chosen
-on all clips.
+on all clips. ``--candidates defaults,NAME,...`` compares only those candidates of the grid.
 
 ``--loo --near-tie``: the leave-one-out choice of ``near_tie`` alone (candidates ``NEAR_TIE_GRID``, in lockstep on
 every clip): per clip, the candidates at which it kept 100% top-1; for each held-out clip, the smallest candidate
@@ -89,6 +89,8 @@ GRID = {
     "full audits only": {"sampled_audits": False},
     "audits 2..16": {"audit_interval": 2, "keyframe_interval": 16},
     "audits 8..64": {"audit_interval": 8, "keyframe_interval": 64},
+    "backoff after 1": {"backoff_after": 1},
+    "backoff after 2": {"backoff_after": 2},
 }
 # Candidates for near_tie (--loo --near-tie): the near-tie check's reference is the quantile of the audits' lead
 # changes that 1 - target_agreement of the frames exceed; these scale it.
@@ -301,9 +303,10 @@ def _grid_results(args: argparse.Namespace, configs: dict[str, dict]) -> dict[st
 
 
 def leave_one_out(args: argparse.Namespace) -> None:
-    print(f"leave-one-out over {len(args.clips)} clips, {len(GRID)} candidates, {args.frames} frames, "
+    grid = {name: GRID[name] for name in args.candidates}
+    print(f"leave-one-out over {len(args.clips)} clips, {len(grid)} candidates, {args.frames} frames, "
           f"EfficientNet-Lite0, {args.rounds} pass(es)")
-    results = _grid_results(args, GRID)
+    results = _grid_results(args, grid)
     print("\nheld-out clip: candidate chosen on the other clips -> its figures on the held-out clip")
     print("| held-out clip | chosen on the others | median x | mean x | top-1 | audits |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -352,10 +355,11 @@ def _choose(results: dict[str, dict[str, Row]]) -> str:
     def speed(name: str) -> float:
         return math.exp(statistics.mean(math.log(r[name].mean_x) for r in results.values()))
 
-    feasible = [name for name in GRID if ok(name)]
+    candidates = [name for name in next(iter(results.values())) if name in GRID]
+    feasible = [name for name in candidates if ok(name)]
     if feasible:
         return max(feasible, key=speed)
-    return max(GRID, key=lambda name: (min(r[name].agreement for r in results.values()), speed(name)))
+    return max(candidates, key=lambda name: (min(r[name].agreement for r in results.values()), speed(name)))
 
 
 def _dense_case(title: str, model: torch.nn.Module, mean: tuple, std: tuple, clip: Clip, args) -> None:
@@ -517,6 +521,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="passes over each clip per configuration")
     parser.add_argument("--loo", action="store_true", help="leave-one-out choice of the defaults")
     parser.add_argument("--near-tie", action="store_true", help="with --loo: the leave-one-out choice of near_tie")
+    parser.add_argument("--candidates", type=lambda s: s.split(","), default=list(GRID),
+                        help=f"with --loo: the candidates to compare (default: all of {', '.join(GRID)})")
     parser.add_argument("--dense", action="store_true", help="dense models (PNet, fcn_resnet50)")
     parser.add_argument("--no-reuse", action="store_true", help="models whose every change reaches the output")
     parser.add_argument("--no-regret", dest="regret", action="store_false", help="skip the oracle pass")
@@ -528,6 +534,10 @@ def main() -> None:
     unknown = [c for c in args.clips if c not in CLIP_NAMES]
     if unknown:
         parser.error(f"unknown clip(s) {', '.join(unknown)}; the set: {', '.join(CLIP_NAMES)}")
+    unknown = [c for c in args.candidates if c not in GRID]
+    if unknown or "defaults" not in args.candidates:
+        parser.error(f"--candidates must name 'defaults' and candidates of {', '.join(GRID)}; got "
+                     f"{', '.join(args.candidates)}")
     torch.set_num_threads(args.threads)
     print(machine())
     print(f"load average at start: {_load()}")

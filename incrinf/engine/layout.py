@@ -25,11 +25,12 @@ import numpy as np
 import torch
 
 from incrinf.engine.program import Program
-from incrinf.engine.windows import WindowSpec, box_rows
+from incrinf.engine.windows import WindowSpec
 from incrinf.geometry import Boxes
 from incrinf.graph import NodeKind, Operator
 from incrinf.graph.execute import concat_parts
 from incrinf.kernels import dispatch
+from incrinf.kernels.gather import box_rows, box_rows_and_inside
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,7 @@ def compact(device: torch.device, d: int) -> bool:
     return d <= 3 and dispatch.wants_box_index(device)
 
 
-def box_index(start: np.ndarray, size: tuple[int, ...], dims: tuple[int, ...], region: Boxes | None,
+def describe_boxes(start: np.ndarray, size: tuple[int, ...], dims: tuple[int, ...], region: Boxes | None,
               offset: np.ndarray | None, device: torch.device, batch_stride: int = 0) -> BoxIndex:
     """The :class:`BoxIndex` of N boxes at ``start`` (N, d) of extent ``size`` in a table of extents ``dims``,
     with ``region`` overlaid at ``offset`` (N, d) inside each box."""
@@ -315,27 +316,14 @@ def _tensor(a: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
     return None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
 
-def overlay_rows(region: Boxes, offset: np.ndarray, window: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
+def overlay_index(region: Boxes, offset: np.ndarray, window: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
     """Rows of N stacked windows of extent ``window`` receiving the region's values (placed at ``offset`` (N, d)
     inside each window), and the region's source rows (None: all of them, in order); elements falling outside
     their window are dropped."""
-    n, d = offset.shape
-    dest = np.zeros((n, *region.size), np.int64)
-    source = np.zeros_like(dest)
-    valid = np.ones(dest.shape, bool)
-    for a in range(d):
-        shape = [1] * (d + 1)
-        shape[a + 1] = region.size[a]
-        k = np.arange(region.size[a]).reshape(shape)
-        w = offset[:, a].reshape(-1, *([1] * d)) + k
-        valid &= (w >= 0) & (w < window[a])
-        dest = dest * window[a] + w
-        source = source * region.size[a] + k
-    dest = dest + (np.arange(n) * math.prod(window)).reshape(-1, *([1] * d))
-    source = source + (np.arange(n) * region.area).reshape(-1, *([1] * d))
-    if valid.all():
-        return dest.reshape(-1), None
-    return dest[valid], source[valid]
+    dest, inside = box_rows_and_inside(offset, region.size, window, batch_stride=math.prod(window))
+    if inside.all():
+        return dest, None
+    return dest[inside], np.flatnonzero(inside)
 
 
 def _gather(read: np.ndarray, dest: np.ndarray | None, origin: np.ndarray | None, table_rows: int,
@@ -357,10 +345,10 @@ def window_index(layout: Layout, spec: WindowSpec, place: Place, src: Boxes | No
     start = out.start() * np.asarray(spec.stride) + (np.asarray(place.origin) - np.asarray(spec.offset))
     if compact(device, len(read)):
         offset = None if src is None else src.start() + np.asarray(place.origin) - start
-        return Gather(None, box=box_index(start, read, table.dims, src, offset, device))
+        return Gather(None, box=describe_boxes(start, read, table.dims, src, offset, device))
     dest = origin = None
     if src is not None:
-        dest, origin = overlay_rows(src, src.start() + np.asarray(place.origin) - start, read)
+        dest, origin = overlay_index(src, src.start() + np.asarray(place.origin) - start, read)
     return _gather(box_rows(start, read, table.dims), dest, origin, table.rows, device)
 
 
@@ -370,17 +358,17 @@ def aligned_index(layout: Layout, place: Place, region: Boxes | None, out: Boxes
     start = out.start() + np.asarray(place.origin)
     if compact(device, len(out.size)):
         offset = None if region is None else region.start() - out.start()
-        return Gather(None, box=box_index(start, out.size, table.dims, region, offset, device))
+        return Gather(None, box=describe_boxes(start, out.size, table.dims, region, offset, device))
     dest = origin = None
     if region is not None:
-        dest, origin = overlay_rows(region, region.start() - out.start(), out.size)
+        dest, origin = overlay_index(region, region.start() - out.start(), out.size)
     return _gather(box_rows(start, out.size, table.dims), dest, origin, table.rows, device)
 
 
 def projection_index(dims: tuple[int, ...], region: Boxes, device: torch.device) -> Projection:
     """Rows of N stacked maps of extents ``dims`` that receive each query's box."""
     if compact(device, len(dims)):
-        return Projection(None, box=box_index(np.zeros((region.n, len(dims)), np.int64), dims, dims, region,
+        return Projection(None, box=describe_boxes(np.zeros((region.n, len(dims)), np.int64), dims, dims, region,
                                               region.start(), device))
     positions = math.prod(dims)
     dest = _tensor(box_rows(region.start(), region.size, dims, batch_stride=positions), device)
@@ -394,6 +382,6 @@ def part_overlay(region: Boxes, out: Boxes, device: torch.device) -> Gather:
     a read: ``dest``/``origin`` rows, or a :class:`BoxIndex` on CUDA)."""
     offset = region.start() - out.start()
     if compact(device, len(out.size)):
-        return Gather(None, box=box_index(np.zeros_like(offset), out.size, out.size, region, offset, device))
-    dest, origin = overlay_rows(region, offset, out.size)
+        return Gather(None, box=describe_boxes(np.zeros_like(offset), out.size, out.size, region, offset, device))
+    dest, origin = overlay_index(region, offset, out.size)
     return Gather(None, _tensor(dest, device), _tensor(origin, device))

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from incrinf.engine.windows import WindowSpec, box_rows
+from incrinf.engine.windows import WindowSpec
 from incrinf.geometry import Boxes, bounding_axis, largest, local_axis, minimum
-from incrinf.kernels.gather import from_rows, to_rows
+from incrinf.kernels.gather import box_rows, from_rows, to_rows
 
 
 def grow(boxes: Boxes, spec: WindowSpec, out_dims: tuple[int, ...], tau: float = 1.0, quantum: int = 1) -> Boxes:

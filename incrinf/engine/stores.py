@@ -23,10 +23,10 @@ import torch
 from incrinf.engine.layout import Gather, Layout, Place, Projection, aligned_index, projection_index, window_index
 from incrinf.engine.program import Program, Step
 from incrinf.engine.regions import cut
-from incrinf.engine.windows import WindowSpec, box_rows, pad_map, padded_crop
+from incrinf.engine.windows import WindowSpec, pad_map, padded_crop
 from incrinf.geometry import Boxes
 from incrinf.kernels import dispatch
-from incrinf.kernels.gather import from_rows, to_rows
+from incrinf.kernels.gather import box_rows, from_rows, to_rows
 
 # Every this many positions of a tensor estimate its mean magnitude (the pruning threshold's unit).
 _SCALE_STRIDE = 7

@@ -146,29 +146,6 @@ def padded_crop(spec: WindowSpec, source: torch.Tensor, bounds: Box) -> torch.Te
     return crop
 
 
-def box_rows(start: np.ndarray, size: tuple[int, ...], dims: tuple[int, ...], batch_stride: int = 0) -> np.ndarray:
-    """Row index of every element of N boxes in a row-major map of extents ``dims``.
-
-    Args:
-        start: (N, d) first corners.
-        size: (d,) the boxes' uniform extent.
-        dims: (d,) the map's extents.
-        batch_stride: added per box (rows of one map, to index N stacked maps).
-
-    Returns:
-        (N * prod(size),) int64, boxes outermost, then the box's elements row-major.
-    """
-    n, d = start.shape
-    rows = np.zeros((n, *size), np.int64)
-    for a in range(d):
-        shape = [1] * (d + 1)
-        shape[a + 1] = size[a]
-        coord = start[:, a].reshape(-1, *([1] * d)) + np.arange(size[a]).reshape(shape)
-        rows = rows * dims[a] + coord
-    rows += (np.arange(n) * batch_stride).reshape(-1, *([1] * d))
-    return rows.reshape(-1)
-
-
 @dataclass
 class BlockTable:
     """Read-in windows of every output block of a window step, built once: a frame only picks rows.

@@ -144,7 +144,7 @@ def prepare_windows(base_rows: torch.Tensor, read_index: torch.Tensor, dest: tor
         return tg.gather_rows(base_rows, combined, region_rows)
     rows = base_rows.index_select(0, read_index)
     if overlay:
-        _torch_path.overlay_rows(rows, dest, region_rows, source)
+        _torch_path.write_overlay(rows, dest, region_rows, source)
     return rows
 
 

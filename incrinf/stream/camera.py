@@ -137,7 +137,7 @@ class CameraEngine:
         share from the maps the cached frame reads anyway."""
         matrix = np.asarray(matrix, dtype=np.float64)
         if self._memo is None or self._memo[0] != matrix.tobytes():
-            estimate = self._estimate_unusable(matrix)
+            estimate = self.estimate_unusable(matrix)
             if estimate > self.dense_cut:
                 return estimate
         warps = self._warps(matrix)
@@ -248,10 +248,11 @@ class CameraEngine:
                                None if all_valid else ~valid, new_drift, sides)
         return warps
 
-    def _estimate_unusable(self, matrix: np.ndarray) -> float:
+    def estimate_unusable(self, matrix: np.ndarray) -> float:
         """:meth:`unusable_fraction` estimated on every k-th row and column of the first cached map (about
         ``ESTIMATE_POSITIONS`` positions): a moving camera's attempt that the motion makes unusable is told so
         without the full map's index arithmetic (3-5 ms on a 272 x 640 frame's stride-2 map)."""
+        matrix = np.asarray(matrix, dtype=np.float64)
         res = self.engine.first_resolution
         if res is None or res not in self.engine.cached_resolutions:
             return 0.0

@@ -328,7 +328,7 @@ class StreamSession:
         # full when the margin is still at risk or the sample flags
         margin, since_full = top1_margin(out), self._index - self._last_full
         verify = not audit and quality is not None and quality.risky(margin, since_full, f.sampled)
-        if verify and math.isnan(f.sampled):
+        if verify and math.isnan(f.sampled) and not math.isnan(margin):
             audit = self._sample(f, engine, False, near_tie=True)
             verify = not audit and quality.risky(margin, since_full, f.sampled)
         if audit or verify:
@@ -485,6 +485,16 @@ class StreamSession:
             clock, times.mask = time.perf_counter(), time.perf_counter() - clock
             if f.mask.recompute_fraction <= config.still_fraction:
                 f.matrix, f.warped = np.eye(3), self._reference
+                return
+        if stillness is not None and not stillness.still and stillness.response >= self._stillness.min_response:
+            # a clear global shift: when that translation alone leaves the cache misaligned, the frame runs full
+            # without a keypoint fit (which would refine the motion, rarely into one the cache can use)
+            dx, dy = stillness.shift
+            unusable = engine.estimate_unusable(np.array([[1.0, 0.0, dx], [0.0, 1.0, dy], [0.0, 0.0, 1.0]]))
+            if unusable > engine.dense_cut:
+                times.match += time.perf_counter() - clock
+                f.fallback = Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by a clear "
+                                                            f"{math.hypot(dx, dy):.1f} px shift")
                 return
         if matrix_given is not None:
             f.matrix = matrix_given

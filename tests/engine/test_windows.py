@@ -112,3 +112,35 @@ def test_union_of_boxes_single_and_batched():
     assert batch.lo[0].tolist() == [0, 5] and batch.lo[1].tolist() == [0, 1]
     edge = union([Boxes((np.array([0, 8]),), (2,)), Boxes((np.array([1, 6]),), (3,))], (10,))
     assert edge.size == (4,) and edge.lo[0].tolist() == [0, 6]  # 8..10 and 6..9 -> 6..10
+
+
+@given(seed=st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_box_rows_agree_on_numpy_and_torch(seed):
+    """The one box-row implementation gives, for NumPy corners and for tensors alike, each element's row-major
+    row in the map (plus the batch stride) and whether it lies inside the map, element by element."""
+    from incrinf.kernels.gather import box_rows, box_rows_and_inside
+
+    rng = np.random.default_rng(seed)
+    d = int(rng.integers(1, 4))
+    dims = tuple(int(x) for x in rng.integers(1, 7, size=d))
+    size = tuple(int(x) for x in rng.integers(1, 5, size=d))
+    n = int(rng.integers(1, 4))
+    stride = int(rng.integers(0, 50))
+    start = np.stack([rng.integers(-3, x + 1, size=n) for x in dims], axis=1).astype(np.int32)
+    want_rows, want_inside = [], []
+    for i in range(n):
+        for k in np.ndindex(*size):
+            c = [int(start[i, a]) + k[a] for a in range(d)]
+            row = 0
+            for a in range(d):
+                row = row * dims[a] + c[a]
+            want_rows.append(row + i * stride)
+            want_inside.append(all(0 <= c[a] < dims[a] for a in range(d)))
+    rows, inside = box_rows_and_inside(start, size, dims, stride)
+    assert rows.dtype == np.int64 and rows.tolist() == want_rows and inside.tolist() == want_inside
+    assert box_rows(start, size, dims, stride).tolist() == want_rows
+    t = torch.from_numpy(start)
+    rows, inside = box_rows_and_inside(t, size, dims, stride)
+    assert rows.dtype == torch.int64 and rows.tolist() == want_rows and inside.tolist() == want_inside
+    assert box_rows(t, size, dims, stride).tolist() == want_rows

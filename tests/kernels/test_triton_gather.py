@@ -79,7 +79,7 @@ def _random_case(seed: int, c: int, dtype: torch.dtype):
 
 def _reference_windows(base, read, dest, region, source):
     rows = base.index_select(0, read)
-    return torch_path.overlay_rows(rows, dest, region, source)
+    return torch_path.write_overlay(rows, dest, region, source)
 
 
 # --- the combined index ---------------------------------------------------------------------------------
@@ -317,11 +317,11 @@ def test_real_plan_windows_and_scatters_match_torch(monkeypatch):
 @FAST
 def test_box_gather_matches_row_gather(monkeypatch, dtype, seed, c):
     """Boxes of 1, 2 and 3 axes anywhere in a table, regions sticking out of them: the box-addressed gather (Triton
-    interpreted, PyTorch) equals the row gather and overlay built from :func:`~incrinf.engine.windows.box_rows`
-    and :func:`~incrinf.engine.layout.overlay_rows`; an overlay alone writes only the region's rows."""
-    from incrinf.engine.layout import box_index, overlay_rows
-    from incrinf.engine.windows import box_rows
+    interpreted, PyTorch) equals the row gather and overlay built from :func:`~incrinf.kernels.gather.box_rows`
+    and :func:`~incrinf.engine.layout.overlay_index`; an overlay alone writes only the region's rows."""
+    from incrinf.engine.layout import describe_boxes, overlay_index
     from incrinf.geometry import Boxes
+    from incrinf.kernels.gather import box_rows
 
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -335,8 +335,8 @@ def test_box_gather_matches_row_gather(monkeypatch, dtype, seed, c):
     region = Boxes(tuple(offset.T), extent)  # only its extent is read
     table = _values(int(np.prod(dims)), c, dtype, gen)
     values = _values(n * int(np.prod(extent)), c, dtype, gen)
-    b = box_index(start, size, dims, region, offset, torch.device("cpu"))
-    dest, origin = overlay_rows(region, offset, size)
+    b = describe_boxes(start, size, dims, region, offset, torch.device("cpu"))
+    dest, origin = overlay_index(region, offset, size)
     rows = torch.from_numpy(box_rows(start, size, dims))
     expected = _reference_windows(table, rows, torch.from_numpy(dest), values,
                                   None if origin is None else torch.from_numpy(origin))
@@ -346,7 +346,7 @@ def test_box_gather_matches_row_gather(monkeypatch, dtype, seed, c):
         canvas = _values(len(rows), c + 2, dtype, gen)
         target = canvas[:, 1:1 + c]  # a column slice, as a concatenation's part
         want = canvas.clone()
-        torch_path.overlay_rows(want[:, 1:1 + c], torch.from_numpy(dest), values,
+        torch_path.write_overlay(want[:, 1:1 + c], torch.from_numpy(dest), values,
                                 None if origin is None else torch.from_numpy(origin))
         dispatch.gather_boxes(None, b.geometry, b.size, b.dims, values, b.region, out=target)
         assert torch.equal(canvas, want), path

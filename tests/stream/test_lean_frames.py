@@ -172,3 +172,23 @@ def test_an_unusable_motion_is_told_without_building_the_index_maps(monkeypatch)
         assert abs(estimate - exact) < 0.05
     usable = np.array([[1.0, 0, -32.0], [0, 1, 0], [0, 0, 1]])  # a whole-position pan: reads its sources exactly
     assert engine.unusable_fraction(usable) <= engine.dense_cut and calls == [1]
+
+
+def test_a_clear_shift_that_misaligns_the_cache_skips_the_keypoint_fit(monkeypatch):
+    """A camera that moved by a clear 3 px (1.5 positions of the first, stride-2, map): the still-camera test's phase
+    correlation measures the shift, its translation alone leaves the cache misaligned, and the frame runs full without
+    detecting a keypoint; a sub-pixel jitter is still taken as a still camera."""
+    model = models.load("mobilenet_v2")
+    photo = cv2.resize(skimage.data.chelsea(), (320, 240), interpolation=cv2.INTER_AREA)
+    session = StreamSession(model, speed_guard=False, quality_guard=False)
+    detections = []
+    detect = session._estimator.detect
+    monkeypatch.setattr(session._estimator, "detect", lambda frame: detections.append(1) or detect(frame))
+    session(np.ascontiguousarray(photo[40:120, 60:156]))
+    moved = np.ascontiguousarray(photo[40:120, 63:159])
+    torch.testing.assert_close(session(moved), _full(model, moved), rtol=1e-4, atol=1e-4)
+    stats = session.stats[-1]
+    assert stats.cause == Cause.CACHE_UNUSABLE and "clear 3.0 px shift" in stats.reason, stats.reason
+    assert detections == [] and stats.times.mask == 0
+    session(moved)  # the same view again: still
+    assert session.stats[-1].cause == Cause.CACHED

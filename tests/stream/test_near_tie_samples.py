@@ -82,3 +82,24 @@ def test_a_near_tie_is_sampled_before_it_is_checked_in_full(monkeypatch):
     assert stats[0].cause == Cause.AUDIT and stats[0].reason.startswith("audit: near tie")
     later = stats[1:]
     assert all(s.mode == "cached" and not math.isnan(s.sampled_error) for s in later), [s.reason for s in later]
+
+
+def test_a_map_audit_that_held_without_room_tightens_and_checks_the_next_frames():
+    """A dense output's agreement varies from frame to frame around what one audit sees: an audit at 99.3% against
+    a 99% target (more than half the budget of disagreeing positions used) leaves the frames between audits on
+    both sides of the target. It tightens one level (not a miss: no suspension, no back-off) and the next cached
+    frames are checked until an audit holds with room; one at 99.8% settles it and relaxes as before."""
+    from incrinf.stream.guards import Verdict
+
+    guard = QualityGuard(StreamConfig(target_agreement=0.99))
+    assert guard.risky(math.nan)  # the first cached frame of a map is checked
+    verdict = guard.record(Comparison(OutputKind.MAP, 0.993, 0.01, 0.7), 1)
+    assert verdict == Verdict.TIGHTEN and guard.level == 1 and not guard.suspended
+    assert guard.summary.misses == 0 and guard.interval == guard.min_interval
+    assert guard.risky(math.nan, 1)
+    verdict = guard.record(Comparison(OutputKind.MAP, 0.998, 0.01, 0.2), 1)
+    assert verdict in (Verdict.HOLD, Verdict.RELAX) and guard.level == 1
+    assert not guard.risky(math.nan, 1)
+    label = QualityGuard(StreamConfig(target_agreement=0.99))  # a classifier's audits are unchanged
+    assert label.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.7, 0.1), 1) != Verdict.TIGHTEN
+    assert label.level == 0
