@@ -179,6 +179,8 @@ class BatchPlan:
         peak_bytes: the most bytes of values live at once while it runs (index tensors excluded).
         index_bytes: bytes of its index tensors.
         index: its index tensors, or None when the plan does not keep them (made as the batch runs).
+        budget_bytes: host memory the run may hold (its plan's :attr:`Plan.budget_bytes`; 0: none, freed memory
+            is handed back to the system as it is freed).
     """
 
     queries: np.ndarray
@@ -190,6 +192,7 @@ class BatchPlan:
     peak_bytes: int
     index_bytes: int
     index: BatchIndex | None
+    budget_bytes: int = 0
 
     @property
     def n(self) -> int:
@@ -212,6 +215,8 @@ class Plan:
         keeps_index: whether the batches carry their index tensors.
         tail_queries: how many queries of consecutive batches may share one run of the model's tail (their boundary
             tensors kept until then; 0: each batch runs its own), see :func:`tail_group`.
+        budget_bytes: memory the run may hold: naive re-inference's at this batch size (or the caller's budget),
+            at least the batches' peak; freed memory the allocator keeps within it is not handed back.
     """
 
     key: PlanKey
@@ -224,6 +229,7 @@ class Plan:
     index_bytes: int
     keeps_index: bool
     tail_queries: int = 0
+    budget_bytes: int = 0
 
     @property
     def queries(self) -> int:
@@ -624,21 +630,23 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
     index_bytes = sum(m[7] for m in made)
     weights = sum(p.numel() * p.element_size() for p in graph.module.parameters())
     keep = index_bytes <= INDEX_SHARE * (weights + store + peak)
-    batches = []
-    for queries, start, steps, boundary, unchanged, macs, batch_peak, estimate in made:
-        frozen = np.array(queries)
-        frozen.flags.writeable = False
-        batch = BatchPlan(frozen, start, tuple(steps), tuple(boundary), unchanged, macs, batch_peak, estimate, None)
-        if keep:
-            index = batch_index(program, layout, batch, device)
-            batch = BatchPlan(frozen, start, tuple(steps), tuple(boundary), unchanged, macs, batch_peak,
-                              index.nbytes, index)
-        batches.append(batch)
     # naive re-inference at this batch size (or the caller's budget) bounds what batches and a shared tail hold
     budget = max(key.memory if key.batch_size <= 0 else forward_peak_bytes(program, batch_size, element_size), peak)
     tail_queries = min(tail_group(program, batch_size, element_size, peak, budget), q) if q > batch_size else 0
     if tail_queries:
         per_query = sum(byte_sizes.whole(name, 1) for name in program.boundary)
         peak += per_query * tail_queries  # the boundary tensors waiting for the shared tail run
+    batches = []
+    for queries, start, steps, boundary, unchanged, macs, batch_peak, estimate in made:
+        frozen = np.array(queries)
+        frozen.flags.writeable = False
+        batch = BatchPlan(frozen, start, tuple(steps), tuple(boundary), unchanged, macs, batch_peak, estimate, None,
+                          budget)
+        if keep:
+            index = batch_index(program, layout, batch, device)
+            batch = BatchPlan(frozen, start, tuple(steps), tuple(boundary), unchanged, macs, batch_peak,
+                              index.nbytes, index, budget)
+        batches.append(batch)
     return Plan(key, tuple(batches), batch_size, float(program.full_flops), query_macs,
-                float(sum(b.macs for b in batches)), peak, sum(b.index_bytes for b in batches), keep, tail_queries)
+                float(sum(b.macs for b in batches)), peak, sum(b.index_bytes for b in batches), keep, tail_queries,
+                budget)
