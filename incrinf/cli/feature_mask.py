@@ -9,6 +9,7 @@ order) of the volume's shape, with its axes read as the volume's are.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,23 +44,34 @@ def _labels(array: np.ndarray, path: str) -> np.ndarray:
     return array.astype(np.int64)
 
 
+def _read_array(path: str, read_file: Callable[[str], np.ndarray]) -> np.ndarray:
+    """The array a mask file holds: ``.npy`` by NumPy, anything else by ``read_file``; any failure to read is a
+    ValueError naming the file.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: unreadable.
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"feature mask not found: {path}")
+    try:
+        return np.load(path, allow_pickle=False) if path.lower().endswith(".npy") else read_file(path)
+    except Exception as exc:  # numpy, skimage and nibabel raise many types for a bad file: all mean "cannot read"
+        raise ValueError(f"cannot read feature mask {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _segment_image(path: str) -> np.ndarray:
+    import skimage.io
+
+    return np.asarray(skimage.io.imread(path))
+
+
 def read_image_mask(path: str) -> np.ndarray:
     """(H, W) int64 feature ids from a segment image or a ``.npy`` array.
 
     Raises:
         FileNotFoundError: no such file. ValueError: unreadable, or not a 2-D map of integer ids.
     """
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"feature mask not found: {path}")
-    try:
-        if path.lower().endswith(".npy"):
-            array = np.load(path, allow_pickle=False)
-        else:
-            import skimage.io
-
-            array = np.asarray(skimage.io.imread(path))
-    except Exception as exc:  # numpy and skimage raise many types for a bad file: all mean "cannot read"
-        raise ValueError(f"cannot read feature mask {path}: {type(exc).__name__}: {exc}") from None
+    array = _read_array(path, _segment_image)
     if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (3, 4)):
         raise ValueError(f"feature mask {path} must be an (H, W) map of ids, got shape {array.shape}")
     return _labels(array, path)
@@ -95,27 +107,24 @@ def read_volume_mask(path: str, shape: tuple[int, int, int], index: int = 0) -> 
     Raises:
         FileNotFoundError: no such file. ValueError: unreadable, not integer ids, or of another shape.
     """
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"feature mask not found: {path}")
-    try:
-        if path.lower().endswith(".npy"):
-            data = np.load(path, allow_pickle=False)
-        else:
-            nibabel = require("nibabel", "nifti", "NIfTI volumes")
-            data = np.asarray(nibabel.load(path).dataobj)
-            if data.ndim == 4:
-                if not 0 <= index < data.shape[3]:
-                    raise ValueError(f"it holds {data.shape[3]} volumes; index {index} is out of range")
-                data = data[..., index]
-            data = data.transpose(2, 1, 0) if data.ndim == 3 else data
-    except Exception as exc:  # nibabel raises many types for a bad file: all mean "cannot read"
-        raise ValueError(f"cannot read feature mask {path}: {type(exc).__name__}: {exc}") from None
+    data = _read_array(path, lambda nifti: _label_volume(nifti, index))
     if data.ndim != 3:
         raise ValueError(f"feature mask {path} must be a 3-D label volume, got shape {data.shape}")
     if tuple(data.shape) != tuple(shape):
         raise ValueError(f"feature mask {path} has shape {'x'.join(map(str, data.shape))} but the volume is "
                          f"{'x'.join(map(str, shape))} (D x H x W)")
     return torch.from_numpy(_labels(np.ascontiguousarray(data), path))
+
+
+def _label_volume(path: str, index: int) -> np.ndarray:
+    """A NIfTI label volume in (D, H, W) order (its volume ``index`` of a 4-D file)."""
+    nibabel = require("nibabel", "nifti", "NIfTI volumes")
+    data = np.asarray(nibabel.load(path).dataobj)
+    if data.ndim == 4:
+        if not 0 <= index < data.shape[3]:
+            raise ValueError(f"it holds {data.shape[3]} volumes; index {index} is out of range")
+        data = data[..., index]
+    return data.transpose(2, 1, 0) if data.ndim == 3 else data
 
 
 def resize_labels(mask: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:

@@ -8,7 +8,10 @@
   feature threshold times 0.6) and audits again after ``audit_interval`` frames; an audit that holds with room to
   spare (its risk, extrapolated to the next interval, at most 1/2) doubles the interval up to the keyframe
   interval, then loosens one level. A level that missed needs twice as many holds as before to be loosened again.
-  A miss at the tightest level suspends the cache for 2, 4, ... frames (full inference only). For classifiers a
+  A miss at the tightest level suspends the cache for 2, 4, ... frames (full inference only). A map's audit that
+  held without room (more than half the budget of disagreeing positions used) tightens one level too: its agreement
+  varies from frame to frame, so the frames between audits straddle the target; the first cached frame is audited
+  whatever the output (nothing has measured the configured thresholds on the model yet). For classifiers a
   cached frame is also checked on its own: when its top-1 margin is within the lead the cached path may have lost
   on this frame (every frame before the first audit), it is audited on the spot, so a near tie is never answered
   from the cache unverified. Two bounds say what it may have lost: the largest lead change the recent audits
@@ -64,6 +67,7 @@ class Verdict(str, Enum):
     MISS = "miss"
     HOLD = "hold"
     RELAX = "relax"
+    TIGHTEN = "tighten"  # a map's audit held without room: the frames between audits may not
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class QualityGuard:
         self._misses = 0
         self._recent: deque[float] = deque(maxlen=self._window())
         self._lead_lost: deque[LeadLoss] = deque(maxlen=_LEAD_SAMPLES)
+        self._unsettled = True  # a map whose latest audit missed or held without room: its frames are checked
 
     # --- knobs -------------------------------------------------------------------------------------------------
 
@@ -157,12 +162,18 @@ class QualityGuard:
 
     def risky(self, margin: float, frames_since_full: int = 1, sampled_error: float = math.nan) -> bool:
         """Whether a cached label output whose top-1 leads by ``margin`` may have flipped: always before the first
-        audit; after it, when the margin is within a lead change the audits actually measured (the largest, scaled
-        to this frame: :meth:`measured_loss`), whatever ``near_tie`` says, or within ``near_tie`` times
-        :meth:`lead_at_risk`. Maps (NaN margin) are never checked frame by frame: their target is a share of
-        positions. ``near_tie=0`` turns the checks off."""
-        if math.isnan(margin) or self.config.near_tie == 0:
+        audit (a map's output too: nothing says yet how far the configured thresholds leave it from full
+        inference); after it, when the margin is within a lead change the audits actually measured (the largest,
+        scaled to this frame: :meth:`measured_loss`), whatever ``near_tie`` says, or within ``near_tie`` times
+        :meth:`lead_at_risk`. A map (NaN margin) is checked while its latest audit missed or held without room
+        (each check tightens the thresholds until one holds), else its target, a share of positions, is held by
+        the audits. ``near_tie=0`` turns the checks off."""
+        if self.config.near_tie == 0:
             return False
+        if not self._comparisons:
+            return True  # nothing measured yet: a map's first cached frame is checked too
+        if math.isnan(margin):
+            return self._unsettled
         if not self._lead_lost:
             return True
         losses = self._scaled_losses(frames_since_full, sampled_error)
@@ -238,6 +249,8 @@ class QualityGuard:
         if not math.isnan(comparison.lead_lost):
             self._lead_lost.append(LeadLoss(comparison.lead_lost, max(frames_since_full, 1)))
         long_audit = frames_since_full >= self.long_interval
+        self._unsettled = comparison.kind == OutputKind.MAP and (
+            self._missed(comparison) or comparison.risk > _HEADROOM)
         if self._missed(comparison):
             self._misses += 1
             self._holds = 0
@@ -251,6 +264,13 @@ class QualityGuard:
                 self._suspended = self._suspend
             return Verdict.MISS
         self._suspend = 0
+        if comparison.kind == OutputKind.MAP and comparison.risk > _HEADROOM and self.level < LEVELS:
+            # a map's agreement varies from frame to frame around what the audits see: one that used more than the
+            # headroom of the budget leaves the frames between audits on both sides of the target
+            self.level += 1
+            self._holds = 0
+            self.interval = self.min_interval
+            return Verdict.TIGHTEN
         if long_audit and comparison.risk <= _HEADROOM:
             # the samples in between stood in for every due audit and the cache still held with room to spare
             self.long_interval = min(2 * self.long_interval, self._long_cap)

@@ -8,8 +8,9 @@ maps a point of the *previous* frame to the *current* frame: ``(x', y', w') = H 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -354,32 +355,24 @@ def corner_distance(a: np.ndarray, b: np.ndarray, size: tuple[int, int]) -> floa
     return float(np.max(np.hypot(diff[:, 0], diff[:, 1])))
 
 
-def estimate_homography(
-    prev: np.ndarray,
-    curr: np.ndarray,
-    matcher: Matcher = _DEFAULTS.matcher,
-    ratio: float = _DEFAULTS.ratio,
-    min_matches: int = _DEFAULTS.min_matches,
-    ransac_threshold: float = _DEFAULTS.ransac_threshold,
-    max_features: int = _DEFAULTS.max_features,
-    min_inliers: int = _DEFAULTS.min_inliers,
-    refine: bool = _DEFAULTS.refine,
-) -> HomographyResult:
+def estimate_homography(prev: np.ndarray, curr: np.ndarray, settings: MatcherSettings | None = None,
+                        **overrides: Any) -> HomographyResult:
     """Estimate the homography mapping ``prev`` pixel coords to ``curr`` pixel coords.
 
-    One-shot form of :class:`HomographyEstimator` (which see for the other arguments); use the class for
-    streams so each frame is detected once.
+    One-shot form of :class:`HomographyEstimator`; use the class for streams so each frame is detected once.
 
     Args:
         prev: (H, W, 3) uint8 RGB or (H, W) grayscale previous frame.
         curr: current frame, same size as ``prev``.
+        settings: the matcher's settings (default: :class:`~incrinf.stream.config.MatcherSettings`' defaults).
+        **overrides: :class:`~incrinf.stream.config.MatcherSettings` fields replacing those of ``settings``
+            (``refine=True``, ``max_features=1000``, ...), validated as the settings are.
 
     Returns:
         A :class:`HomographyResult`.
     """
-    est = HomographyEstimator(
-        matcher, ratio, min_matches, ransac_threshold, max_features, min_inliers, refine
-    )
+    settings = dataclasses.replace(settings or _DEFAULTS, **overrides)
+    est = HomographyEstimator(**settings.as_kwargs())
     prev_features, curr_features = est.detect(prev), est.detect(curr)
     if prev_features.size != curr_features.size:
         raise ValueError(f"frames differ in size: {prev_features.size} vs {curr_features.size}")

@@ -4,13 +4,14 @@ input, for an image with a segment image and for a volume with a label volume; b
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from incrinf import cli
-from incrinf.cli.feature_mask import fit_image_mask, read_image_mask, target_value
+from incrinf.cli.feature_mask import fit_image_mask, read_image_mask, read_volume_mask, target_value
 
 nibabel = pytest.importorskip("nibabel")
 pytest.importorskip("monai")
@@ -38,6 +39,32 @@ def test_target_value_and_image_mask_geometry(tmp_path) -> None:
         read_image_mask(str(tmp_path / "f.npy"))
     with pytest.raises(ValueError, match="the image's size"):
         fit_image_mask(np.zeros((5, 5), np.int64), (6, 6), 4)
+
+
+def test_missing_and_corrupt_mask_files_are_clear_errors(tmp_path) -> None:
+    """Both readers: a missing file names itself; a corrupt .npy, image or NIfTI file, or a 4-D volume's index
+    out of range, is a ValueError naming the file and what the reader said; a wrong shape names both shapes."""
+    for name in ("gone.npy", "gone.png", "gone.nii.gz"):
+        with pytest.raises(FileNotFoundError, match=f"feature mask not found: .*{name}"):
+            read_image_mask(str(tmp_path / name))
+        with pytest.raises(FileNotFoundError, match=f"feature mask not found: .*{name}"):
+            read_volume_mask(str(tmp_path / name), (2, 2, 2))
+    for name in ("bad.npy", "bad.png", "bad.nii.gz"):
+        (tmp_path / name).write_bytes(b"not a mask at all")
+        reader = read_volume_mask if name.endswith(".nii.gz") else read_image_mask
+        args = ((2, 2, 2),) if reader is read_volume_mask else ()
+        with pytest.raises(ValueError, match=f"cannot read feature mask .*{name}: [A-Za-z]+"):
+            reader(str(tmp_path / name), *args)
+    said = "ValueError: it holds 2 volumes; index 5 is out of range"
+    with pytest.raises(ValueError, match=f"cannot read feature mask {re.escape(EXAMPLE)}: {said}"):
+        read_volume_mask(EXAMPLE, (2, 2, 2), index=5)
+    with pytest.raises(ValueError, match=r"has shape 24x96x128 but the volume is 2x2x2"):
+        read_volume_mask(EXAMPLE, (2, 2, 2))
+    np.save(tmp_path / "flat.npy", np.zeros(5, np.int64))
+    with pytest.raises(ValueError, match=r"must be an \(H, W\) map of ids, got shape \(5,\)"):
+        read_image_mask(str(tmp_path / "flat.npy"))
+    with pytest.raises(ValueError, match=r"must be a 3-D label volume, got shape \(5,\)"):
+        read_volume_mask(str(tmp_path / "flat.npy"), (5,))
 
 
 def test_volume_feature_mask_and_every_class_equal_the_api(tmp_path, capsys) -> None:

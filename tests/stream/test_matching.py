@@ -167,3 +167,21 @@ def test_synthetic_object_moves_independently(photo):
         assert changed[y0:y1, x0:x1].mean() > 0.9
     with pytest.raises(ValueError, match="unknown motion"):
         synthetic_scene(photo, 2, motion="roll")
+
+
+def test_settings_object_and_keyword_overrides_agree(photo):
+    """estimate_homography takes the matcher's settings as one MatcherSettings; keywords override its fields
+    (validated like the settings), so the two spellings give the same fit."""
+    from incrinf.stream.config import MatcherSettings
+
+    prev, curr, _ = _pairs(photo, "pan", seed=3)[0]
+    by_keywords = estimate_homography(prev, curr, refine=True, max_features=1000)
+    by_settings = estimate_homography(prev, curr, MatcherSettings(refine=True, max_features=1000))
+    mixed = estimate_homography(prev, curr, MatcherSettings(max_features=1000), refine=True)
+    assert by_keywords.ok and by_settings.ok and mixed.ok
+    np.testing.assert_array_equal(by_keywords.matrix, by_settings.matrix)
+    np.testing.assert_array_equal(by_keywords.matrix, mixed.matrix)
+    with pytest.raises(ValueError, match="ratio must be in"):
+        estimate_homography(prev, curr, ratio=1.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'threshold'"):
+        estimate_homography(prev, curr, threshold=3.0)

@@ -82,3 +82,43 @@ def test_a_near_tie_is_sampled_before_it_is_checked_in_full(monkeypatch):
     assert stats[0].cause == Cause.AUDIT and stats[0].reason.startswith("audit: near tie")
     later = stats[1:]
     assert all(s.mode == "cached" and not math.isnan(s.sampled_error) for s in later), [s.reason for s in later]
+
+
+def test_a_map_audit_that_held_without_room_tightens_and_checks_the_next_frames():
+    """A dense output's agreement varies from frame to frame around what one audit sees: an audit at 99.3% against
+    a 99% target (more than half the budget of disagreeing positions used) leaves the frames between audits on
+    both sides of the target. It tightens one level (not a miss: no suspension, no back-off) and the next cached
+    frames are checked until an audit holds with room; one at 99.8% settles it and relaxes as before."""
+    from incrinf.stream.guards import Verdict
+
+    guard = QualityGuard(StreamConfig(target_agreement=0.99))
+    assert guard.risky(math.nan)  # the first cached frame of a map is checked
+    verdict = guard.record(Comparison(OutputKind.MAP, 0.993, 0.01, 0.7), 1)
+    assert verdict == Verdict.TIGHTEN and guard.level == 1 and not guard.suspended
+    assert guard.summary.misses == 0 and guard.interval == guard.min_interval
+    assert guard.risky(math.nan, 1)
+    verdict = guard.record(Comparison(OutputKind.MAP, 0.998, 0.01, 0.2), 1)
+    assert verdict in (Verdict.HOLD, Verdict.RELAX) and guard.level == 1
+    assert not guard.risky(math.nan, 1)
+    label = QualityGuard(StreamConfig(target_agreement=0.99))  # a classifier's audits do not tighten on a hold
+    assert label.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.7, 0.1), 1) != Verdict.TIGHTEN
+    assert label.level == 0
+
+
+def test_a_dense_models_first_cached_frame_is_checked_on_the_spot():
+    """Nothing has measured the configured thresholds on a dense model before its first audit: its first cached
+    frame runs full inference as well and is compared (a check, returned from full inference), not answered from
+    the cache unverified until the first due audit."""
+    torch.manual_seed(3)
+    layers = []
+    for c_in, c_out in ((3, 32), (32, 32), (32, 32)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Conv2d(32, 4, 1)).eval()
+    frames = _frames()
+    session = StreamSession(model, speed_guard=False)
+    outputs = [session(frame) for frame in frames[:3]]
+    first = session.stats[1]
+    assert first.audit and first.reason.startswith("audit: check, pixels agreement"), first.reason
+    assert first.agreement is not None and session.agreement.audits == 1
+    x = torch.from_numpy(frames[1]).permute(2, 0, 1)[None].float() / 255.0
+    torch.testing.assert_close(outputs[1], model((x - 0.5) / 0.5), rtol=1e-4, atol=1e-4)  # full inference's

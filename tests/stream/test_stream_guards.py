@@ -308,11 +308,13 @@ def test_quality_guard_suspends_the_cache_after_misses_at_the_tightest_level():
 def test_maps_miss_below_the_pixel_target_and_near_ties_are_checked_on_the_spot():
     guard = QualityGuard(StreamConfig(target_agreement=0.99))
     assert guard.risky(0.3)  # before the first audit every classifier frame is checked
-    assert not guard.risky(float("nan"))  # maps never
+    assert guard.risky(float("nan"))  # and every map (nothing has measured the thresholds on the model yet)
     guard.record(Comparison(OutputKind.MAP, 0.995, 0.01, 0.5), 4)
     assert guard.level == 0 and guard.interval == 4  # held, but without room to double
+    assert not guard.risky(float("nan"))  # a map's audit held: its target is held by the audits
     guard.record(Comparison(OutputKind.MAP, 0.98, 0.02, 2.0), 4)
     assert guard.level == 1
+    assert guard.risky(float("nan"))  # after a miss every cached map frame is checked until an audit holds
     guard = QualityGuard(StreamConfig(near_tie=1.0))
     guard.record(Comparison(OutputKind.LABEL, 1.0, 0.1, 0.2, 0.5), 4)
     # one audit's loss is no bound on the next frame's: a margin just above it is still checked, one far above not
