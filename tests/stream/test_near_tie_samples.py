@@ -122,3 +122,16 @@ def test_a_dense_models_first_cached_frame_is_checked_on_the_spot():
     assert first.agreement is not None and session.agreement.audits == 1
     x = torch.from_numpy(frames[1]).permute(2, 0, 1)[None].float() / 255.0
     torch.testing.assert_close(outputs[1], model((x - 0.5) / 0.5), rtol=1e-4, atol=1e-4)  # full inference's
+
+
+def test_the_sampled_scale_is_taken_against_the_audits_pooled_samples():
+    """Two audits lost about the same lead; one audit's own sample drew low (0.05 against 0.25: a sample of four
+    tiles varies by a factor of several from draw to draw). A frame whose sample measured 0.15 is scaled against
+    the audits' mean sample (0.15: by 1), not against the low draw (by 3), so a margin of 0.6 is no near tie."""
+    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02))
+    for lost, probe in ((0.4, 0.25), (0.4, 0.05)):
+        guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, lost), 1)
+        guard.probe_error(probe)
+    assert guard.measured_loss(3, sampled_error=0.15) == pytest.approx(0.4)
+    assert not guard.risky(0.6, 3, sampled_error=0.15)
+    assert guard.measured_loss(3, sampled_error=0.3) == pytest.approx(0.8)  # twice the pooled drift: twice the loss
