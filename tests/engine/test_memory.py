@@ -67,3 +67,75 @@ def test_batches_settle_within_the_plans_budget(monkeypatch):
         engine.run_batch(batch, torch.zeros(batch.n, 3, *batch.start.size))
     assert calls and all(budget == plan.budget_bytes for budget, _ in calls)
     assert {coming for _, coming in calls} <= {b.peak_bytes for b in plan.batches}
+
+
+class Dense3d(nn.Module):
+    """A small 3-D DenseNet-style network: concatenations whose parts stay live, a transition, a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv3d(1, 16, 3, padding=1), nn.BatchNorm3d(16), nn.ReLU(inplace=True))
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.BatchNorm3d(16 + 8 * i), nn.ReLU(inplace=True), nn.Conv3d(16 + 8 * i, 8, 3, padding=1))
+            for i in range(3))
+        self.head = nn.Sequential(nn.Conv3d(40, 16, 3, stride=2, padding=1), nn.AdaptiveAvgPool3d(1), nn.Flatten(),
+                                  nn.Linear(16, 2))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = torch.cat([x, layer(x)], 1)
+        return self.head(x)
+
+
+def _peak_growth_of_a_run() -> tuple[int, int, int]:
+    """In a fresh process: the peak resident growth of a 3-D occlusion run on a second volume (the executor and
+    plan made on a first), sampled every millisecond, and the plan's budget and its check interval."""
+    import threading
+
+    import numpy as np
+
+    from incrinf.engine.batches import TRIM_BYTES
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    model = Dense3d().eval()
+    graph = capture(model, (1, 32, 32, 32))
+    region = input_boxes(occlusion_grid((32, 32, 32), (8, 8, 8), (8, 8, 8)), (8, 8, 8), (32, 32, 32))
+
+    def run(image: torch.Tensor):
+        engine = BatchEngine(graph, image)
+        plan, _ = engine.plan(region.start(), region.sizes(), batch_size=8)
+        for batch in plan.batches:
+            engine.run_batch(batch, torch.zeros(batch.n, 1, *batch.start.size))
+        return plan
+
+    run(torch.randn(1, 1, 32, 32, 32))  # executor, plan, oneDNN's primitives
+    origin = memory.resident_memory()
+    peak = [origin]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.001):
+            peak[0] = max(peak[0], memory.resident_memory())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    plan = run(torch.randn(1, 1, 32, 32, 32))
+    done.set()
+    sampler.join()
+    peak[0] = max(peak[0], memory.resident_memory())
+    assert np.isfinite(plan.budget_bytes)
+    return peak[0] - origin, plan.budget_bytes, TRIM_BYTES
+
+
+def test_a_3d_runs_resident_peak_stays_under_its_plans_budget():
+    """The resident memory a 3-D run adds (store, index tensors, batches, what the allocator holds freed), measured
+    in a fresh process, stays under the plan's budget (naive re-inference's memory at the batch size) plus the
+    bytes freed between two checks."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        growth, budget, interval = pool.apply(_peak_growth_of_a_run)
+    assert growth <= budget + interval, (growth >> 20, budget >> 20, interval >> 20)
