@@ -179,16 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exact OBE, patch {args.patch}, stride {args.stride}, batch {args.batch}, median of {args.repeats} "
           "alternating runs; image: skimage chelsea\n")
     header = (f"{'model':<19} {'pos':>5} {'captum s':>9} {'incrinf s':>9} {'speedup':>8} {'theory':>7} {'plan':>6} "
-              f"{'sp/theory':>9} {'vs CL full':>10} {'Krypton':>8} {'captum mem':>11} {'incrinf mem':>11} "
-              f"{'max rel err':>11}")
+              f"{'sp/theory':>9} {'vs CL full':>10} {'CL/theory':>9} {'Krypton':>8} {'captum mem':>11} "
+              f"{'incrinf mem':>11} {'max rel err':>11}")
     print("theory: exact FLOP ratio averaged over the grid's positions; plan: FLOP ratio of the uniform packed\n"
           "batches actually run; sp/theory: measured speedup / theory; vs CL full: speedup over plain batched\n"
-          "re-inference with the model in channels-last layout (incrinf's layout; Captum runs the model as given)\n")
+          "re-inference with the model in channels-last layout (incrinf's layout; Captum runs the model as given);\n"
+          "CL/theory: vs CL full / theory\n")
     print(header)
     runs = [(run_model, name) for name in args.models] + [(run_segmentation, name) for name in args.segmentation]
     for run, name in runs:
         r = run(name, args.stride, args.batch, args.repeats, args.patch)
-        vs_cl = f"{r['vs_cl']:>9.2f}x" if r["vs_cl"] == r["vs_cl"] else f"{'-':>10}"  # NaN: not measured
+        measured = r["vs_cl"] == r["vs_cl"]  # NaN: not measured
+        vs_cl = f"{r['vs_cl']:>9.2f}x {r['vs_cl'] / r['theory']:>9.2f}" if measured else f"{'-':>10} {'-':>9}"
         print(f"{r['model']:<19} {r['positions']:>5} {r['captum']:>9.2f} {r['incrinf']:>9.2f} {r['speedup']:>7.2f}x "
               f"{r['theory']:>6.2f}x {r['plan']:>5.2f}x {r['ratio']:>9.2f} {vs_cl} "
               f"{KRYPTON_CPU.get(name, ''):>8} "

@@ -28,7 +28,7 @@ import torch
 from incrinf.cache import LookupStatus, runtime_cache
 from incrinf.engine.boxes import WalkResult, chain, compute, shares_memory, walk
 from incrinf.engine.layout import Layout, compact, table_layout
-from incrinf.engine.memory import release_free_memory
+from incrinf.engine.memory import HostMemory, release_free_memory
 from incrinf.engine.plans import (
     BatchIndex,
     BatchPlan,
@@ -85,8 +85,8 @@ class Executor:
 
 
 _EXECUTORS_LOCK = threading.Lock()
-# Freed bytes after which a batch hands host memory back to the system (glibc's largest mmap threshold: blocks
-# above it are unmapped when freed anyway).
+# Freed bytes after which a batch checks whether to hand host memory back to the system (glibc's largest mmap
+# threshold: blocks above it are unmapped when freed anyway).
 TRIM_BYTES = 32 * 2**20
 
 
@@ -149,16 +149,18 @@ class BatchEngine:
 
     Attributes:
         seconds: time spent building the executor (0 when it was shared) and materializing the base.
+        host: when batches hand freed host memory back to the system (within a plan's budget they keep it).
     """
 
     def __init__(self, graph: Graph, base_input: torch.Tensor, fold_batch_norm: bool = True) -> None:
         self.graph = graph
+        self.host = HostMemory()  # the resident growth a plan's budget bounds counts from here
         start = time.perf_counter()
         self.executor, base = executor_for(graph, base_input, fold_batch_norm)
         self.program = self.executor.program
         self.store = BaseStore(self.program, self.executor.layout, base)
         del base
-        release_free_memory()
+        release_free_memory()  # once: the base's forward pass freed every tensor the store does not keep
         took = time.perf_counter() - start
         built = self.executor.seconds if took >= self.executor.seconds else 0.0
         self.seconds = {"executor": built, "base": took - built}
@@ -225,16 +227,20 @@ class BatchEngine:
     def _run_batch(self, batch: BatchPlan, values: torch.Tensor) -> WalkResult:
         result = self.run_to_tail(batch, values)
         if not result.unchanged:
-            result.output = self.tail(result.output)
+            result.output = self.tail(result.output, batch.budget_bytes, batch.peak_bytes)
         return result
 
     @torch.no_grad()
-    def tail(self, boundary: list[torch.Tensor]) -> Any:
+    def tail(self, boundary: list[torch.Tensor], budget: int = 0, coming: int = 0) -> Any:
         """The model's output from the boundary tensors of one or more batches (joined along the batch axis, in
-        the program's boundary order): one run of the rest of the model."""
+        the program's boundary order): one run of the rest of the model.
+
+        Freed host memory is handed back to the system afterwards when the run's resident growth plus ``coming``
+        bytes (the next batch's) would pass ``budget`` (0: always), see :class:`~incrinf.engine.memory.HostMemory`.
+        """
         output = self.program.tail()(*boundary)
         del boundary
-        release_free_memory()
+        self.host.settle(budget, coming)
         return output
 
     @torch.no_grad()
@@ -252,7 +258,7 @@ class BatchEngine:
         indices = batch.index.steps if batch.index is not None else \
             step_indices(program, self.executor.layout, batch, device)
         regions: dict[str, Boxes] = {self.graph.input.name: Boxes(batch.start.lo, batch.start.size, values)}
-        freed = _Freed()
+        freed = _Freed(self.host, batch)
         positions = 0
         done = 0
         for sp, si in zip(batch.steps, indices):
@@ -337,17 +343,22 @@ class BatchEngine:
 
 
 class _Freed:
-    """Bytes of region values and gathers freed since host memory was last handed back to the system: past
-    :data:`TRIM_BYTES` they are (glibc keeps freed blocks below its mmap threshold, 32 MiB at most, resident)."""
+    """Bytes of region values and gathers freed since the resident memory was last checked: past
+    :data:`TRIM_BYTES` it is, and freed memory is handed back to the system when the run's growth plus the batch's
+    planned peak would pass the plan's budget (glibc keeps freed blocks below its mmap threshold, 32 MiB at most,
+    resident)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: HostMemory, batch: BatchPlan) -> None:
         self.bytes = 0
+        self.host = host
+        self.budget = batch.budget_bytes
+        self.coming = batch.peak_bytes
 
     def add(self, nbytes: int) -> None:
         """Count ``nbytes`` just freed."""
         self.bytes += nbytes
         if self.bytes >= TRIM_BYTES:
-            release_free_memory()
+            self.host.settle(self.budget, self.coming)
             self.bytes = 0
 
     def drop(self, regions: dict[str, Boxes], names: list[str]) -> None:

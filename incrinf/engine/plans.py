@@ -12,6 +12,9 @@ Geometry. Exact runs (tau = 1) give each step of a batch the per-axis largest of
 shifted inwards at the far edge: a query's extra elements are unchanged values, recomputed exactly, and they do
 not grow further (growing the batch's box instead compounds the waste layer after layer). Truncated runs
 (tau < 1) grow the batch's boxes step by step, as the seed defines the truncation on them.
+
+The order and cuts of the batches come from :mod:`~incrinf.engine.packing`, the bytes from
+:mod:`~incrinf.engine.plan_bytes`.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from incrinf.engine.layout import (
     Layout,
     Projection,
     aligned_index,
-    compact,
     part_overlay,
     projection_index,
     window_index,
 )
+from incrinf.engine.packing import order_queries, pack
+from incrinf.engine.plan_bytes import ByteSizes, forward_peak_bytes, index_estimate, tail_group
 from incrinf.engine.program import Program, Step
 from incrinf.geometry import Boxes, Propagation, Region, RegionKind, incremental_flops, propagate
 from incrinf.graph import NodeKind, Operator
@@ -179,6 +183,8 @@ class BatchPlan:
         peak_bytes: the most bytes of values live at once while it runs (index tensors excluded).
         index_bytes: bytes of its index tensors.
         index: its index tensors, or None when the plan does not keep them (made as the batch runs).
+        budget_bytes: host memory the run may hold (its plan's :attr:`Plan.budget_bytes`; 0: none, freed memory
+            is handed back to the system as it is freed).
     """
 
     queries: np.ndarray
@@ -190,6 +196,7 @@ class BatchPlan:
     peak_bytes: int
     index_bytes: int
     index: BatchIndex | None
+    budget_bytes: int = 0
 
     @property
     def n(self) -> int:
@@ -212,6 +219,8 @@ class Plan:
         keeps_index: whether the batches carry their index tensors.
         tail_queries: how many queries of consecutive batches may share one run of the model's tail (their boundary
             tensors kept until then; 0: each batch runs its own), see :func:`tail_group`.
+        budget_bytes: memory the run may hold: naive re-inference's at this batch size (or the caller's budget),
+            at least the batches' peak; freed memory the allocator keeps within it is not handed back.
     """
 
     key: PlanKey
@@ -224,6 +233,7 @@ class Plan:
     index_bytes: int
     keeps_index: bool
     tail_queries: int = 0
+    budget_bytes: int = 0
 
     @property
     def queries(self) -> int:
@@ -267,25 +277,6 @@ def _covers(box: Boxes, dims: tuple[int, ...]) -> bool:
     return tuple(box.size) == tuple(dims)
 
 
-class _Sizes:
-    """Element counts the plan's bytes are made of."""
-
-    def __init__(self, program: Program, element_size: int) -> None:
-        self.program = program
-        self.element_size = element_size
-        self.d = program.graph.spatial_dims
-
-    def channels(self, name: str) -> int:
-        shape = self.program.graph.by_name[name].shape
-        return math.prod(shape[1:-self.d]) if shape else 0
-
-    def of(self, name: str, box: Boxes) -> int:
-        return self.element_size * self.channels(name) * box.area * box.n
-
-    def whole(self, name: str, n: int) -> int:
-        return self.element_size * self.channels(name) * math.prod(self.program.dims(name)) * n
-
-
 def _assembles(program: Program, layout: Layout, step: Step) -> bool:
     """Whether a concatenation step can be written into a gather of its own base values."""
     head = step.head
@@ -297,7 +288,7 @@ def _assembles(program: Program, layout: Layout, step: Step) -> bool:
 
 
 def _geometry(program: Program, layout: Layout, exact: Propagation | None, queries: np.ndarray, start: Boxes,
-              tau: float, sizes: _Sizes) -> tuple[list[StepPlan], list[Boxes | None], bool, float, int]:
+              tau: float, sizes: ByteSizes) -> tuple[list[StepPlan], list[Boxes | None], bool, float, int]:
     """One batch's steps (boxes, reads, multiply-adds, bytes), the tail's inputs' boxes, whether its change dies
     out before the output, its multiply-adds and its peak working bytes."""
     graph = program.graph
@@ -391,191 +382,6 @@ def batch_index(program: Program, layout: Layout, batch: BatchPlan, device: torc
     return BatchIndex(tuple(step_indices(program, layout, batch, device)), projections(program, batch, device))
 
 
-def forward_peak_bytes(program: Program, n: int, element_size: int, names: set[str] | None = None) -> int:
-    """The most bytes of node outputs live at once in a plain forward pass of batch ``n`` over ``names`` (None:
-    the whole graph; a tensor is freed after its last reader), what naive re-inference holds (MONAI's and
-    Captum's batches); outputs of nodes outside ``names`` are not counted."""
-    graph = program.graph
-    order = {node.name: i for i, node in enumerate(graph.nodes)}
-    last = {node.name: max((order[u] for u in node.users), default=order[node.name]) for node in graph.nodes}
-    live: dict[str, int] = {}
-    peak = 0
-    for i, node in enumerate(graph.nodes):
-        if (names is None or node.name in names) and node.kind not in (NodeKind.CONSTANT, NodeKind.META) \
-                and node.shape and not node.inplace:
-            live[node.name] = element_size * n * math.prod(node.shape[1:])
-            peak = max(peak, sum(live.values()))
-        for name in [m for m in live if last[m] <= i]:
-            del live[name]
-    return peak
-
-
-def _index_estimate(program: Program, batch_steps: list[StepPlan], n: int, boundary: list[Boxes | None],
-                    device: torch.device) -> int:
-    """Bytes of a batch's index tensors, without making them (int64 rows; the overlays at most as many again;
-    gathers described by their boxes' corners: 24 bytes per box)."""
-    if compact(device, program.graph.spatial_dims):
-        gathers = sum(1 if program.steps[sp.index].window is not None else max(1, sum(not s for s in sp.same))
-                      for sp in batch_steps) + sum(r is not None for r in boundary)
-        return 24 * n * gathers
-    rows = 0
-    for sp in batch_steps:
-        step = program.steps[sp.index]
-        if step.window is not None:
-            rows += 0 if sp.dense else 2 * n * math.prod(step.window.read_size(sp.box.size))
-        else:
-            rows += 2 * n * sp.box.area * max(1, sum(not s for s in sp.same))
-    rows += sum(r.area * r.n for r in boundary if r is not None)
-    return 8 * rows
-
-
-def order_queries(program: Program, exact: Propagation, sizes: np.ndarray) -> np.ndarray:
-    """Order in which to pack queries so that batch-mates need boxes of similar sizes: by the area of the changed
-    input box, then by the exact reach (outermost axis first) at the deepest tensor that still has boxes (stable:
-    ties keep the caller's order). A packed batch computes every query on its largest boxes; edge positions reach
-    fewer outputs and keep that saving only among edge positions of the same orientation."""
-    graph = program.graph
-    keys = [sizes.prod(axis=1)]
-    boxed = [n.name for n in graph.nodes if exact.regions[n.name].kind == RegionKind.BOX and graph.is_map(n.shape)]
-    if boxed:
-        deepest = exact.regions[boxed[-1]].boxes.sizes()
-        keys = [*deepest.T[::-1], *keys]
-    return np.lexsort(keys)
-
-
-def _step_extents(program: Program, exact: Propagation, q: int) -> tuple[list[float], list[np.ndarray]]:
-    """Per step with a change and multiply-adds: its multiply-adds per output position, and the (Q, d) extents of
-    every query's exact box there."""
-    per_position, extents = [], []
-    for step in program.steps:
-        region = exact.regions[step.out]
-        if region.kind == RegionKind.NONE or step.flops == 0:
-            continue
-        dims = np.asarray(step.dims)
-        per_position.append(step.flops / step.positions)
-        extents.append(np.broadcast_to(dims, (q, len(dims))) if region.kind == RegionKind.FULL
-                       else np.minimum(region.boxes.sizes(), dims))
-    return per_position, extents
-
-
-def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
-    """Batch boundaries over the ordered queries: the fewest batches (:func:`_fewest_runs`, as many as plain batched
-    re-inference runs) unless they would be larger than those of the cheapest packing (:func:`_cheapest_runs`,
-    the fewest multiply-adds with runs of half to the full batch size), whose largest batch bounds the working
-    memory: every batch pays the same walk, weight reads and tail whatever its size, so fewer batches run faster
-    (ResNet18, 196 queries at batch 16: 13 batches instead of 23, 8% faster on one thread) where they hold no
-    more memory.
-
-    Returns:
-        ``(first, end)`` positions in ``order`` of each batch, in order.
-    """
-    cheapest = _cheapest_runs(program, exact, order, batch_size)
-    fewest = _fewest_runs(program, exact, order, batch_size)
-    largest = max(end - first for first, end in cheapest)
-    return fewest if max(end - first for first, end in fewest) <= largest else cheapest
-
-
-def _fewest_runs(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
-    """Batch boundaries over the ordered queries: as many batches as plain batched re-inference runs
-    (``ceil(Q / batch_size)``, each of at most ``batch_size`` queries), cut where the packed boxes cost the fewest
-    multiply-adds (dynamic programming; an exact batch computes each step on the per-axis largest of its queries'
-    boxes, so queries of different reach waste work when packed together). More, smaller batches would save a few
-    multiply-adds but pay what every batch pays whatever its size (a walk over every step, the weights read once
-    per convolution, the tail) on fewer queries, and small batches run the convolutions less efficiently.
-
-    Returns:
-        ``(first, end)`` positions in ``order`` of each batch, in order.
-    """
-    q = len(order)
-    count = -(-q // batch_size)
-    per_position, extents = _step_extents(program, exact, q)
-    if not extents or count == 1:
-        return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
-    weight = np.asarray(per_position)
-    ordered = np.stack(extents, axis=1)[order].astype(np.float64)  # (Q, steps, d)
-    # run[n - 1, first]: multiply-adds of the run of n queries starting at ``first`` (inf past the end)
-    run = np.full((batch_size, q), np.inf)
-    largest = ordered.copy()
-    for n in range(1, batch_size + 1):
-        if n > 1:
-            largest = np.maximum(largest[:-1], ordered[n - 1:])
-        run[n - 1, :q - n + 1] = n * (largest.prod(axis=2) @ weight)
-    # best[k, end]: the cheapest k batches over the first ``end`` queries; ties go to earlier cuts (stable)
-    best = np.full((count + 1, q + 1), np.inf)
-    best[0, 0] = 0.0
-    cut = np.zeros((count + 1, q + 1), np.int64)
-    ends = np.arange(q + 1)
-    for k in range(1, count + 1):
-        for n in range(1, batch_size + 1):
-            firsts = ends[n:] - n
-            cost = best[k - 1, firsts] + run[n - 1, firsts]
-            better = cost < best[k, n:]
-            best[k, n:] = np.where(better, cost, best[k, n:])
-            cut[k, n:] = np.where(better, firsts, cut[k, n:])
-    bounds, end = [], q
-    for k in range(count, 0, -1):
-        bounds.append((int(cut[k, end]), end))
-        end = int(cut[k, end])
-    return bounds[::-1]
-
-
-def _cheapest_runs(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
-    """Batch boundaries over the ordered queries: consecutive runs of ``batch_size // 2`` (at least 1) to
-    ``batch_size`` queries whose packed boxes cost the fewest multiply-adds (dynamic programming; an exact batch
-    computes each step on the per-axis largest of its queries' boxes, so queries of different reach waste work
-    when packed together). Runs never shrink below half the batch size, so per-batch costs at most double.
-
-    Returns:
-        ``(first, end)`` positions in ``order`` of each batch, in order.
-    """
-    q = len(order)
-    smallest = max(1, min(batch_size // 2, q))
-    per_position, extents = _step_extents(program, exact, q)
-    if not extents:
-        return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
-    weight = np.asarray(per_position)
-    ordered = np.stack(extents, axis=1)[order]  # (Q, steps, d)
-    best = np.full(q + 1, np.inf)
-    best[0] = 0.0
-    cut = np.zeros(q + 1, np.int64)
-    for end in range(1, q + 1):
-        largest = None
-        for first in range(end - 1, max(end - batch_size, 0) - 1, -1):
-            largest = ordered[first] if largest is None else np.maximum(largest, ordered[first])
-            n = end - first
-            if n < smallest and first > 0 and end < q:
-                continue
-            # a batch costs its multiply-adds; ties go to fewer batches
-            cost = best[first] + n * float(weight @ largest.prod(axis=1)) * (1 + 1e-9) + 1e-6
-            if cost < best[end]:
-                best[end], cut[end] = cost, first
-    bounds, end = [], q
-    while end > 0:
-        bounds.append((int(cut[end]), end))
-        end = int(cut[end])
-    return bounds[::-1]
-
-
-def tail_group(program: Program, batch_size: int, element_size: int, peak: int, budget: int) -> int:
-    """How many queries one run of the model's tail may take at once: the most whose boundary tensors, kept while
-    the batches that make them run (at most ``peak`` bytes each), and the tail's own forward pass stay within
-    ``budget`` bytes; 0 when that is no more than one batch, or when a run of the tail on one batch reads fewer
-    bytes of weights than of boundary tensors (it is not bound by its weights: sharing would only hold memory).
-
-    The tail runs on whole boundary tensors whatever the change, and reads all of its weights once per run: a
-    classifier of large fully connected layers (VGG16's: 124 M multiply-adds and 0.5 GB of weights per run at
-    batch 16) is bound by those reads, so fewer, larger runs cost less, as batched re-inference's do.
-    """
-    tail = {node.name for node in program.graph.nodes} - {node.name for node in program.local}
-    boundary = sum(_Sizes(program, element_size).whole(name, 1) for name in program.boundary)
-    weights = sum(p.numel() * p.element_size() for p in program.tail().parameters())
-    if weights <= boundary * batch_size:
-        return 0
-    per_query = boundary + forward_peak_bytes(program, 1, element_size, tail)
-    queries = (budget - peak) // max(per_query, 1)
-    return int(queries) if queries > batch_size else 0
-
-
 def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarray, sizes: np.ndarray) -> Plan:
     """The :class:`Plan` for ``key``: ``starts`` and ``sizes`` (Q, d) are the queries' changed input boxes (inside
     the input) whose digest the key holds.
@@ -591,7 +397,7 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
     q = len(starts)
     device = torch.device(key.device)
     element_size = torch.empty((), dtype=getattr(torch, key.dtype.replace("torch.", ""))).element_size()
-    byte_sizes = _Sizes(program, element_size)
+    byte_sizes = ByteSizes(program, element_size)
     exact = propagate(graph, Boxes(tuple(starts.T), tuple(sizes.T)), key.tau, uniform=False)
     query_macs = incremental_flops(graph, exact)
     order = order_queries(program, exact, sizes)
@@ -618,27 +424,29 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
     for lo, hi in bounds:
         queries = order[lo:hi]
         start, (steps, boundary, unchanged, macs, peak) = geometry(queries)
-        estimate = _index_estimate(program, steps, len(queries), boundary, device)
+        estimate = index_estimate(program, steps, len(queries), boundary, device)
         made.append((queries, start, steps, boundary, unchanged, macs, peak, estimate))
     peak = max(m[6] for m in made)
     index_bytes = sum(m[7] for m in made)
     weights = sum(p.numel() * p.element_size() for p in graph.module.parameters())
     keep = index_bytes <= INDEX_SHARE * (weights + store + peak)
-    batches = []
-    for queries, start, steps, boundary, unchanged, macs, batch_peak, estimate in made:
-        frozen = np.array(queries)
-        frozen.flags.writeable = False
-        batch = BatchPlan(frozen, start, tuple(steps), tuple(boundary), unchanged, macs, batch_peak, estimate, None)
-        if keep:
-            index = batch_index(program, layout, batch, device)
-            batch = BatchPlan(frozen, start, tuple(steps), tuple(boundary), unchanged, macs, batch_peak,
-                              index.nbytes, index)
-        batches.append(batch)
     # naive re-inference at this batch size (or the caller's budget) bounds what batches and a shared tail hold
     budget = max(key.memory if key.batch_size <= 0 else forward_peak_bytes(program, batch_size, element_size), peak)
     tail_queries = min(tail_group(program, batch_size, element_size, peak, budget), q) if q > batch_size else 0
     if tail_queries:
         per_query = sum(byte_sizes.whole(name, 1) for name in program.boundary)
         peak += per_query * tail_queries  # the boundary tensors waiting for the shared tail run
+    batches = []
+    for queries, start, steps, boundary, unchanged, macs, batch_peak, estimate in made:
+        frozen = np.array(queries)
+        frozen.flags.writeable = False
+        batch = BatchPlan(frozen, start, tuple(steps), tuple(boundary), unchanged, macs, batch_peak, estimate, None,
+                          budget)
+        if keep:
+            index = batch_index(program, layout, batch, device)
+            batch = BatchPlan(frozen, start, tuple(steps), tuple(boundary), unchanged, macs, batch_peak,
+                              index.nbytes, index, budget)
+        batches.append(batch)
     return Plan(key, tuple(batches), batch_size, float(program.full_flops), query_macs,
-                float(sum(b.macs for b in batches)), peak, sum(b.index_bytes for b in batches), keep, tail_queries)
+                float(sum(b.macs for b in batches)), peak, sum(b.index_bytes for b in batches), keep, tail_queries,
+                budget)

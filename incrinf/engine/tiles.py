@@ -119,26 +119,34 @@ def exact_tiles(program: Program, frame: torch.Tensor, probe: Probe, tiles: list
                 costs: FrameCosts | None = None) -> list[torch.Tensor]:
     """The exact values (1, C, th, tw) of the probe's ``tiles``, recomputed from ``frame`` (1, C, H, W) through
     their cones: one cone per tile, or (with ``costs``) one cone around all of them when that costs less (deep
-    probes of a large receptive field: the tiles' cones overlap in most of the early maps). Tiles whose cones are
-    translates of one another (inside the maps: no padding read) run as one batch through a single cone."""
+    probes of a large receptive field: the tiles' cones overlap in most of the early maps). The tiles whose cones
+    read no padding are translates of one another: they run as one batch through a single cone."""
     cones = [cone(program, probe.step, tile) for tile in tiles]
-    reads = _translated_reads(program, probe, cones) if len(cones) > 1 else None
+    # the tiles whose cones read no padding are translates of one another: one batch (a border tile's cone reads
+    # padding and runs alone)
+    inside = [i for i, c in enumerate(cones) if _translated_reads(program, probe, [c]) is not None] \
+        if len(cones) > 1 else []
+    reads = _translated_reads(program, probe, [cones[i] for i in inside]) if len(inside) > 1 else None
+    batch = inside if reads is not None else []
+    alone = [i for i in range(len(cones)) if i not in batch]
     if costs is not None and len(cones) > 1:
         union: dict[str, Box] = {}
         for needed in cones:
             for name, box in needed.items():
                 union[name] = bounding(union[name], box) if name in union else box
-        apart = _batch_seconds(program, costs, probe.step, cones) if reads is not None \
-            else _cones_seconds(program, costs, probe.step, cones)
+        apart = _cones_seconds(program, costs, probe.step, [cones[i] for i in alone])
+        if batch:
+            apart += _batch_seconds(program, costs, probe.step, [cones[i] for i in batch])
         if _cones_seconds(program, costs, probe.step, [union]) <= apart:
             scratch = _run_cone(program, frame, probe, union)
             return [scratch.map(probe.name)[..., a:b, c:d].clone() for a, b, c, d in tiles]
-    if reads is not None:
-        return _run_batched(program, frame, probe, cones, reads)
-    out = []
-    for tile, needed in zip(tiles, cones):
-        t = _run_cone(program, frame, probe, needed).map(probe.name)
-        out.append(t[..., tile[0]:tile[1], tile[2]:tile[3]].clone())
+    out: list[torch.Tensor | None] = [None] * len(tiles)
+    if batch:
+        for i, values in zip(batch, _run_batched(program, frame, probe, [cones[i] for i in batch], reads)):
+            out[i] = values
+    for i in alone:
+        a, b, c, d = tiles[i]
+        out[i] = _run_cone(program, frame, probe, cones[i]).map(probe.name)[..., a:b, c:d].clone()
     return out
 
 

@@ -206,7 +206,7 @@ class OcclusionRunner:
                 if len(waiting) > 1 else waiting[0][1]
             done.extend(queries for queries, _ in waiting)
             waiting.clear()
-            output = self.engine.tail(joined)
+            output = self.engine.tail(joined, plan.budget_bytes, plan.peak_bytes)
             del joined
             outputs.append(output if reduce is None else _reduced(reduce, output, count))
             bar.update(count)

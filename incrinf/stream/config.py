@@ -92,7 +92,11 @@ class StreamConfig:
             leaves unexplained is in the change mask anyway.
         still_response: the phase-correlation peak (1 for identical frames) from which a shift counts as clear; a
             weaker peak (a pan over repetitive texture, a zoom, a scene cut) is not taken as a still camera.
-        backoff_after: frames in a row that tried the cache in vain before a back-off stretch starts.
+        backoff_after: frames in a row that tried the cache in vain before a back-off stretch starts. The default, 1,
+            is the leave-one-out choice over the clip set (``benchmarks/stream.py --loo --candidates defaults,backoff
+            after 1,backoff after 2``: chosen on the other clips for every held-out clip); with the speed guard a
+            stretch starts only while the recent attempts' median saving is not positive, so a miss between
+            attempts that pay does not start one.
         max_backoff: after ``backoff_after`` frames in a row that could not use the cache (or, with the speed
             guard, that tried it in vain while the recent attempts' median saving was not positive; without it,
             moved and saved little with it), run the next 2, 4, ... up to this many frames fully without matching
@@ -154,7 +158,7 @@ class StreamConfig:
     max_misalignment: float = 0.25
     still_fraction: float = 1.0
     still_response: float = 0.5
-    backoff_after: int = 3
+    backoff_after: int = 1
     max_backoff: int = 64
     background_update: bool = False
     speed_guard: bool = True

@@ -109,8 +109,11 @@ class SpeedGuard:
         costs = engine.costs
         if not costs.profiled or not (self._checks or check_certain) or self.probe_due:
             return ""
-        full, cheapest = costs.full_seconds, cheapest_seconds(engine, pruning)
+        full = costs.full_seconds
         checks = (1.0 if check_certain else self.check_rate) * full
+        if not checks > 0:
+            return ""
+        cheapest = cheapest_seconds(engine, pruning)  # planned only when the checks leave it the question
         if not cheapest + checks >= full:
             return ""
         self._rejected += 1

@@ -189,10 +189,11 @@ class QualityGuard:
 
         Each recent audit's measured loss is first scaled up (never down) to this frame: when this frame had a
         sampled audit (``sampled_error``) and the audit's own sample measured the error between the cached and the
-        full probe, by the ratio of the two (the frame's own measurement of how far its cache is off, which grows
-        with its drift); else by the frames since the full frame against the audit's, raised to the growth exponent
-        the audits themselves show (:meth:`drift_growth`: the change mask recomputes every cell that moved by the
-        threshold, so the cache's drift need not accumulate frame by frame). The losses of single frames are
+        full probe, by the frame's error against the mean of those the audits' samples measured (the frame's own
+        measurement of how far its cache is off, which grows with its drift); else by the frames since the full
+        frame against the audit's, raised to the growth exponent the audits themselves show (:meth:`drift_growth`:
+        the change mask recomputes every cell that moved by the threshold, so the cache's drift need not accumulate
+        frame by frame). The losses of single frames are
         heavy-tailed (a frame may lose three times the lead of the audits around it), so the largest of a few audits
         is no bound: the losses are taken as exponentially distributed, their mean raised by its standard error
         (``1 / sqrt(n)`` of it for ``n`` audits), and the reference is the quantile that only
@@ -203,13 +204,17 @@ class QualityGuard:
     def _scaled_losses(self, frames_since_full: int, sampled_error: float) -> list[float]:
         """The recent audits' lead losses, each scaled up to a frame (see :meth:`lead_at_risk`)."""
         growth = self.drift_growth()
+        # what the audits' own samples measured, pooled: one sample of a few tiles varies by a factor of 2-3 from
+        # draw to draw, and the audit whose sample happened to draw low would otherwise set every frame's scale
+        probes = [a.probe_error for a in self._lead_lost if a.probe_error > _PROBE_FLOOR]
+        probe = statistics.fmean(probes) if probes else math.nan
         losses = []
         for audit in self._lead_lost:
             if sampled_error > 0 and audit.probe_error > _PROBE_FLOOR:
                 # the frame's own measurement of its drift stands in for the extrapolation by frames (a guess at how
                 # drift grows); never below the audit's own loss (pruning after the probe, which the sample cannot
                 # see, is bounded by the feature threshold at every commit: it does not grow with the frames)
-                scale = max(1.0, sampled_error / audit.probe_error)
+                scale = max(1.0, sampled_error / probe)
             else:
                 scale = max(1.0, frames_since_full / max(audit.frames, 1)) ** growth
             losses.append(audit.lost * scale)

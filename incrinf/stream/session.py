@@ -31,7 +31,7 @@ import torch.nn as nn
 from incrinf.engine import CacheMemory
 from incrinf.graph import capture, has_windows
 from incrinf.normalization import Normalization
-from incrinf.stream.agreement import Comparison, compare, top1_margin
+from incrinf.stream.agreement import Comparison, OutputKind, compare, top1_margin
 from incrinf.stream.audits import SampledAudit
 from incrinf.stream.backoff import BackOff
 from incrinf.stream.camera import CameraEngine
@@ -217,7 +217,8 @@ class StreamSession:
             if f.probes is not None:
                 quality.probe_error(self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS,
                                                                            f.sampled))
-            why = "near tie, " if verify else ""
+            # a map's check on the spot (its first cached frame, or after an audit that left no room) is no near tie
+            why = ("near tie, " if comparison.kind == OutputKind.LABEL else "check, ") if verify else ""
             f.fallback = Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
                                                 f"{verdict.value}")
         if quality is not None:

@@ -70,8 +70,9 @@ def test_no_frame_is_planned_while_a_near_tie_check_is_certain(frames, monkeypat
     knows it before the frame's stillness test, matching, mask and plan, runs it plain without them, and plans (and
     probes) a frame only now and then, at intervals that double while the probes confirm it (8, then 16 frames)."""
     model = _wide()
+    # backoff_after=64: no back-off stretch (whether a checked frame paid is measured in wall time)
     session = StreamSession(model, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
-                            sampled_audits=False, input_size=(H, W))
+                            sampled_audits=False, input_size=(H, W), backoff_after=64)
     costs = _frozen_costs(session, monkeypatch)
     session._quality.risky = lambda margin, *_: True  # every output's top-1 is a near tie
     n = 2 + 3 * PROBE_EVERY + 2
@@ -180,7 +181,7 @@ def test_a_clear_shift_that_misaligns_the_cache_skips_the_keypoint_fit(monkeypat
     detecting a keypoint; a sub-pixel jitter is still taken as a still camera."""
     model = models.load("mobilenet_v2")
     photo = cv2.resize(skimage.data.chelsea(), (320, 240), interpolation=cv2.INTER_AREA)
-    session = StreamSession(model, speed_guard=False, quality_guard=False)
+    session = StreamSession(model, speed_guard=False, quality_guard=False, max_backoff=0)
     detections = []
     detect = session._estimator.detect
     monkeypatch.setattr(session._estimator, "detect", lambda frame: detections.append(1) or detect(frame))
@@ -192,3 +193,17 @@ def test_a_clear_shift_that_misaligns_the_cache_skips_the_keypoint_fit(monkeypat
     assert detections == [] and stats.times.mask == 0
     session(moved)  # the same view again: still
     assert session.stats[-1].cause == Cause.CACHED
+
+
+def test_one_miss_starts_a_stretch_by_default_unless_the_attempts_around_it_saved():
+    """The default back-off (``backoff_after=1``, the leave-one-out choice): a miss starts a stretch of plain frames
+    while the recent attempts saved nothing, not while hits around it saved."""
+    full = 0.036
+    first = BackOff(StreamConfig())
+    paid = first.paid(Cause.CACHE_UNUSABLE, True, math.inf, full, 0.004, 0.004)
+    first.count(Cause.CACHE_UNUSABLE, paid, full)
+    assert first.active and first.stretch == math.ceil(0.004 / (0.02 * full))
+    saving = BackOff(StreamConfig())
+    for cause, seconds in [(None, 0.015), (None, 0.015), (Cause.CACHE_UNUSABLE, 0.004)]:
+        saving.count(cause, saving.paid(cause, True, math.inf, full, seconds, 0.004), full)
+    assert saving.misses == 1 and not saving.active

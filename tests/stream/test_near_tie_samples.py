@@ -100,6 +100,38 @@ def test_a_map_audit_that_held_without_room_tightens_and_checks_the_next_frames(
     verdict = guard.record(Comparison(OutputKind.MAP, 0.998, 0.01, 0.2), 1)
     assert verdict in (Verdict.HOLD, Verdict.RELAX) and guard.level == 1
     assert not guard.risky(math.nan, 1)
-    label = QualityGuard(StreamConfig(target_agreement=0.99))  # a classifier's audits are unchanged
+    label = QualityGuard(StreamConfig(target_agreement=0.99))  # a classifier's audits do not tighten on a hold
     assert label.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.7, 0.1), 1) != Verdict.TIGHTEN
     assert label.level == 0
+
+
+def test_a_dense_models_first_cached_frame_is_checked_on_the_spot():
+    """Nothing has measured the configured thresholds on a dense model before its first audit: its first cached
+    frame runs full inference as well and is compared (a check, returned from full inference), not answered from
+    the cache unverified until the first due audit."""
+    torch.manual_seed(3)
+    layers = []
+    for c_in, c_out in ((3, 32), (32, 32), (32, 32)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Conv2d(32, 4, 1)).eval()
+    frames = _frames()
+    session = StreamSession(model, speed_guard=False)
+    outputs = [session(frame) for frame in frames[:3]]
+    first = session.stats[1]
+    assert first.audit and first.reason.startswith("audit: check, pixels agreement"), first.reason
+    assert first.agreement is not None and session.agreement.audits == 1
+    x = torch.from_numpy(frames[1]).permute(2, 0, 1)[None].float() / 255.0
+    torch.testing.assert_close(outputs[1], model((x - 0.5) / 0.5), rtol=1e-4, atol=1e-4)  # full inference's
+
+
+def test_the_sampled_scale_is_taken_against_the_audits_pooled_samples():
+    """Two audits lost about the same lead; one audit's own sample drew low (0.05 against 0.25: a sample of four
+    tiles varies by a factor of several from draw to draw). A frame whose sample measured 0.15 is scaled against
+    the audits' mean sample (0.15: by 1), not against the low draw (by 3), so a margin of 0.6 is no near tie."""
+    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02))
+    for lost, probe in ((0.4, 0.25), (0.4, 0.05)):
+        guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, lost), 1)
+        guard.probe_error(probe)
+    assert guard.measured_loss(3, sampled_error=0.15) == pytest.approx(0.4)
+    assert not guard.risky(0.6, 3, sampled_error=0.15)
+    assert guard.measured_loss(3, sampled_error=0.3) == pytest.approx(0.8)  # twice the pooled drift: twice the loss

@@ -17,8 +17,9 @@ from incrinf.stream.stats import FrameStats
 
 H, W = 80, 96
 # the cached path's mechanics, tested without the guards that would choose full inference or audit instead
-# (tests/stream/test_stream_guards.py tests the guards)
-UNGUARDED = {"speed_guard": False, "quality_guard": False}
+# (tests/stream/test_stream_guards.py tests the guards), and with a back-off that tolerates three misses in a row (the
+# sequences below were written for it; tests/stream/test_lean_frames.py tests the default of one)
+UNGUARDED = {"speed_guard": False, "quality_guard": False, "backoff_after": 3}
 
 
 def StreamSession(*args, **kwargs) -> GuardedSession:  # noqa: N802 (stands in for the class in this module)

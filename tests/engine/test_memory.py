@@ -1,0 +1,141 @@
+"""Host memory between batches: freed memory is handed back to the system only when the run's resident growth
+would pass the plan's budget (naive re-inference's memory at the same batch size, or the caller's budget)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import incrinf.engine.memory as memory
+from incrinf.analysis import occlusion_grid
+from incrinf.engine import BatchEngine
+from incrinf.engine.plans import forward_peak_bytes
+from incrinf.geometry import input_boxes
+from incrinf.graph import capture
+
+
+def test_settle_hands_back_only_past_the_budget(monkeypatch):
+    resident = [100]
+    released = []
+    monkeypatch.setattr(memory, "resident_memory", lambda: resident[0])
+    monkeypatch.setattr(memory, "release_free_memory", lambda: released.append(True))
+    host = memory.HostMemory()
+    resident[0] = 160  # grew by 60 bytes
+    assert not host.settle(budget=100, coming=40)
+    assert not released
+    assert host.settle(budget=100, coming=41)
+    assert host.settle(budget=0, coming=0)  # no budget: always
+    resident[0] = None
+    assert host.settle(budget=10**9, coming=0)  # growth unknown: always
+    assert len(released) == host.releases == 3
+
+
+def test_resident_memory_reads_this_process():
+    before = memory.resident_memory()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    after = memory.resident_memory()
+    assert before is not None and after is not None
+    assert after - before >= 32 * 2**20
+    del block
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1),
+                                  nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_batches_settle_within_the_plans_budget(monkeypatch):
+    """The plan's budget is naive re-inference's memory at its batch size (or the caller's budget), and every
+    check a run makes compares against it, with the batch's planned peak still to come."""
+    torch.manual_seed(0)
+    image = torch.randn(1, 3, 32, 32)
+    engine = BatchEngine(capture(Small().eval(), image.shape[1:]), image)
+    region = input_boxes(occlusion_grid((32, 32), (6, 6), (4, 4)), (6, 6), (32, 32))
+    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=8)
+    assert plan.budget_bytes == max(forward_peak_bytes(engine.program, 8, 4), plan.peak_bytes)
+    budgeted, _ = engine.plan(region.start(), region.sizes(), memory=3 * 2**20)
+    assert budgeted.budget_bytes == max(3 * 2**20, budgeted.peak_bytes)
+    assert all(b.budget_bytes == plan.budget_bytes for b in plan.batches)
+    calls = []
+    monkeypatch.setattr(engine.host, "settle", lambda budget, coming: calls.append((budget, coming)))
+    for batch in plan.batches:
+        engine.run_batch(batch, torch.zeros(batch.n, 3, *batch.start.size))
+    assert calls and all(budget == plan.budget_bytes for budget, _ in calls)
+    assert {coming for _, coming in calls} <= {b.peak_bytes for b in plan.batches}
+
+
+class Dense3d(nn.Module):
+    """A small 3-D DenseNet-style network: concatenations whose parts stay live, a transition, a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv3d(1, 16, 3, padding=1), nn.BatchNorm3d(16), nn.ReLU(inplace=True))
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.BatchNorm3d(16 + 8 * i), nn.ReLU(inplace=True), nn.Conv3d(16 + 8 * i, 8, 3, padding=1))
+            for i in range(3))
+        self.head = nn.Sequential(nn.Conv3d(40, 16, 3, stride=2, padding=1), nn.AdaptiveAvgPool3d(1), nn.Flatten(),
+                                  nn.Linear(16, 2))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = torch.cat([x, layer(x)], 1)
+        return self.head(x)
+
+
+def _peak_growth_of_a_run() -> tuple[int, int, int]:
+    """In a fresh process: the peak resident growth of a 3-D occlusion run on a second volume (the executor and
+    plan made on a first), sampled every millisecond, and the plan's budget and its check interval."""
+    import threading
+
+    import numpy as np
+
+    from incrinf.engine.batches import TRIM_BYTES
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    model = Dense3d().eval()
+    graph = capture(model, (1, 32, 32, 32))
+    region = input_boxes(occlusion_grid((32, 32, 32), (8, 8, 8), (8, 8, 8)), (8, 8, 8), (32, 32, 32))
+
+    def run(image: torch.Tensor):
+        engine = BatchEngine(graph, image)
+        plan, _ = engine.plan(region.start(), region.sizes(), batch_size=8)
+        for batch in plan.batches:
+            engine.run_batch(batch, torch.zeros(batch.n, 1, *batch.start.size))
+        return plan
+
+    run(torch.randn(1, 1, 32, 32, 32))  # executor, plan, oneDNN's primitives
+    origin = memory.resident_memory()
+    peak = [origin]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.001):
+            peak[0] = max(peak[0], memory.resident_memory())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    plan = run(torch.randn(1, 1, 32, 32, 32))
+    done.set()
+    sampler.join()
+    peak[0] = max(peak[0], memory.resident_memory())
+    assert np.isfinite(plan.budget_bytes)
+    return peak[0] - origin, plan.budget_bytes, TRIM_BYTES
+
+
+def test_a_3d_runs_resident_peak_stays_under_its_plans_budget():
+    """The resident memory a 3-D run adds (store, index tensors, batches, what the allocator holds freed), measured
+    in a fresh process, stays under the plan's budget (naive re-inference's memory at the batch size) plus the
+    bytes freed between two checks."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        growth, budget, interval = pool.apply(_peak_growth_of_a_run)
+    assert growth <= budget + interval, (growth >> 20, budget >> 20, interval >> 20)
