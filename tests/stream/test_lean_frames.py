@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import skimage.data
 import torch
-import torch.nn as nn
+from stream_scenes import H, W, frozen_costs, full_inference, still_camera, wide_classifier
 
 from incrinf import models
-from incrinf.engine.costs import PRIOR_CALL
 from incrinf.stream.backoff import BackOff
 from incrinf.stream.camera import CameraEngine
 from incrinf.stream.config import StreamConfig
@@ -22,46 +21,16 @@ from incrinf.stream.decisions import PROBE_EVERY, cheapest_seconds
 from incrinf.stream.session import StreamSession
 from incrinf.stream.stats import Cause
 
-H, W = 64, 80
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def frames() -> list[np.ndarray]:
-    """A still camera: a photo with a small bright square moving across it."""
-    photo = cv2.resize(skimage.data.chelsea(), (W, H), interpolation=cv2.INTER_AREA)
-    out = []
-    for k in range(24):
-        frame = photo.copy()
-        x = 4 + 2 * k
-        frame[20:30, x:x + 10] = 250
-        out.append(frame)
-    return out
+    return still_camera(24)
 
 
-def _wide() -> nn.Module:
-    torch.manual_seed(0)
-    layers = [nn.Conv2d(3, 48, 3, padding=1), nn.ReLU()]
-    for _ in range(4):
-        layers += [nn.Conv2d(48, 48, 3, padding=1), nn.ReLU()]
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 10)).eval()
 
 
-def _full(model: nn.Module, frame: np.ndarray) -> torch.Tensor:
-    x = torch.from_numpy(frame).permute(2, 0, 1)[None].float() / 255.0
-    with torch.no_grad():
-        return model((x - 0.5) / 0.5)
-
-
-def _frozen_costs(session: StreamSession, monkeypatch: pytest.MonkeyPatch):
-    """The cost coefficients at the plan's priors, kept there (no profile, no calibration from timings)."""
-    costs = next(iter(session._engines.values())).costs
-    calls = [PRIOR_CALL] * len(costs.steps)
-    costs.set_profile([s.dense for s in costs.steps], calls, calls, costs.tail, costs.move, 0.0)
-    for name in ("record_full", "record_steps", "record_survival", "record_frame"):
-        monkeypatch.setattr(costs, name, lambda *args: None)
-    return costs
 
 
 def test_no_frame_is_planned_while_a_near_tie_check_is_certain(frames, monkeypatch):
@@ -69,18 +38,18 @@ def test_no_frame_is_planned_while_a_near_tie_check_is_certain(frames, monkeypat
     (a near tie lasts over frames): the cheapest plan there is plus that check costs a full frame, and the session
     knows it before the frame's stillness test, matching, mask and plan, runs it plain without them, and plans (and
     probes) a frame only now and then, at intervals that double while the probes confirm it (8, then 16 frames)."""
-    model = _wide()
+    model = wide_classifier()
     # backoff_after=64: no back-off stretch (whether a checked frame paid is measured in wall time)
     session = StreamSession(model, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
                             sampled_audits=False, input_size=(H, W), backoff_after=64)
-    costs = _frozen_costs(session, monkeypatch)
+    costs = frozen_costs(session, monkeypatch)
     session._quality.risky = lambda margin, *_: True  # every output's top-1 is a near tie
     n = 2 + 3 * PROBE_EVERY + 2
     engine = next(iter(session._engines.values())).engine
     kept = []
     for k in range(n):
         frame = frames[k % len(frames)]
-        torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(session(frame), full_inference(model, frame), rtol=1e-4, atol=1e-4)
         kept.append(engine.has_cache)
     assert cheapest_seconds(engine) < costs.full_seconds  # the plan alone would pay
     stats = session.stats[1:]
@@ -124,7 +93,7 @@ def test_a_missed_audit_is_a_miss_that_costs_its_cached_run():
 
 
 def test_a_near_tie_check_that_missed_counts_as_a_miss(frames):
-    model = _wide()
+    model = wide_classifier()
     session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0)
     session._quality.risky = lambda margin, *_: True
     session(frames[0])
@@ -187,7 +156,7 @@ def test_a_clear_shift_that_misaligns_the_cache_skips_the_keypoint_fit(monkeypat
     monkeypatch.setattr(session._estimator, "detect", lambda frame: detections.append(1) or detect(frame))
     session(np.ascontiguousarray(photo[40:120, 60:156]))
     moved = np.ascontiguousarray(photo[40:120, 63:159])
-    torch.testing.assert_close(session(moved), _full(model, moved), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(session(moved), full_inference(model, moved), rtol=1e-4, atol=1e-4)
     stats = session.stats[-1]
     assert stats.cause == Cause.CACHE_UNUSABLE and "clear 3.0 px shift" in stats.reason, stats.reason
     assert detections == [] and stats.times.mask == 0

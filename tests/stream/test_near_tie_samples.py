@@ -3,21 +3,16 @@ risk (incrinf.stream.guards.QualityGuard.risky, incrinf.stream.session)."""
 
 import math
 
-import cv2
-import numpy as np
 import pytest
-import skimage.data
 import torch
 import torch.nn as nn
+from stream_scenes import frozen_costs, full_inference, still_camera, wide_classifier
 
-from incrinf.engine.costs import PRIOR_CALL
 from incrinf.stream.agreement import Comparison, OutputKind
 from incrinf.stream.config import StreamConfig
 from incrinf.stream.guards import QualityGuard
 from incrinf.stream.session import StreamSession
 from incrinf.stream.stats import Cause
-
-H, W = 64, 80
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -41,43 +36,21 @@ def test_a_frames_own_sample_replaces_the_extrapolation_by_frames():
     assert unsampled.measured_loss(5, sampled_error=0.1) == pytest.approx(2.0)
 
 
-def _frames() -> list[np.ndarray]:
-    """A still camera: a photo with a small bright square moving across it."""
-    photo = cv2.resize(skimage.data.chelsea(), (W, H), interpolation=cv2.INTER_AREA)
-    out = []
-    for k in range(10):
-        frame = photo.copy()
-        frame[20:30, 4 + 2 * k:14 + 2 * k] = 250
-        out.append(frame)
-    return out
-
-
-def _classifier() -> nn.Module:
-    torch.manual_seed(0)
-    layers = [nn.Conv2d(3, 48, 3, padding=1), nn.ReLU()]
-    for _ in range(4):
-        layers += [nn.Conv2d(48, 48, 3, padding=1), nn.ReLU()]
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 10)).eval()
 
 
 def test_a_near_tie_is_sampled_before_it_is_checked_in_full(monkeypatch):
     """Every cached frame's margin is at risk unless the frame's own sample says otherwise: the first is checked in
     full (no audit has held yet, so no sample can stand in), the later ones by a sample each (a fraction of a
     frame) and returned from the cache; the outputs stay exact (no pruning)."""
-    model = _classifier()
-    frames = _frames()
+    model = wide_classifier()
+    frames = still_camera(10)
     session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0, sample_budget=0.8,
                             max_backoff=0)
     session._quality.risky = lambda margin, since=1, sampled=math.nan: math.isnan(sampled)
     session(frames[0])  # profiles the engine and picks the sampled audits' probe
-    costs = next(iter(session._engines.values())).costs  # from here on the plans alone decide (no wall clock)
-    calls = [PRIOR_CALL] * len(costs.steps)
-    costs.set_profile([s.dense for s in costs.steps], calls, calls, costs.tail, costs.move, 0.0)
-    for name in ("record_full", "record_steps", "record_survival", "record_frame"):
-        monkeypatch.setattr(costs, name, lambda *args: None)
+    frozen_costs(session, monkeypatch)  # from here on the plans alone decide (no wall clock)
     for frame in frames[1:]:
-        x = torch.from_numpy(frame).permute(2, 0, 1)[None].float() / 255.0
-        torch.testing.assert_close(session(frame), model((x - 0.5) / 0.5), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(session(frame), full_inference(model, frame), rtol=1e-4, atol=1e-4)
     stats = session.stats[1:]
     assert stats[0].cause == Cause.AUDIT and stats[0].reason.startswith("audit: near tie")
     later = stats[1:]
@@ -114,7 +87,7 @@ def test_a_dense_models_first_cached_frame_is_checked_on_the_spot():
     for c_in, c_out in ((3, 32), (32, 32), (32, 32)):
         layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Conv2d(32, 4, 1)).eval()
-    frames = _frames()
+    frames = still_camera(10)
     session = StreamSession(model, speed_guard=False)
     outputs = [session(frame) for frame in frames[:3]]
     first = session.stats[1]

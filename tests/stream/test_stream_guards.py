@@ -8,8 +8,8 @@ import pytest
 import skimage.data
 import torch
 import torch.nn as nn
+from stream_scenes import H, W, frozen_costs, full_inference, small_classifier, still_camera, wide_classifier
 
-from incrinf.engine.costs import PRIOR_CALL
 from incrinf.graph import capture
 from incrinf.stream.agreement import Comparison, OutputKind, compare
 from incrinf.stream.config import StreamConfig
@@ -17,65 +17,25 @@ from incrinf.stream.guards import LEVELS, QualityGuard, Verdict
 from incrinf.stream.session import StreamSession
 from incrinf.stream.stats import Cause
 
-H, W = 64, 80
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def frames() -> list[np.ndarray]:
-    """A still camera: a photo with a small bright square moving across it."""
-    photo = cv2.resize(skimage.data.chelsea(), (W, H), interpolation=cv2.INTER_AREA)
-    out = []
-    for k in range(24):
-        frame = photo.copy()
-        x = 4 + 2 * k
-        frame[20:30, x:x + 10] = 250
-        out.append(frame)
-    return out
+    return still_camera(24)
 
 
-def _classifier() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2, padding=1),
-                         nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(32, 10)).eval()
 
-
-def _full(model: nn.Module, frame: np.ndarray):
-    x = torch.from_numpy(frame).permute(2, 0, 1)[None].float() / 255.0
-    with torch.no_grad():
-        return model((x - 0.5) / 0.5)
 
 
 # --- speed ------------------------------------------------------------------------------------------------------
 
-def _wide() -> nn.Module:
-    """Enough work per frame that recomputing a small change is clearly cheaper than a full frame."""
-    torch.manual_seed(0)
-    layers = [nn.Conv2d(3, 48, 3, padding=1), nn.ReLU()]
-    for _ in range(4):
-        layers += [nn.Conv2d(48, 48, 3, padding=1), nn.ReLU()]
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 10)).eval()
-
-
-def _frozen_costs(session: StreamSession, monkeypatch: pytest.MonkeyPatch):
-    """The session's cost coefficients set from the plan's multiply-adds and bytes (the engine's priors) and kept
-    there: no profile, no calibration from wall-clock timings, so the speed guard's decisions are a function of the
-    plans alone, whatever the machine's load."""
-    costs = next(iter(session._engines.values())).costs
-    n = len(costs.steps)
-    calls = [PRIOR_CALL] * n
-    costs.set_profile([s.dense for s in costs.steps], calls, calls, costs.tail, costs.move, 0.0)
-    for name in ("record_full", "record_steps", "record_survival", "record_frame"):
-        monkeypatch.setattr(costs, name, lambda *args: None)
-    return costs
 
 
 def test_speed_guard_switches_to_full_inference_when_the_cached_path_is_slow(frames, monkeypatch):
-    model = _wide()
+    model = wide_classifier()
     session = StreamSession(model, quality_guard=False, max_backoff=0, feature_threshold=0.0, input_size=(H, W))
-    costs = _frozen_costs(session, monkeypatch)
+    costs = frozen_costs(session, monkeypatch)
     for frame in frames[:8]:
         session(frame)
     # a small change: its plan computes a few percent of the frame, so every frame with a plan runs cached
@@ -87,7 +47,7 @@ def test_speed_guard_switches_to_full_inference_when_the_cached_path_is_slow(fra
     for frame in frames[8:20]:
         out = session(frame)
         if session.stats[-1].mode == "full":
-            torch.testing.assert_close(out, _full(model, frame), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out, full_inference(model, frame), rtol=1e-4, atol=1e-4)
     # every later frame with anything to compute runs full, as its plan's cost says (the predicted cached time is
     # far beyond 1.5x a full frame's, so the guard never probes the cached path)
     late = [s for s in session.stats[8:] if s.predicted_cached > 0]
@@ -103,7 +63,7 @@ def test_near_tie_checks_are_charged_to_the_cached_path(frames):
     """A clip where every cached frame is a near tie pays a full frame on top of each cached one: the speed guard
     charges the cached path those checks, runs the frames full, and then plain frames that do not even try (back-off
     stretches, or frames the expected checks leave no plan that could pay) instead of auditing every frame."""
-    model = _wide()
+    model = wide_classifier()
     session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0)
     session._quality.risky = lambda margin, *_: True  # every cached frame's top-1 is a near tie
     for frame in frames[:16]:
@@ -124,7 +84,7 @@ def test_a_near_tie_checked_frame_counts_as_the_cached_frame_it_was(frames):
     """A near-tie check's full run is the quality guard's cost, charged to the cached path by the speed guard's
     expected checks: the back-off takes the checked frame by its cached part, so checks that come early (every cached
     frame is checked before the first audit) do not start a stretch of plain frames sized by a full frame each."""
-    model = _wide()
+    model = wide_classifier()
     session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0)
     session._quality.risky = lambda margin, *_: True
     taken = []
@@ -157,14 +117,14 @@ def test_the_speed_guard_charges_the_cached_path_its_expected_near_tie_checks(fr
     assert Prediction(1.0, 0.3, 0.75).cached_total == pytest.approx(1.05)
     assert Prediction(1.0, 0.3).cached_faster and not Prediction(1.0, 0.3, 0.75).cached_faster
 
-    model = _wide()
+    model = wide_classifier()
     session = StreamSession(model, max_backoff=0, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
                             sampled_audits=False, input_size=(H, W))
-    _frozen_costs(session, monkeypatch)
+    frozen_costs(session, monkeypatch)
     session._quality.risky = lambda margin, *_: True  # every cached frame's top-1 is a near tie
     session._check_certain = lambda: False  # the check rate alone (not the previous output's margin) decides here
     for frame in frames[:8]:
-        torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(session(frame), full_inference(model, frame), rtol=1e-4, atol=1e-4)
     stats = session.stats
     # frame 1: checked by rule (no audit yet); frame 2: the first cached frame after an audit, checked as well; from
     # then on the plan (a few percent of a frame) plus a full check per frame costs more than a full frame
@@ -202,7 +162,7 @@ def test_cost_calibration_takes_medians_of_ratios_per_kind():
     from incrinf.engine import FrameEngine
     from incrinf.engine.costs import RegionKind
 
-    costs = FrameEngine(capture(_wide(), (3, H, W))).costs
+    costs = FrameEngine(capture(wide_classifier(), (3, H, W))).costs
     assert not costs.profiled and costs.full_seconds == pytest.approx(costs.dense_total)
     for seconds in (0.010, 0.011, 0.5, 0.009):  # one load spike
         costs.record_full(seconds)
@@ -222,7 +182,7 @@ def test_cost_calibration_takes_medians_of_ratios_per_kind():
     assert costs.compute_ratio(boxes) == pytest.approx(1.525, rel=0.01)
     assert costs.box(0, 10) == pytest.approx(costs.call_ratio(boxes) * costs.steps[0].box_call
                                              + costs.compute_ratio(boxes) * costs.steps[0].per_position * 10)
-    weighted = FrameEngine(capture(_wide(), (3, H, W))).costs
+    weighted = FrameEngine(capture(wide_classifier(), (3, H, W))).costs
     for _ in range(3):  # one large step at 3x and ten small ones at 1x: the frame took about 2.8x its prediction
         weighted.record_steps(boxes, [(0.0, 1e-2, 3e-2)] + [(0.0, 1e-4, 1e-4)] * 10)
     assert weighted.compute_ratio(boxes) == pytest.approx(3.1e-2 / 1.1e-2)
@@ -412,10 +372,10 @@ def test_a_cached_output_near_a_tie_that_flips_is_caught():
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2, padding=1),
                           nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                           nn.Flatten(), nn.Linear(32, 2)).eval()
-    first, last = _full(model, frames[0])[0], _full(model, frames[-1])[0]
+    first, last = full_inference(model, frames[0])[0], full_inference(model, frames[-1])[0]
     with torch.no_grad():  # the tie halfway between the first and the last frame
         model[-1].bias[0] -= float(first[0] - first[1] + last[0] - last[1]) / 2
-    reference = [int(_full(model, f).argmax()) for f in frames]
+    reference = [int(full_inference(model, f).argmax()) for f in frames]
     assert len(set(reference)) == 2  # the top-1 does change along the clip
 
     def top1(**settings) -> list[int]:
@@ -427,7 +387,7 @@ def test_a_cached_output_near_a_tie_that_flips_is_caught():
 
 
 def test_injected_disagreements_raise_the_audit_rate_and_tighten_then_relax(frames):
-    model = _classifier()
+    model = small_classifier()
     # max_backoff=0: the quality guard's own schedule (missed audits would otherwise start back-off stretches)
     session = StreamSession(model, speed_guard=False, audit_interval=2, keyframe_interval=4, near_tie=0,
                             max_backoff=0)
@@ -459,7 +419,7 @@ def test_injected_disagreements_raise_the_audit_rate_and_tighten_then_relax(fram
 
 
 def test_reported_agreement_equals_agreement_measured_against_full_inference(frames):
-    model = _classifier()
+    model = small_classifier()
     session = StreamSession(model, speed_guard=False, audit_interval=2, keyframe_interval=4, pixel_threshold=30,
                             feature_threshold=0.5)
     session(frames[0])
@@ -476,7 +436,7 @@ def test_reported_agreement_equals_agreement_measured_against_full_inference(fra
         session(frame)
     audited = [s.index for s in session.stats if s.audit]
     assert len(audited) >= 3
-    measured = [float(int(seen[i].argmax()) == int(_full(model, frames[i]).argmax())) for i in audited]
+    measured = [float(int(seen[i].argmax()) == int(full_inference(model, frames[i]).argmax())) for i in audited]
     report = session.agreement
     assert report.audits == len(audited) and report.kind == OutputKind.LABEL
     assert report.agreement == pytest.approx(sum(measured) / len(measured))
@@ -529,7 +489,7 @@ def test_dense_sessions_equal_full_inference_with_thresholds_at_zero(dense_model
     for frame in frames[:3]:
         for s in (session, local):
             out = s(frame, homography=np.eye(3))
-            ref = _full(model, frame)
+            ref = full_inference(model, frame)
             out_t, ref_t = (o["out"] if isinstance(o, dict) else o for o in (out, ref))
             torch.testing.assert_close(out_t, ref_t, rtol=1e-4, atol=1e-4 * float(ref_t.abs().max()))
             assert compare(out, ref, 0.99).agreement == 1.0
@@ -550,7 +510,7 @@ def test_dense_quality_guard_measures_pixel_agreement(dense_models, frames):
 # --- failures and settings --------------------------------------------------------------------------------------
 
 def test_a_failed_frame_keeps_the_guards_state(frames):
-    model = _classifier()
+    model = small_classifier()
     session = StreamSession(model, audit_interval=2, keyframe_interval=8)
     for frame in frames[:8]:
         session(frame)
@@ -576,7 +536,7 @@ def test_a_failed_frame_keeps_the_guards_state(frames):
     assert after == before
     out = session(frames[8])
     assert session.stats[-1].cause == Cause.PREVIOUS_FAILED
-    torch.testing.assert_close(out, _full(model, frames[8]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, full_inference(model, frames[8]), rtol=1e-4, atol=1e-4)
     session(frames[9])
     assert session.stats[-1].cause != Cause.PREVIOUS_FAILED
 
@@ -645,24 +605,15 @@ def test_a_model_where_every_change_reaches_the_whole_output_runs_plain_from_the
                           _SqueezeExcite(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
     session = StreamSession(model)
     session._estimator = None  # no keypoint matching may run
-    for frame in frames_of(6):
+    for frame in still_camera(6):
         out = session(frame)
-        torch.testing.assert_close(out, _full(model, frame), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out, full_inference(model, frame), rtol=1e-4, atol=1e-4)
     # recognised before the first cached frame (the smallest change already computes nearly everything)
     assert all(s.cause == Cause.NO_REUSE and s.mode == "full" for s in session.stats)
     assert "multiply-adds" in session.stats[0].reason
     assert all(s.times.match == s.times.mask == s.times.plan == 0 for s in session.stats)
     assert not next(iter(session._engines.values())).has_cache  # nothing kept either
 
-
-def frames_of(n: int) -> list[np.ndarray]:
-    photo = cv2.resize(skimage.data.chelsea(), (W, H), interpolation=cv2.INTER_AREA)
-    out = []
-    for k in range(n):
-        frame = photo.copy()
-        frame[20:30, 4 + 2 * k:14 + 2 * k] = 250
-        out.append(frame)
-    return out
 
 
 def _dense_convs() -> nn.Module:
@@ -684,7 +635,7 @@ def test_a_sampled_audit_detects_an_injected_drift(frames, monkeypatch):
     # the frames must run cached for samples to run: from here on the plan's multiply-adds and bytes alone decide,
     # whatever the machine's load (at this size a cached frame's Python overhead, which a calibration from
     # wall-clock times would add, is close to a full frame's time)
-    _frozen_costs(session, monkeypatch)
+    frozen_costs(session, monkeypatch)
     for frame in frames[1:8]:
         session(frame)
     sampler = next(iter(session._samplers.values()))
@@ -707,7 +658,7 @@ def test_a_sampled_audit_detects_an_injected_drift(frames, monkeypatch):
     first = checked[0]
     assert first.sampled_error > 10 * max(s.sampled_error for s in honest) and first.cause == Cause.AUDIT
     assert first.agreement is not None  # the flagged frame was audited in full (and returned full inference)
-    torch.testing.assert_close(session(frames[14]), _full(model, frames[14]), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(session(frames[14]), full_inference(model, frames[14]), rtol=1e-3, atol=1e-3)
 
 
 def _dilated() -> nn.Module:
@@ -758,7 +709,7 @@ def test_the_no_reuse_decision_counts_the_floor_pruning_cannot_cut(frames):
         for threshold, reuse in ((None, pruned_reuse), (0.0, False)):
             session = StreamSession(model, feature_threshold=threshold)
             for frame in frames[:5]:
-                torch.testing.assert_close(session(frame), _full(model, frame), rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(session(frame), full_inference(model, frame), rtol=1e-4, atol=1e-4)
             no_reuse = [s.cause == Cause.NO_REUSE for s in session.stats[1:]]
             assert not any(no_reuse) if reuse else all(no_reuse), (type(model).__name__, threshold)
 
@@ -774,7 +725,7 @@ def test_the_cost_model_prices_a_cached_frame_with_what_frames_measured_outside_
     from incrinf.engine.frame_regions import plan_seconds
     from incrinf.stream.decisions import SpeedGuard
 
-    engine = FrameEngine(capture(_wide(), (3, H, W)))
+    engine = FrameEngine(capture(wide_classifier(), (3, H, W)))
     costs, boxes = engine.costs, RegionKind.BOXES
     plan = engine.plan_boxes([(0, 8, 0, 8)])
     steps = plan.seconds - costs.frame_seconds(boxes)
