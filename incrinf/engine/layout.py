@@ -300,7 +300,7 @@ def compact(device: torch.device, d: int) -> bool:
 
 
 def describe_boxes(start: np.ndarray, size: tuple[int, ...], dims: tuple[int, ...], region: Boxes | None,
-              offset: np.ndarray | None, device: torch.device, batch_stride: int = 0) -> BoxIndex:
+                   offset: np.ndarray | None, device: torch.device, batch_stride: int = 0) -> BoxIndex:
     """The :class:`BoxIndex` of N boxes at ``start`` (N, d) of extent ``size`` in a table of extents ``dims``,
     with ``region`` overlaid at ``offset`` (N, d) inside each box."""
     n, d = start.shape
@@ -326,10 +326,19 @@ def overlay_index(region: Boxes, offset: np.ndarray, window: tuple[int, ...]) ->
     return dest[inside], np.flatnonzero(inside)
 
 
-def _gather(read: np.ndarray, dest: np.ndarray | None, origin: np.ndarray | None, table_rows: int,
-            device: torch.device) -> Gather:
-    read_t, dest_t, origin_t = _tensor(read, device), _tensor(dest, device), _tensor(origin, device)
-    combined = dispatch.fuse_window_index(read_t, dest_t, origin_t, table_rows) \
+def _read_boxes(table: Table, start: np.ndarray, size: tuple[int, ...], region: Boxes | None, origin: np.ndarray,
+                device: torch.device) -> Gather:
+    """N boxes of extent ``size`` at ``start`` (N, d) (table coordinates) read from ``table``, with ``region``'s
+    changed boxes (map coordinates; ``origin``: where the map starts in the table) overlaid: a :class:`BoxIndex`
+    where the device's kernels take one, else row indices."""
+    offset = None if region is None else region.start() + origin - start
+    if compact(device, len(size)):
+        return Gather(None, box=describe_boxes(start, size, table.dims, region, offset, device))
+    dest = origin_rows = None
+    if region is not None:
+        dest, origin_rows = overlay_index(region, offset, size)
+    read_t, dest_t, origin_t = (_tensor(a, device) for a in (box_rows(start, size, table.dims), dest, origin_rows))
+    combined = dispatch.fuse_window_index(read_t, dest_t, origin_t, table.rows) \
         if dest_t is not None and dispatch.wants_fused_index(device) else None
     return Gather(read_t, dest_t, origin_t, combined)
 
@@ -338,38 +347,24 @@ def window_index(layout: Layout, spec: WindowSpec, place: Place, src: Boxes | No
                  device: torch.device) -> Gather:
     """The read-in windows of ``out`` (N boxes of a window step's output) in its source's padded table, with the
     source's changed boxes ``src`` overlaid."""
-    table = layout.tables[place.table]
-    read = spec.read_size(out.size)
+    origin = np.asarray(place.origin)
     # window start in table coordinates: out * stride - offset + origin; the table holds exactly the padding of
     # this window, so the origin equals the offset
-    start = out.start() * np.asarray(spec.stride) + (np.asarray(place.origin) - np.asarray(spec.offset))
-    if compact(device, len(read)):
-        offset = None if src is None else src.start() + np.asarray(place.origin) - start
-        return Gather(None, box=describe_boxes(start, read, table.dims, src, offset, device))
-    dest = origin = None
-    if src is not None:
-        dest, origin = overlay_index(src, src.start() + np.asarray(place.origin) - start, read)
-    return _gather(box_rows(start, read, table.dims), dest, origin, table.rows, device)
+    start = out.start() * np.asarray(spec.stride) + (origin - np.asarray(spec.offset))
+    return _read_boxes(layout.tables[place.table], start, spec.read_size(out.size), src, origin, device)
 
 
 def aligned_index(layout: Layout, place: Place, region: Boxes | None, out: Boxes, device: torch.device) -> Gather:
     """A tensor's base values in ``out`` (N boxes of one size), its changed boxes ``region`` overlaid."""
-    table = layout.tables[place.table]
-    start = out.start() + np.asarray(place.origin)
-    if compact(device, len(out.size)):
-        offset = None if region is None else region.start() - out.start()
-        return Gather(None, box=describe_boxes(start, out.size, table.dims, region, offset, device))
-    dest = origin = None
-    if region is not None:
-        dest, origin = overlay_index(region, region.start() - out.start(), out.size)
-    return _gather(box_rows(start, out.size, table.dims), dest, origin, table.rows, device)
+    origin = np.asarray(place.origin)
+    return _read_boxes(layout.tables[place.table], out.start() + origin, out.size, region, origin, device)
 
 
 def projection_index(dims: tuple[int, ...], region: Boxes, device: torch.device) -> Projection:
     """Rows of N stacked maps of extents ``dims`` that receive each query's box."""
     if compact(device, len(dims)):
         return Projection(None, box=describe_boxes(np.zeros((region.n, len(dims)), np.int64), dims, dims, region,
-                                              region.start(), device))
+                                                   region.start(), device))
     positions = math.prod(dims)
     dest = _tensor(box_rows(region.start(), region.size, dims, batch_stride=positions), device)
     combined = dispatch.fuse_scatter_index(dest, None, region.n, positions) \
