@@ -51,6 +51,9 @@ def release_free_memory() -> None:
         trim(0)
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def resident_memory() -> int | None:
     """This process's resident set in bytes (Linux's ``/proc/self/statm``), None where it cannot be read."""
     try:
@@ -58,9 +61,6 @@ def resident_memory() -> int | None:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return None
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class HostMemory:

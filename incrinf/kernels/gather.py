@@ -35,7 +35,7 @@ def from_rows(rows: torch.Tensor, n: int, dims: tuple[int, ...], channels: tuple
 
 
 def write_overlay(window_rows: torch.Tensor, dest: torch.Tensor, region_rows: torch.Tensor,
-                 source: torch.Tensor | None = None) -> torch.Tensor:
+                  source: torch.Tensor | None = None) -> torch.Tensor:
     """Write region values into gathered windows, in place.
 
     Args:

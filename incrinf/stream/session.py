@@ -220,7 +220,7 @@ class StreamSession:
             # a map's check on the spot (its first cached frame, or after an audit that left no room) is no near tie
             why = ("near tie, " if comparison.kind == OutputKind.LABEL else "check, ") if verify else ""
             f.fallback = Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
-                                                f"{verdict.value}")
+                                               f"{verdict.value}")
         if quality is not None:
             quality.tick()
             if audited and ran_cached and (comparison is None or verify):
@@ -287,7 +287,7 @@ class StreamSession:
         if self.config.speed_guard and not self._speed.choose_cached(prediction):
             checks = f" + {prediction.checks * 1e3:.1f} ms expected near-tie checks" if prediction.checks else ""
             f.fallback = Fallback(Cause.SLOWER, f"predicted {prediction.cached * 1e3:.1f} ms cached{checks} vs "
-                                                 f"{prediction.full * 1e3:.1f} ms full")
+                                                f"{prediction.full * 1e3:.1f} ms full")
         return prediction
 
     def _run(self, f: FrameState, engine: CameraEngine, audit: bool, oracle: bool
@@ -460,7 +460,7 @@ class StreamSession:
             return
         if self._backoff.active:
             f.fallback = Fallback(Cause.BACKING_OFF, f"{self._backoff.misses} frames in a row could not use the "
-                                                      "cache or saved little with it")
+                                                     "cache or saved little with it")
             return
         f.near_tie = self._check_certain()
         hopeless = self._speed.hopeless(engine.engine, self._pruning, f.near_tie) \
