@@ -3,6 +3,8 @@ would pass the plan's budget (naive re-inference's memory at the same batch size
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 import torch.nn as nn
 
@@ -31,12 +33,16 @@ def test_settle_hands_back_only_past_the_budget(monkeypatch):
 
 
 def test_resident_memory_reads_this_process():
+    # A fresh anonymous mapping, every page written: new resident pages. (A tensor allocation may reuse pages the
+    # allocator already holds resident from earlier tests in the same worker, and then the resident set stays put.)
+    size = 64 * 2**20
     before = memory.resident_memory()
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    block = mmap.mmap(-1, size)
+    block.write(b"\x01" * size)
     after = memory.resident_memory()
+    block.close()
     assert before is not None and after is not None
     assert after - before >= 32 * 2**20
-    del block
 
 
 class Small(nn.Module):
