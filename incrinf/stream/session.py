@@ -106,7 +106,7 @@ class StreamSession:
         self.device = torch.device(device) if device is not None else (
             param.device if param is not None else torch.device("cpu"))
         self.inputs = FrameInput(Normalization(mean, std), input_size, preprocess, self.device)
-        self._estimator = HomographyEstimator(**self.config.matcher_settings.as_kwargs())
+        self._estimator = HomographyEstimator(self.config.matcher_settings)
         self._stillness = StillnessTest(self.config.still_response, max(self.config.min_motion, 0.5))
         self._engines: dict[tuple[int, ...], CameraEngine] = {}
         self._no_reuse: dict[tuple[int, ...], str] = {}  # frame shapes on which the cache cannot pay, and why
