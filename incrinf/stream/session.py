@@ -468,8 +468,8 @@ class StreamSession:
         if hopeless:  # known before the stillness test, matching, mask and plan: none of them runs
             f.fallback = Fallback(Cause.SLOWER, hopeless)
             return
-        if not engine.has_cache:  # dropped after a failure inside the engine, or by a plain frame
-            f.fallback = Fallback(Cause.PREVIOUS_FAILED, "no cache kept")
+        if not engine.has_cache:  # the last full frame ran plain: it was not expected to be followed by a cached one
+            f.fallback = Fallback(Cause.NO_CACHE, "the last full frame kept no maps")
             return
         config, times = self.config, f.times
         clock = time.perf_counter()
