@@ -6,13 +6,16 @@ and the average-pool border correction.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from incrinf.graph import Graph, Node, NodeKind, Operator
 from incrinf.graph.execute import arguments, invoke, module_of, unary
+
+if TYPE_CHECKING:
+    from incrinf.engine.windows import WindowSpec
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -175,6 +178,36 @@ class Operators:
                 return lambda x: _same_layout(x, pool(x, kernel, g.stride, 0))
             return lambda x: pool(x, kernel, g.stride, 0)
         raise AssertionError(f"no window operator for {node.name} ({node.op})")
+
+    def whole_window(self, node: Node, spec: WindowSpec, dims: tuple[int, ...], folded: tuple | None = None
+                     ) -> WindowOp | None:
+        """The convolution ``node`` over its whole unpadded source map (N, C, *source dims), padding with zeros
+        itself, so that it yields the step's ``dims`` outputs; None where it cannot (a pool, padding of another
+        value, more padding after than before, a 3-D map: those run through :func:`_conv3d`)."""
+        d = self.d
+        if node.operator != Operator.CONV or d == 3:
+            return None
+        mod = module_of(self.graph, node)
+        if mod is not None and getattr(mod, "padding_mode", "zeros") != "zeros":
+            return None
+        view_before, view_after, own_before, own_after = spec.pads
+        if (any(view_before) or any(view_after)) and spec.view_value != 0.0:
+            return None
+        if (any(own_before) or any(own_after)) and spec.pad_value != 0.0:
+            return None
+        before = tuple(v + o for v, o in zip(view_before, own_before))
+        after = tuple(v + o for v, o in zip(view_after, own_after))
+        if any(a > b for a, b in zip(after, before)):
+            return None
+        in_dims = self.graph.by_name[spec.source].shape[-d:]
+        out = tuple((n + 2 * b - e) // s + 1 for n, b, e, s in zip(in_dims, before, spec.extent, spec.stride))
+        if out != tuple(dims):
+            return None
+        weight, bias, stride, dilation, groups = folded or self.conv_params(node)
+        if folded is None:
+            weight = _channels_last(weight.detach())
+        conv = _CONV[d]
+        return lambda x: conv(x, weight, bias, stride, before, dilation, groups)
 
     def linear(self, node: Node, folded: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(weight (C_out, C_in), bias)`` of a 1x1, stride-1, unpadded, ungrouped convolution, to run as a

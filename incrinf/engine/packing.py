@@ -8,6 +8,12 @@ import numpy as np
 from incrinf.engine.program import Program
 from incrinf.geometry import Propagation, RegionKind
 
+# The multiply-adds a core completes in the time it streams one byte from memory (its machine balance): 2-3 GHz
+# AVX2/AVX-512 cores complete 16-64 single-precision multiply-adds per cycle, 30-150 G a second, against 5-15 GB/s
+# of memory bandwidth per core; a GPU's fp32 rate over its memory bandwidth is of the same order. A step that reads
+# more weight bytes than this many multiply-adds per byte is bound by reading its weights.
+MACS_PER_WEIGHT_BYTE = 16.0
+
 
 def order_queries(program: Program, exact: Propagation, sizes: np.ndarray) -> np.ndarray:
     """Order in which to pack queries so that batch-mates need boxes of similar sizes: by the area of the changed
@@ -23,110 +29,46 @@ def order_queries(program: Program, exact: Propagation, sizes: np.ndarray) -> np
     return np.lexsort(keys)
 
 
-def _step_extents(program: Program, exact: Propagation, q: int) -> tuple[list[float], list[np.ndarray]]:
-    """Per step with a change and multiply-adds: its multiply-adds per output position, and the (Q, d) extents of
-    every query's exact box there."""
-    per_position, extents = [], []
-    for step in program.steps:
-        region = exact.regions[step.out]
-        if region.kind == RegionKind.NONE or step.flops == 0:
-            continue
-        dims = np.asarray(step.dims)
-        per_position.append(step.flops / step.positions)
-        extents.append(np.broadcast_to(dims, (q, len(dims))) if region.kind == RegionKind.FULL
-                       else np.minimum(region.boxes.sizes(), dims))
-    return per_position, extents
-
-
 def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
-    """Batch boundaries over the ordered queries: the fewest batches (:func:`_fewest_runs`, as many as plain batched
-    re-inference runs) unless they would be larger than those of the cheapest packing (:func:`_cheapest_runs`,
-    the fewest multiply-adds with runs of half to the full batch size), whose largest batch bounds the working
-    memory: every batch pays the same walk, weight reads and tail whatever its size, so fewer batches run faster
-    (ResNet18, 196 queries at batch 16: 13 batches instead of 23, 8% faster on one thread) where they hold no
-    more memory.
-
-    Returns:
-        ``(first, end)`` positions in ``order`` of each batch, in order.
-    """
-    cheapest = _cheapest_runs(program, exact, order, batch_size)
-    fewest = _fewest_runs(program, exact, order, batch_size)
-    largest = max(end - first for first, end in cheapest)
-    return fewest if max(end - first for first, end in fewest) <= largest else cheapest
-
-
-def _fewest_runs(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
-    """Batch boundaries over the ordered queries: as many batches as plain batched re-inference runs
-    (``ceil(Q / batch_size)``, each of at most ``batch_size`` queries), cut where the packed boxes cost the fewest
-    multiply-adds (dynamic programming; an exact batch computes each step on the per-axis largest of its queries'
-    boxes, so queries of different reach waste work when packed together). More, smaller batches would save a few
-    multiply-adds but pay what every batch pays whatever its size (a walk over every step, the weights read once
-    per convolution, the tail) on fewer queries, and small batches run the convolutions less efficiently.
-
-    Returns:
-        ``(first, end)`` positions in ``order`` of each batch, in order.
-    """
-    q = len(order)
-    count = -(-q // batch_size)
-    per_position, extents = _step_extents(program, exact, q)
-    if not extents or count == 1:
-        return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
-    weight = np.asarray(per_position)
-    ordered = np.stack(extents, axis=1)[order].astype(np.float64)  # (Q, steps, d)
-    # run[n - 1, first]: multiply-adds of the run of n queries starting at ``first`` (inf past the end)
-    run = np.full((batch_size, q), np.inf)
-    largest = ordered.copy()
-    for n in range(1, batch_size + 1):
-        if n > 1:
-            largest = np.maximum(largest[:-1], ordered[n - 1:])
-        run[n - 1, :q - n + 1] = n * (largest.prod(axis=2) @ weight)
-    # best[k, end]: the cheapest k batches over the first ``end`` queries; ties go to earlier cuts (stable)
-    best = np.full((count + 1, q + 1), np.inf)
-    best[0, 0] = 0.0
-    cut = np.zeros((count + 1, q + 1), np.int64)
-    ends = np.arange(q + 1)
-    for k in range(1, count + 1):
-        for n in range(1, batch_size + 1):
-            firsts = ends[n:] - n
-            cost = best[k - 1, firsts] + run[n - 1, firsts]
-            better = cost < best[k, n:]
-            best[k, n:] = np.where(better, cost, best[k, n:])
-            cut[k, n:] = np.where(better, firsts, cut[k, n:])
-    bounds, end = [], q
-    for k in range(count, 0, -1):
-        bounds.append((int(cut[k, end]), end))
-        end = int(cut[k, end])
-    return bounds[::-1]
-
-
-def _cheapest_runs(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
     """Batch boundaries over the ordered queries: consecutive runs of ``batch_size // 2`` (at least 1) to
-    ``batch_size`` queries whose packed boxes cost the fewest multiply-adds (dynamic programming; an exact batch
-    computes each step on the per-axis largest of its queries' boxes, so queries of different reach waste work
-    when packed together). Runs never shrink below half the batch size, so per-batch costs at most double.
+    ``batch_size`` queries that cost the least by :func:`run_cost`, multiply-adds and weight reads together, none
+    larger than the largest run of the packing that costs the fewest multiply-adds (whose largest batch bounds
+    the working memory: weighing the weight reads merges batches, it never makes a batch hold more). Runs never
+    shrink below half the batch size, so what every batch pays whatever its size (the walk over its steps, the
+    tail) at most doubles.
 
     Returns:
         ``(first, end)`` positions in ``order`` of each batch, in order.
     """
     q = len(order)
-    smallest = max(1, min(batch_size // 2, q))
-    per_position, extents = _step_extents(program, exact, q)
-    if not extents:
+    costs = _StepCosts(program, exact, q)
+    if not costs.extents:
         return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
-    weight = np.asarray(per_position)
-    ordered = np.stack(extents, axis=1)[order]  # (Q, steps, d)
+    ordered = np.stack(costs.extents, axis=1)[order]  # (Q, steps, d)
+    smallest = max(1, min(batch_size // 2, q))
+    fewest_macs = _cheapest(costs, ordered, smallest, batch_size, 0.0)
+    largest = max(end - first for first, end in fewest_macs)
+    return _cheapest(costs, ordered, min(smallest, largest), largest, MACS_PER_WEIGHT_BYTE)
+
+
+def _cheapest(costs: _StepCosts, ordered: np.ndarray, smallest: int, largest: int, per_byte: float
+              ) -> list[tuple[int, int]]:
+    """The cheapest cuts of the ordered queries' (Q, steps, d) extents into runs of ``smallest`` to ``largest``
+    queries (shorter runs only first or last), weight bytes read costing ``per_byte`` multiply-adds each (dynamic
+    programming; an exact batch computes each step on the per-axis largest of its queries' boxes, so queries of
+    different reach waste work when packed together; ties go to fewer batches)."""
+    q = len(ordered)
     best = np.full(q + 1, np.inf)
     best[0] = 0.0
     cut = np.zeros(q + 1, np.int64)
     for end in range(1, q + 1):
-        largest = None
-        for first in range(end - 1, max(end - batch_size, 0) - 1, -1):
-            largest = ordered[first] if largest is None else np.maximum(largest, ordered[first])
+        boxes = None
+        for first in range(end - 1, max(end - largest, 0) - 1, -1):
+            boxes = ordered[first] if boxes is None else np.maximum(boxes, ordered[first])
             n = end - first
             if n < smallest and first > 0 and end < q:
                 continue
-            # a batch costs its multiply-adds; ties go to fewer batches
-            cost = best[first] + n * float(weight @ largest.prod(axis=1)) * (1 + 1e-9) + 1e-6
+            cost = best[first] + costs.run(n, boxes, per_byte) * (1 + 1e-9) + 1e-6
             if cost < best[end]:
                 best[end], cut[end] = cost, first
     bounds, end = [], q
@@ -134,3 +76,39 @@ def _cheapest_runs(program: Program, exact: Propagation, order: np.ndarray, batc
         bounds.append((int(cut[end]), end))
         end = int(cut[end])
     return bounds[::-1]
+
+
+class _StepCosts:
+    """Per step with a change and multiply-adds: its multiply-adds per output position, the bytes of its weights,
+    and the (Q, d) extents of every query's exact box there."""
+
+    def __init__(self, program: Program, exact: Propagation, q: int) -> None:
+        per_position, weight_bytes, self.extents = [], [], []
+        for step in program.steps:
+            region = exact.regions[step.out]
+            if region.kind == RegionKind.NONE or step.flops == 0:
+                continue
+            dims = np.asarray(step.dims)
+            per_position.append(step.flops / step.positions)
+            weight_bytes.append(step.weight_bytes)
+            self.extents.append(np.broadcast_to(dims, (q, len(dims))) if region.kind == RegionKind.FULL
+                                else np.minimum(region.boxes.sizes(), dims))
+        self.per_position = np.asarray(per_position, np.float64)
+        self.weight_bytes = np.asarray(weight_bytes, np.float64)
+
+    def run(self, n: int, boxes: np.ndarray, per_byte: float) -> float:
+        """:func:`run_cost` of a batch of ``n`` queries whose per-step boxes are ``boxes`` (steps, d)."""
+        return run_cost(n, boxes.prod(axis=1), self.per_position, self.weight_bytes, per_byte)
+
+
+def run_cost(n: int, positions: np.ndarray, per_position: np.ndarray, weight_bytes: np.ndarray,
+             per_byte: float = MACS_PER_WEIGHT_BYTE) -> float:
+    """What one packed batch costs, in multiply-adds: per step, the larger of its multiply-adds (``n`` queries on
+    ``positions`` output positions each, ``per_position`` multiply-adds apiece) and the multiply-adds the machine
+    completes in the time it reads the step's weights (``weight_bytes`` times :data:`MACS_PER_WEIGHT_BYTE`), which
+    every batch that runs the step reads again. Where boxes are large the multiply-adds dominate and batches are
+    cut to waste few; where the step's output is a few positions per query (the last stages of a classifier, edge
+    windows), the weights dominate and fewer, larger batches cost less."""
+    macs = n * positions * per_position
+    reads = np.where(positions > 0, weight_bytes * per_byte, 0.0)
+    return float((macs + reads).sum())

@@ -41,6 +41,10 @@ class Step:
         flops: multiply-accumulates of the whole step over the whole map.
         dims: the output's spatial extents.
         channels: the output's channel axes (more than one after a channel shuffle's view).
+        weight_bytes: bytes of the head's weights (a convolution's), which every batch that runs the step reads.
+        whole_op: for a window step whose padding is all zeros, its operator over the whole unpadded source map
+            with the padding done by the operator itself (None otherwise): oneDNN runs a 3x3 convolution on a 7x7
+            map with padding 1 about 15% faster than on the 9x9 map padded beforehand (14x14: 6-12%).
     """
 
     head: Node
@@ -55,6 +59,8 @@ class Step:
     flops: float = 0.0
     dims: tuple[int, ...] = ()
     channels: tuple[int, ...] = ()
+    weight_bytes: int = 0
+    whole_op: WindowOp | None = None
     functions: list = field(default_factory=list, repr=False)  # the chain, bound once
 
     @property
@@ -222,9 +228,13 @@ class Program:
             out_shape = graph.by_name[last.name].shape or graph.by_name[inputs[0]].shape
             step = Step(node, last.name, inputs, chain, flops=float(flops), dims=tuple(out_shape[-d:]),
                         channels=tuple(out_shape[1:-d]), inplace=node.inplace or any(n.inplace for n, _ in chain))
+            params = folded or ops.conv_params(node)
+            if params is not None and isinstance(params[0], torch.Tensor):
+                step.weight_bytes = params[0].numel() * params[0].element_size()
             if node.name in windows:
                 step.window = windows[node.name]
                 step.op = ops.window(node, folded)
+                step.whole_op = ops.whole_window(node, step.window, step.dims, folded)
                 value = env.get(node.name)
                 dtype, device = _reference(graph, value if value is not None else env.get(graph.input.name))
                 step.factors = ops.border_factors(node, dtype, device)

@@ -1,0 +1,162 @@
+"""Packing's cost model (multiply-adds and weight reads per batch) and the whole-map window operators: plans that
+weigh weight reads merge batches without holding larger ones, and every planned run stays exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import incrinf.engine.packing as packing
+from incrinf.analysis import occlusion_grid
+from incrinf.cache import runtime_cache
+from incrinf.engine import BatchEngine
+from incrinf.engine.packing import run_cost
+from incrinf.geometry import incremental_flops, input_boxes, propagate
+from incrinf.graph import capture
+from tests.engine.test_plans import _naive, _planned
+
+PER_BYTE = packing.MACS_PER_WEIGHT_BYTE  # the default, before any test patches it
+
+
+class Funnel(nn.Module):
+    """Downsamples a small image to a 4x4 map of 256 channels: the last convolutions compute few multiply-adds per
+    byte of their weights, the first ones many."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 64, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(128, 256, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(256, 256, 3, padding=1), nn.ReLU())
+        self.fc = nn.Linear(256, 4)
+
+    def forward(self, x):
+        return self.fc(self.features(x).mean((2, 3)))
+
+
+def _plan(engine: BatchEngine, corners: np.ndarray, window: tuple[int, ...], dims: tuple[int, ...],
+          batch_size: int, per_byte: float, monkeypatch):
+    monkeypatch.setattr(packing, "MACS_PER_WEIGHT_BYTE", per_byte)
+    runtime_cache().clear()  # the plan key does not hold the constant
+    region = input_boxes(corners, window, dims)
+    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
+    runtime_cache().clear()
+    return plan
+
+
+def _cost(engine: BatchEngine, plan, per_byte: float) -> float:
+    """What ``plan``'s batches cost by :func:`run_cost`, from their planned boxes."""
+    steps = engine.program.steps
+    total = 0.0
+    for batch in plan.batches:
+        for sp in batch.steps:
+            step = steps[sp.index]
+            if step.flops:
+                total += run_cost(batch.n, np.array([float(sp.box.area)]), np.array([step.flops / step.positions]),
+                                  np.array([float(step.weight_bytes)]), per_byte)
+    return total
+
+
+@pytest.fixture
+def funnel():
+    torch.manual_seed(5)
+    model = Funnel().eval()
+    image = torch.randn(1, 3, 32, 32)
+    return model, image, BatchEngine(capture(model, image.shape[1:]), image)
+
+
+def test_run_cost_counts_weights_once_per_batch():
+    positions, per_position, weights = np.array([4.0, 0.0]), np.array([10.0, 10.0]), np.array([100.0, 100.0])
+    # a step the batch does not change reads no weights
+    assert run_cost(3, positions, per_position, weights, per_byte=2.0) == 3 * 4 * 10 + 100 * 2
+    # two batches of one read the weights twice, one batch of two once
+    assert run_cost(2, positions, per_position, weights, 2.0) < 2 * run_cost(1, positions, per_position, weights, 2.0)
+    assert run_cost(2, positions, per_position, weights, 0.0) == 2 * run_cost(1, positions, per_position, weights, 0.0)
+
+
+def test_steps_know_their_weight_bytes(funnel):
+    _, _, engine = funnel
+    convs = [s for s in engine.program.steps if s.head.operator.name == "CONV"]
+    assert [s.weight_bytes for s in convs] == [4 * c.weight.numel() for c in engine.graph.module.modules()
+                                               if isinstance(c, nn.Conv2d)]
+    assert all(s.weight_bytes == 0 for s in engine.program.steps if s not in convs)
+
+
+def test_weight_reads_merge_batches_without_larger_ones(funnel, monkeypatch):
+    _, image, engine = funnel
+    dims, window = (32, 32), (6, 6)
+    corners = occlusion_grid(dims, window, (2, 2))
+    fewest_macs = _plan(engine, corners, window, dims, 16, 0.0, monkeypatch)
+    weighed = _plan(engine, corners, window, dims, 16, PER_BYTE, monkeypatch)
+    # the weights of the 4x4 stages dominate: fewer batches, none larger than the MAC-cheapest packing's
+    assert len(weighed.batches) < len(fewest_macs.batches)
+    assert max(b.n for b in weighed.batches) <= max(b.n for b in fewest_macs.batches)
+    assert weighed.peak_bytes <= fewest_macs.peak_bytes
+    # more multiply-adds (never fewer than the MAC-cheapest packing), bounded by what the weight reads save
+    saved = _cost(engine, fewest_macs, PER_BYTE) - _cost(engine, weighed, PER_BYTE)
+    assert saved > 0
+    assert fewest_macs.macs <= weighed.macs <= fewest_macs.macs + saved
+    graph = engine.graph
+    exact = incremental_flops(graph, propagate(graph, input_boxes(corners, window, dims), uniform=False)).sum()
+    assert weighed.macs >= exact * (1 - 1e-9)
+    # every query exactly once
+    queries = np.sort(np.concatenate([b.queries for b in weighed.batches]))
+    np.testing.assert_array_equal(queries, np.arange(len(corners)))
+
+
+def test_weightless_steps_pack_as_the_mac_cheapest(funnel, monkeypatch):
+    _, _, engine = funnel
+    dims, window = (32, 32), (6, 6)
+    corners = occlusion_grid(dims, window, (3, 3))
+    zero = _plan(engine, corners, window, dims, 8, 0.0, monkeypatch)
+    again = _plan(engine, corners, window, dims, 8, 0.0, monkeypatch)
+    assert [tuple(b.queries) for b in zero.batches] == [tuple(b.queries) for b in again.batches]
+    weighed = _plan(engine, corners, window, dims, 8, PER_BYTE, monkeypatch)
+    assert weighed.macs >= zero.macs * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vgg16"])
+def test_whole_map_operators_stay_exact(name):
+    """Steps over whole maps run the convolution with its own zero padding (not on a padded copy): planned runs
+    still equal plain inference on residual and plain architectures, and the whole-map operators did run."""
+    from tests.conftest import zoo_model
+
+    model, image, window = zoo_model(name), torch.randn(1, 3, 64, 64), (16, 16)
+    engine = BatchEngine(capture(model, image.shape[1:]), image)
+    calls = []
+    saved = {i: step.whole_op for i, step in enumerate(engine.program.steps) if step.whole_op is not None}
+    for i, op in saved.items():
+        engine.program.steps[i].whole_op = lambda x, op=op: calls.append(1) or op(x)
+    corners = occlusion_grid((64, 64), window, (16, 16))
+    try:
+        got, _ = _planned(engine, image, corners, window, batch_size=6)
+    finally:
+        for i, op in saved.items():
+            engine.program.steps[i].whole_op = op
+    assert calls
+    with torch.no_grad():
+        want = _naive(model, image, corners, window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_whole_map_operator_needs_zero_padding():
+    """A convolution behind a padding view of another value keeps the padded-copy path."""
+
+    class Padded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.plain = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            return self.plain(self.conv(nn.functional.pad(x, (1, 1, 1, 1), value=2.0))).mean((2, 3))
+
+    model = Padded().eval()
+    image = torch.randn(1, 3, 12, 12)
+    engine = BatchEngine(capture(model, image.shape[1:]), image)
+    ops = {s.head.name: s.whole_op for s in engine.program.steps if s.window is not None}
+    assert ops["conv"] is None and ops["plain"] is not None
