@@ -240,6 +240,16 @@ class QualityGuard:
         mean = sum(losses) / len(losses) * (1.0 + 1.0 / math.sqrt(len(losses)))
         return max(max(losses), mean * math.log(1.0 / budget))
 
+    def surely_risky(self, margin: float) -> bool:
+        """Whether a label output's margin is at risk however little drift the frame shows: within the largest lead
+        change an audit measured or ``near_tie`` times their reference, each audit's loss unscaled (the frames since
+        the full one and a frame's own sample only ever scale it up: :meth:`lead_at_risk`). A near tie lasts over
+        frames, so a frame after such an output will most likely be checked in full whatever its sample says."""
+        if self.config.near_tie == 0 or math.isnan(margin) or not self._lead_lost:
+            return False
+        losses = [a.lost for a in self._lead_lost]
+        return margin <= max(max(losses), self.config.near_tie * self._reference(losses))
+
     def needs_sample(self, margin: float, frames_since_full: int) -> bool:
         """Whether a cached label output that :meth:`risky` let through is trusted only on the linear guess: the
         frame lies farther from the last full frame than any audit measured, the audits' fit does not cover
