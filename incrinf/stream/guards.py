@@ -21,9 +21,9 @@
   when the frame had a sampled audit, its own measured error against the one the audit's sample saw, else the
   frames since the last full one (raised to the growth the audits at different distances show, on its cautious
   side). A near tie is first checked that way, by a sample of the frame (a fraction of a frame), and audited in
-  full only when the sampled drift leaves its margin at risk. A moving camera's frame farther from the last full one
-  than any audit measured is not trusted on the linear guess alone: when its margin would be at risk had the drift
-  grown quadratically (:meth:`QualityGuard.needs_sample`), a sample measures its drift first. The interval of full
+  full only when the sampled drift leaves its margin at risk. A frame is not trusted on the linear guess from the
+  audits' distances alone: when its margin would be at risk had the drift grown quadratically
+  (:meth:`QualityGuard.needs_sample`), a sample measures its drift first. The interval of full
   audits that run whatever sampled audits say starts at ``keyframe_interval`` and adapts
   (:meth:`QualityGuard.long_due`).
 """
@@ -52,12 +52,13 @@ _LEAD_SAMPLES = 8  # audits whose lost lead a label output's margin is checked a
 _PROBE_FLOOR = 1e-4
 # Lead losses below this are float rounding: no growth exponent is taken from them.
 _LOSS_FLOOR = 1e-6
-# How fast a moving camera's drift is assumed to grow beyond the farthest distance from a full frame that an audit
-# measured, until the audits' fit covers it: loss ~ frames ** 2. Warping resamples the cached features at every
-# frame, and the resampling error compounds with the misalignment it leaves (a moving street clip lost 0.12, 0.42
-# and 0.21 of the lead 1, 2 and 3 frames after an audit: faster than linear). Not fitted to a clip: it only decides
-# when a frame's own sample is taken (a twentieth of a frame), the sample then measures the drift (see
-# QualityGuard.needs_sample).
+# How fast the lead a cached frame loses is assumed to grow beyond the distance from a full frame at which an audit
+# measured it, until the audits' fit says: loss ~ frames ** 2. On a moving camera warping resamples the cached
+# features every frame and the error compounds with the misalignment it leaves (a street clip lost 0.12, 0.42 and
+# 0.21 of the lead 1, 2 and 3 frames after an audit); on a still one the cells that changed by less than the
+# threshold go stale together (an animated clip lost 0.04 one frame and 0.136 three frames after a full one). Not
+# fitted to a clip: it only decides when a frame's own sample is taken (a twentieth of a frame), and the sample then
+# measures the drift (see QualityGuard.needs_sample).
 CAUTIOUS_GROWTH = 2.0
 
 
@@ -252,15 +253,13 @@ class QualityGuard:
 
     def needs_sample(self, margin: float, frames_since_full: int) -> bool:
         """Whether a cached label output that :meth:`risky` let through is trusted only on the linear guess: the
-        frame lies farther from the last full frame than any audit measured, the audits' fit does not cover
-        that distance (fewer than three audits at two distances, or a fit steeper than linear, which
-        :meth:`drift_growth` caps), and at :data:`CAUTIOUS_GROWTH` the margin would be within the lead at risk.
-        On a moving camera the session then measures the frame's drift with a sample before trusting it (a check
-        in full when no sample can)."""
+        audits' fit does not say how the drift grows (fewer than three audits at two distances, or a fit steeper
+        than linear, which :meth:`drift_growth` caps), and with each audit's loss extrapolated from its own distance
+        at :data:`CAUTIOUS_GROWTH` the margin would be within the lead at risk (at or below an audit's distance the
+        two bounds agree). The session then measures the frame's drift with a sample before trusting it (a check in
+        full when no sample can)."""
         if self.config.near_tie == 0 or math.isnan(margin) or not self._lead_lost:
             return False
-        if frames_since_full <= max(a.frames for a in self._lead_lost):
-            return False  # within the distances measured: the extrapolation is not a guess
         slope = self._fitted_slope()
         if slope is not None and slope <= 1.0:
             return False

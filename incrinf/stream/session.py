@@ -347,9 +347,9 @@ class StreamSession:
         # full when the margin is still at risk or the sample flags
         margin, since_full = top1_margin(out), self._index - self._last_full
         verify = not audit and quality is not None and quality.risky(margin, since_full, f.sampled)
-        # a moving camera's frame farther from the full one than the audits measured, whose margin is safe only if
-        # the drift grows linearly: its own sample measures the drift (a full check when no sample can)
-        cautious = not audit and not verify and quality is not None and not f.still and math.isnan(f.sampled) \
+        # a frame whose margin is safe only if the drift grows linearly from the audits' distances: its own sample
+        # measures the drift (a full check when no sample can)
+        cautious = not audit and not verify and quality is not None and math.isnan(f.sampled) \
             and quality.needs_sample(margin, since_full)
         if (verify or cautious) and math.isnan(f.sampled) and not math.isnan(margin):
             audit = self._sample(f, engine, False, near_tie=True)
