@@ -213,10 +213,14 @@ class StreamSession:
         flops_ratio = engine.last.flops_ratio if cached or (oracle and f.fallback is None) else 1.0
         regions = engine.last.regions if f.fallback is None else 0
         if comparison is not None:
+            # a flip that lost no more of the lead than the cache had been seen to lose: the margin was small, the
+            # drift ordinary (its sample is no reference of a drift that misses)
+            ordinary = comparison.kind == OutputKind.LABEL and \
+                comparison.lead_lost <= quality.measured_loss(since_full, f.sampled)
             verdict = quality.record(comparison, since_full)
             if f.probes is not None:
-                quality.probe_error(self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS,
-                                                                           f.sampled))
+                missed = None if verdict == Verdict.MISS and ordinary else verdict == Verdict.MISS
+                quality.probe_error(self._samplers[tuple(x.shape)].record(*f.probes, f.mask, missed, f.sampled))
             # a map's check on the spot (its first cached frame, or after an audit that left no room) is no near tie
             why = ("near tie, " if comparison.kind == OutputKind.LABEL else "check, ") if verify else ""
             f.fallback = Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
@@ -280,15 +284,29 @@ class StreamSession:
         if f.fallback is not None:
             return Prediction(costs.full_seconds if costs.profiled else math.nan, math.nan)
         clock = time.perf_counter()
+        share = f.mask.recompute_fraction
+        if self.config.speed_guard and costs.profiled:
+            bounded = self._speed.slower_by_share(share, costs.full_seconds, f.near_tie)
+            if bounded is not None:  # a change as large as one whose plan was predicted slower: not planned at all
+                prediction, planned_share = bounded
+                f.fallback = Fallback(Cause.SLOWER, f"predicted at least {self._predicted(prediction)} ({share:.0%} "
+                                                    f"of the frame changed, no less than a recent plan's "
+                                                    f"{planned_share:.0%})")
+                f.times.plan = time.perf_counter() - clock
+                return prediction
         f.plan = engine.plan(f.mask.pixel_mask, f.matrix, f.mask.clusters() if f.still else None)
         prediction = self._speed.predict(costs, f.plan, f.near_tie) if costs.profiled \
             else Prediction(math.nan, math.nan)
+        self._speed.record_plan(share, prediction)
         f.times.plan = time.perf_counter() - clock
         if self.config.speed_guard and not self._speed.choose_cached(prediction):
-            checks = f" + {prediction.checks * 1e3:.1f} ms expected near-tie checks" if prediction.checks else ""
-            f.fallback = Fallback(Cause.SLOWER, f"predicted {prediction.cached * 1e3:.1f} ms cached{checks} vs "
-                                                f"{prediction.full * 1e3:.1f} ms full")
+            f.fallback = Fallback(Cause.SLOWER, f"predicted {self._predicted(prediction)}")
         return prediction
+
+    @staticmethod
+    def _predicted(prediction: Prediction) -> str:
+        checks = f" + {prediction.checks * 1e3:.1f} ms expected near-tie checks" if prediction.checks else ""
+        return f"{prediction.cached * 1e3:.1f} ms cached{checks} vs {prediction.full * 1e3:.1f} ms full"
 
     def _run(self, f: FrameState, engine: CameraEngine, audit: bool, oracle: bool
              ) -> tuple[Any, Comparison | None, bool, float]:
@@ -329,9 +347,14 @@ class StreamSession:
         # full when the margin is still at risk or the sample flags
         margin, since_full = top1_margin(out), self._index - self._last_full
         verify = not audit and quality is not None and quality.risky(margin, since_full, f.sampled)
-        if verify and math.isnan(f.sampled) and not math.isnan(margin):
+        # a frame whose margin is safe only if the drift grows linearly from the audits' distances: its own sample
+        # measures the drift (a full check when no sample can)
+        cautious = not audit and not verify and quality is not None and math.isnan(f.sampled) \
+            and quality.needs_sample(margin, since_full)
+        if (verify or cautious) and math.isnan(f.sampled) and not math.isnan(margin):
             audit = self._sample(f, engine, False, near_tie=True)
-            verify = not audit and quality.risky(margin, since_full, f.sampled)
+            verify = not audit and (quality.risky(margin, since_full, f.sampled) if not math.isnan(f.sampled)
+                                    else verify or cautious)
         if audit or verify:
             sampler = self._samplers.get(tuple(f.x.shape))
             probe = sampler.probe if sampler is not None else None
@@ -403,7 +426,7 @@ class StreamSession:
             return False
         if cause == Cause.BACKING_OFF and self._backoff.skip > 1:
             return False  # this frame's stretch goes on
-        if cause == Cause.SLOWER and f.plan is None:
+        if cause == Cause.SLOWER and f.hopeless:
             return self._speed.probe_due  # no plan can pay: only a probe's frame uses the cache
         if cause in (*_MISSES, Cause.SLOWER) and self._backoff.starts_with_miss(f.overhead):
             return False  # this miss starts a stretch
@@ -412,12 +435,16 @@ class StreamSession:
 
     def _check_certain(self) -> bool:
         """Whether a cached frame now would be checked by full inference: the previous output's top-1 lead is within
-        what a cached frame may lose (a near tie lasts over frames), and no sampled audit can check it for a fraction
-        of a frame first. Before the first audit every cached label output is checked, and that check is the guard's
-        first measurement: not counted."""
+        what a cached frame may lose (a near tie lasts over frames). Where a sampled audit could check the frame for
+        a fraction of a frame first, only a lead within what the audits measured unscaled counts (no sample can
+        clear it: :meth:`~incrinf.stream.guards.QualityGuard.surely_risky`); such a frame would otherwise pay its
+        cached run, its sample and a full frame. Before the first audit every cached label output is checked, and
+        that check is the guard's first measurement: not counted."""
         quality, sampler = self._quality, self._samplers.get(self._shape)
-        if quality is None or not quality.audited or (sampler is not None and sampler.ready):
+        if quality is None or not quality.audited:
             return False
+        if sampler is not None and sampler.ready:
+            return quality.surely_risky(self._margin)
         return quality.risky(self._margin, self._index - self._last_full)
 
     @property
@@ -466,7 +493,7 @@ class StreamSession:
         hopeless = self._speed.hopeless(engine.engine, self._pruning, f.near_tie) \
             if self.config.speed_guard else ""
         if hopeless:  # known before the stillness test, matching, mask and plan: none of them runs
-            f.fallback = Fallback(Cause.SLOWER, hopeless)
+            f.fallback, f.hopeless = Fallback(Cause.SLOWER, hopeless), True
             return
         if not engine.has_cache:  # the last full frame ran plain: it was not expected to be followed by a cached one
             f.fallback = Fallback(Cause.NO_CACHE, "the last full frame kept no maps")
