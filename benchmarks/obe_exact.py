@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 
 import torch
@@ -26,7 +27,9 @@ from captum.attr import Occlusion as CaptumOcclusion
 
 from incrinf import models
 from incrinf.analysis import occlusion_grid
+from incrinf.cache import runtime_cache
 from incrinf.captum import Occlusion as IncrinfOcclusion
+from incrinf.engine.plans import PlanKey
 from incrinf.explain.occlusion import occlusion as incrinf_occlusion
 
 KRYPTON_CPU = {"vgg16": 5.4, "resnet18": 2.1, "inception_v3": 1.5}
@@ -94,7 +97,18 @@ def run_model(name: str, stride: int, batch: int, repeats: int, patch: int) -> d
     return dict(model=name, size=size, positions=stats["positions"], captum=median(t_c), incrinf=median(t_i),
                 speedup=speedup, vs_cl=median(t_l) / median(t_i), theory=stats["theoretical_speedup"],
                 plan=stats["realized_flop_ratio"],
-                ratio=speedup / stats["theoretical_speedup"], mem_c=median(m_c), mem_i=median(m_i), err=err)
+                ratio=speedup / stats["theoretical_speedup"], mem_c=median(m_c), mem_i=median(m_i), err=err,
+                **weight_traffic(model, stats["positions"], batch), load=os.getloadavg()[0])
+
+
+def weight_traffic(model: torch.nn.Module, positions: int, batch: int) -> dict:
+    """Bytes of weights read: by the last plan run (each batch the weights of the steps it runs, each tail run
+    the tail's) and by plain batched re-inference (every weight once per batch)."""
+    keys = runtime_cache().keys(PlanKey)
+    plan = runtime_cache().get(keys[-1]) if keys else None
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return dict(w_i=plan.weight_bytes if plan is not None else float("nan"), w_l=-(-positions // batch) * weights,
+                batches=len(plan.batches) if plan is not None else 0)
 
 
 ROI_CLASS = 1
@@ -158,7 +172,7 @@ def run_segmentation(name: str, stride: int, batch: int, repeats: int, patch: in
     return dict(model=f"{name.split('_')[0]} (ROI)", size=224, positions=stats["positions"], captum=median(t_c),
                 incrinf=median(t_i), speedup=speedup, vs_cl=float("nan"), theory=stats["theoretical_speedup"],
                 plan=stats["realized_flop_ratio"], ratio=speedup / stats["theoretical_speedup"], mem_c=m_c,
-                mem_i=m_i, err=err)
+                mem_i=m_i, err=err, w_i=float("nan"), w_l=float("nan"), batches=0, load=os.getloadavg()[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,11 +194,13 @@ def main(argv: list[str] | None = None) -> int:
           "alternating runs; image: skimage chelsea\n")
     header = (f"{'model':<19} {'pos':>5} {'captum s':>9} {'incrinf s':>9} {'speedup':>8} {'theory':>7} {'plan':>6} "
               f"{'sp/theory':>9} {'vs CL full':>10} {'CL/theory':>9} {'Krypton':>8} {'captum mem':>11} "
-              f"{'incrinf mem':>11} {'max rel err':>11}")
+              f"{'incrinf mem':>11} {'max rel err':>11} {'batches':>7} {'W GB':>6} {'CL W GB':>7} {'load':>5}")
     print("theory: exact FLOP ratio averaged over the grid's positions; plan: FLOP ratio of the uniform packed\n"
           "batches actually run; sp/theory: measured speedup / theory; vs CL full: speedup over plain batched\n"
           "re-inference with the model in channels-last layout (incrinf's layout; Captum runs the model as given);\n"
-          "CL/theory: vs CL full / theory\n")
+          "CL/theory: vs CL full / theory; W GB: weights read by incrinf's plan (each batch the weights of the\n"
+          "steps it runs, each tail run the tail's), CL W GB: by plain batched re-inference (all, once per batch);\n"
+          "load: 1-minute load average after the row's runs\n")
     print(header)
     runs = [(run_model, name) for name in args.models] + [(run_segmentation, name) for name in args.segmentation]
     for run, name in runs:
@@ -194,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['model']:<19} {r['positions']:>5} {r['captum']:>9.2f} {r['incrinf']:>9.2f} {r['speedup']:>7.2f}x "
               f"{r['theory']:>6.2f}x {r['plan']:>5.2f}x {r['ratio']:>9.2f} {vs_cl} "
               f"{KRYPTON_CPU.get(name, ''):>8} "
-              f"{mib(r['mem_c']):>11} {mib(r['mem_i']):>11} {r['err']:>11.1e}", flush=True)
+              f"{mib(r['mem_c']):>11} {mib(r['mem_i']):>11} {r['err']:>11.1e} {r['batches']:>7} "
+              f"{r['w_i'] / 1e9:>6.2f} {r['w_l'] / 1e9:>7.2f} {r['load']:>5.1f}", flush=True)
     return 0
 
 

@@ -221,6 +221,8 @@ class Plan:
             tensors kept until then; 0: each batch runs its own), see :func:`tail_group`.
         budget_bytes: memory the run may hold: naive re-inference's at this batch size (or the caller's budget),
             at least the batches' peak; freed memory the allocator keeps within it is not handed back.
+        weight_bytes: bytes of weights the run reads: each batch reads the weights of every step it runs, each
+            run of the tail the tail's (plain batched re-inference reads all of them once per batch).
     """
 
     key: PlanKey
@@ -234,6 +236,7 @@ class Plan:
     keeps_index: bool
     tail_queries: int = 0
     budget_bytes: int = 0
+    weight_bytes: int = 0
 
     @property
     def queries(self) -> int:
@@ -447,6 +450,11 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
             batch = BatchPlan(frozen, start, tuple(steps), tuple(boundary), unchanged, macs, batch_peak,
                               index.nbytes, index, budget)
         batches.append(batch)
+    tail_weights = sum(p.numel() * p.element_size() for p in program.tail().parameters())
+    changed = [b for b in batches if not b.unchanged]
+    tail_runs = -(-sum(b.n for b in changed) // tail_queries) if tail_queries else len(changed)
+    weight_bytes = sum(program.steps[sp.index].weight_bytes for b in batches for sp in b.steps) \
+        + tail_runs * tail_weights
     return Plan(key, tuple(batches), batch_size, float(program.full_flops), query_macs,
                 float(sum(b.macs for b in batches)), peak, sum(b.index_bytes for b in batches), keep, tail_queries,
-                budget)
+                budget, weight_bytes)
