@@ -64,6 +64,36 @@ def _arg(args: list, kwargs: dict, index: int, name: str, default: Any = None) -
     return args[index] if len(args) > index else kwargs.get(name, default)
 
 
+class _Lookup:
+    """A node input's value by name for :meth:`Operators.invoke`: the region's values, else a constant, else a
+    META node evaluated on them, else (a map only its size is read from) an empty meta tensor shaped like ``like``.
+
+    An object rather than a closure: a closure calling itself (a META node's inputs are looked up with it) is a
+    reference cycle, and the region values it holds (a concatenation's inputs, tens of MiB per batch) would then
+    live until Python's cycle collector runs instead of being freed when the step is done.
+    """
+
+    def __init__(self, ops: Operators, values: dict[str, Any], like: torch.Tensor | None) -> None:
+        self.ops = ops
+        self.values = values
+        self.like = like
+
+    def __call__(self, name: str) -> Any:
+        ops, values = self.ops, self.values
+        if name in values:
+            return values[name]
+        if name in ops.constants:
+            return ops.constants[name]
+        node = ops.graph.by_name[name]
+        if node.kind == NodeKind.META:
+            values[name] = invoke(ops.graph, node, self)
+            return values[name]
+        if self.like is not None and ops.graph.is_map(node.shape):  # only its size is read (by a META node)
+            shape = (self.like.shape[0], *node.shape[1:-ops.d], *self.like.shape[-ops.d:])
+            return torch.empty(shape, dtype=self.like.dtype, device="meta")
+        raise KeyError(f"no value for {name} (an input of a region step)")
+
+
 class Operators:
     """Bound operators of one captured graph.
 
@@ -87,23 +117,7 @@ class Operators:
         return invoke(self.graph, node, self._lookup(dict(values), like))
 
     def _lookup(self, values: dict[str, Any], like: torch.Tensor | None = None) -> Callable[[str], Any]:
-        d = self.d
-
-        def value(name: str) -> Any:
-            if name in values:
-                return values[name]
-            if name in self.constants:
-                return self.constants[name]
-            node = self.graph.by_name[name]
-            if node.kind == NodeKind.META:
-                values[name] = invoke(self.graph, node, value)
-                return values[name]
-            if like is not None and self.graph.is_map(node.shape):  # only its size is read (by a META node)
-                shape = (like.shape[0], *node.shape[1:-d], *like.shape[-d:])
-                return torch.empty(shape, dtype=like.dtype, device="meta")
-            raise KeyError(f"no value for {name} (an input of a region step)")
-
-        return value
+        return _Lookup(self, values, like)
 
     def _parameters(self, node: Node) -> tuple[list, dict]:
         """A node's arguments with constants bound and tensor inputs as None (to read its settings)."""

@@ -145,3 +145,30 @@ def test_a_3d_runs_resident_peak_stays_under_its_plans_budget():
     with mp.get_context("spawn").Pool(1) as pool:
         growth, budget, interval = pool.apply(_peak_growth_of_a_run)
     assert growth <= budget + interval, (growth >> 20, budget >> 20, interval >> 20)
+
+
+def test_a_batch_leaves_no_tensor_in_reference_cycles():
+    """Every value a planned batch makes is freed by reference counting when its last reader is done: a tensor
+    held in a reference cycle (a self-calling closure over a concatenation's inputs, say) lives until Python's
+    cycle collector happens to run, and a 3-D DenseNet's batches then held hundreds of MiB above their plan."""
+    import gc
+
+    torch.manual_seed(0)
+    image = torch.randn(1, 1, 16, 16, 16)
+    engine = BatchEngine(capture(Dense3d().eval(), image.shape[1:]), image)
+    region = input_boxes(occlusion_grid((16, 16, 16), (6, 6, 6), (5, 5, 5)), (6, 6, 6), (16, 16, 16))
+    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=4)
+    gc.collect()
+    flags = gc.get_debug()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds is kept in gc.garbage instead of freed
+    try:
+        for batch in plan.batches:
+            engine.run_batch(batch, torch.zeros(batch.n, 1, *batch.start.size))
+        gc.collect()
+        cycled = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(flags)
+        gc.garbage.clear()
+        gc.enable()
+    assert not cycled, [tuple(t.shape) for t in cycled[:5]]
