@@ -47,7 +47,7 @@ class ChangedPixelsUplink:
 
     def __init__(self, config: StreamConfig | None = None) -> None:
         self.config = config or StreamConfig()
-        self.estimator = HomographyEstimator(**self.config.matcher_settings.as_kwargs())
+        self.estimator = HomographyEstimator(self.config.matcher_settings)
         self.reference: np.ndarray | None = None
         self.reference_id: int | None = None
         self._last_seen: int | None = None

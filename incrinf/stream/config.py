@@ -48,10 +48,6 @@ class MatcherSettings:
         _check(self.ransac_threshold > 0, "ransac_threshold must be > 0 pixels", self.ransac_threshold)
         _check(isinstance(self.refine, bool), "refine must be True or False", self.refine)
 
-    def as_kwargs(self) -> dict[str, Any]:
-        """The settings as :class:`~incrinf.stream.matching.HomographyEstimator` keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
 
 @dataclass(frozen=True)
 class StreamConfig:

@@ -248,37 +248,17 @@ class HomographyEstimator:
         >>> for frame in frames:  # doctest: +SKIP
         ...     result = est.update(frame)  # previous -> this frame; ok=False on the first frame
 
-    The defaults are :class:`~incrinf.stream.config.MatcherSettings`' (which says why they are what they are).
-
     Args:
-        matcher: ``"orb"`` (fast), ``"akaze"`` (CacheInf's choice; needs an OpenCV build that has it, i.e. 4.x or
-            contrib) or ``"sift"`` (slower, finer keypoints).
-        ratio: Lowe ratio-test threshold.
-        min_matches: fewer keypoints or ratio-test matches than this gives ``ok=False``.
-        ransac_threshold: RANSAC reprojection threshold in pixels.
-        max_features: most keypoints ORB/SIFT keep per frame (AKAZE has no cap).
-        min_inliers: fewer RANSAC inliers than this gives ``ok=False`` (guards against fits to noise).
-        refine: polish the keypoint fit with ECC; kept only if it converges, stays plausible and moves no
-            frame corner by more than ``ransac_threshold``.
+        settings: the matcher's settings (default: :class:`~incrinf.stream.config.MatcherSettings`' defaults,
+            which say why they are what they are: keypoint kind, ratio test, RANSAC threshold, inlier floor,
+            ECC refinement).
+        **overrides: :class:`~incrinf.stream.config.MatcherSettings` fields replacing those of ``settings``
+            (``matcher="sift"``, ``refine=True``, ...), validated as the settings are.
     """
 
-    def __init__(
-        self,
-        matcher: Matcher = _DEFAULTS.matcher,
-        ratio: float = _DEFAULTS.ratio,
-        min_matches: int = _DEFAULTS.min_matches,
-        ransac_threshold: float = _DEFAULTS.ransac_threshold,
-        max_features: int = _DEFAULTS.max_features,
-        min_inliers: int = _DEFAULTS.min_inliers,
-        refine: bool = _DEFAULTS.refine,
-    ) -> None:
-        self.matcher = matcher
-        self.ratio = ratio
-        self.min_matches = min_matches
-        self.ransac_threshold = ransac_threshold
-        self.min_inliers = min_inliers
-        self.refine = refine
-        self._detector = _make_detector(matcher, max_features)
+    def __init__(self, settings: MatcherSettings | None = None, **overrides: Any) -> None:
+        self.settings = dataclasses.replace(settings or _DEFAULTS, **overrides)
+        self._detector = _make_detector(self.settings.matcher, self.settings.max_features)
         self._prev: FrameFeatures | None = None
 
     def reset(self) -> None:
@@ -311,31 +291,32 @@ class HomographyEstimator:
 
     def match(self, prev: FrameFeatures, curr: FrameFeatures) -> HomographyResult:
         """Estimate the homography prev -> curr between two already-detected frames."""
+        cfg = self.settings
         n_kp = min(len(prev.points), len(curr.points))
-        if n_kp < self.min_matches or prev.descriptors is None or curr.descriptors is None:
-            return HomographyResult(None, False, f"too few keypoints ({n_kp} < {self.min_matches})")
-        pairs = ratio_matches(prev.descriptors, curr.descriptors, self.ratio)
+        if n_kp < cfg.min_matches or prev.descriptors is None or curr.descriptors is None:
+            return HomographyResult(None, False, f"too few keypoints ({n_kp} < {cfg.min_matches})")
+        pairs = ratio_matches(prev.descriptors, curr.descriptors, cfg.ratio)
         n_matches = len(pairs)
-        if n_matches < self.min_matches:
+        if n_matches < cfg.min_matches:
             return HomographyResult(
-                None, False, f"too few matches ({n_matches} < {self.min_matches})", n_matches
+                None, False, f"too few matches ({n_matches} < {cfg.min_matches})", n_matches
             )
         src = prev.points[pairs[:, 0]].reshape(-1, 1, 2)
         dst = curr.points[pairs[:, 1]].reshape(-1, 1, 2)
-        matrix, inlier_mask = cv2.findHomography(src, dst, cv2.RANSAC, self.ransac_threshold)
+        matrix, inlier_mask = cv2.findHomography(src, dst, cv2.RANSAC, cfg.ransac_threshold)
         n_inliers = 0 if inlier_mask is None else int(inlier_mask.sum())
         reason = degeneracy_reason(matrix, prev.size)
         if reason is not None:
             return HomographyResult(None, False, reason, n_matches, n_inliers)
-        if n_inliers < self.min_inliers:
+        if n_inliers < cfg.min_inliers:
             return HomographyResult(
-                None, False, f"too few inliers ({n_inliers} < {self.min_inliers})", n_matches, n_inliers
+                None, False, f"too few inliers ({n_inliers} < {cfg.min_inliers})", n_matches, n_inliers
             )
         matrix = matrix / matrix[2, 2]
-        if self.refine:
+        if cfg.refine:
             refined = refine_ecc(prev.gray, curr.gray, matrix)
             if refined is not None and degeneracy_reason(refined, prev.size) is None:
-                if corner_distance(refined, matrix, prev.size) <= self.ransac_threshold:
+                if corner_distance(refined, matrix, prev.size) <= cfg.ransac_threshold:
                     return HomographyResult(refined, True, "ok", n_matches, n_inliers, refined=True)
         return HomographyResult(matrix, True, "ok", n_matches, n_inliers)
 
@@ -371,8 +352,7 @@ def estimate_homography(prev: np.ndarray, curr: np.ndarray, settings: MatcherSet
     Returns:
         A :class:`HomographyResult`.
     """
-    settings = dataclasses.replace(settings or _DEFAULTS, **overrides)
-    est = HomographyEstimator(**settings.as_kwargs())
+    est = HomographyEstimator(settings, **overrides)
     prev_features, curr_features = est.detect(prev), est.detect(curr)
     if prev_features.size != curr_features.size:
         raise ValueError(f"frames differ in size: {prev_features.size} vs {curr_features.size}")

@@ -106,7 +106,7 @@ class StreamSession:
         self.device = torch.device(device) if device is not None else (
             param.device if param is not None else torch.device("cpu"))
         self.inputs = FrameInput(Normalization(mean, std), input_size, preprocess, self.device)
-        self._estimator = HomographyEstimator(**self.config.matcher_settings.as_kwargs())
+        self._estimator = HomographyEstimator(self.config.matcher_settings)
         self._stillness = StillnessTest(self.config.still_response, max(self.config.min_motion, 0.5))
         self._engines: dict[tuple[int, ...], CameraEngine] = {}
         self._no_reuse: dict[tuple[int, ...], str] = {}  # frame shapes on which the cache cannot pay, and why
@@ -468,8 +468,8 @@ class StreamSession:
         if hopeless:  # known before the stillness test, matching, mask and plan: none of them runs
             f.fallback = Fallback(Cause.SLOWER, hopeless)
             return
-        if not engine.has_cache:  # dropped after a failure inside the engine, or by a plain frame
-            f.fallback = Fallback(Cause.PREVIOUS_FAILED, "no cache kept")
+        if not engine.has_cache:  # the last full frame ran plain: it was not expected to be followed by a cached one
+            f.fallback = Fallback(Cause.NO_CACHE, "the last full frame kept no maps")
             return
         config, times = self.config, f.times
         clock = time.perf_counter()

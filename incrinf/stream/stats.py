@@ -19,6 +19,7 @@ class Cause(str, Enum):
     FIRST_FRAME = "first frame"
     SIZE_CHANGED = "frame size changed"
     PREVIOUS_FAILED = "previous frame failed"
+    NO_CACHE = "no cache kept"
     KEYFRAME = "keyframe"
     BACKING_OFF = "backing off"
     MATCH_FAILED = "match failed"

@@ -105,7 +105,7 @@ def test_sift_matcher(photo):
 
 
 def test_unknown_matcher():
-    with pytest.raises(ValueError, match="unknown matcher"):
+    with pytest.raises(ValueError, match="matcher must be one of"):
         HomographyEstimator(matcher="surf")
 
 

@@ -13,7 +13,7 @@ from incrinf.stream import session as session_module
 from incrinf.stream.camera import CameraEngine
 from incrinf.stream.config import StreamConfig
 from incrinf.stream.session import StreamSession as GuardedSession
-from incrinf.stream.stats import FrameStats
+from incrinf.stream.stats import Cause, FrameStats
 
 H, W = 80, 96
 # the cached path's mechanics, tested without the guards that would choose full inference or audit instead
@@ -574,7 +574,6 @@ def test_one_load_spike_does_not_start_a_back_off_while_the_attempts_around_it_s
     import math
 
     from incrinf.stream.backoff import BackOff
-    from incrinf.stream.stats import Cause
 
     def run(frames: list[tuple[Cause | None, float]]) -> BackOff:
         backoff = BackOff(StreamConfig(backoff_after=3))
@@ -587,3 +586,19 @@ def test_one_load_spike_does_not_start_a_back_off_while_the_attempts_around_it_s
     spike = [(None, 0.097), (None, 0.059), (None, 0.048)]  # a load spike: three slow cached frames
     assert not run(saved + spike).active
     assert run([(None, 0.040)] * 4 + spike).active  # nothing saved around them: back off
+
+
+def test_a_frame_without_a_kept_cache_says_so_and_runs_full(zoo, photo):
+    """A cache dropped without a failure (the last full frame ran plain) is its own cause, not "previous frame
+    failed", and the frame after the full one that refills it is cached again."""
+    model = zoo["mobilenet_v2"]
+    session = StreamSession(model, pixel_threshold=0.01, feature_threshold=0.0)
+    frame = _crop(photo, 40, 60)
+    session(frame)
+    next(iter(session._engines.values())).engine.reset()
+    out = session(frame, homography=np.eye(3))
+    assert (session.stats[-1].mode, session.stats[-1].cause) == ("full", Cause.NO_CACHE)
+    _assert_close(out, _full(model, frame))
+    out = session(frame, homography=np.eye(3))
+    assert session.stats[-1].mode == "cached"
+    _assert_close(out, _full(model, frame))
