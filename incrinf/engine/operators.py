@@ -107,6 +107,16 @@ class Operators:
         self.graph = graph
         self.d = graph.spatial_dims
         self.constants = {n.name: env[n.name] for n in graph.nodes if n.kind == NodeKind.CONSTANT}
+        # bytes of the weights made here (folded batch norms, channels-last copies), which a run holds beyond the
+        # model's own: part of a plan's predicted memory
+        self.made_bytes = 0
+
+    def _made(self, tensor: torch.Tensor | None, *originals: torch.Tensor | None) -> torch.Tensor | None:
+        """``tensor``, counted in :attr:`made_bytes` unless it shares memory with one of ``originals``."""
+        if tensor is not None and not any(o is not None and o.untyped_storage().data_ptr()
+                                          == tensor.untyped_storage().data_ptr() for o in originals):
+            self.made_bytes += tensor.untyped_storage().nbytes()
+        return tensor
 
     # --- any node ----------------------------------------------------------------------------------------
 
@@ -160,9 +170,9 @@ class Operators:
         """A convolution followed by a batch norm as one convolution's parameters."""
         weight, bias, stride, dilation, groups = self.conv_params(conv)
         scale, shift = self.batch_norm(bn)
-        folded = _channels_last((weight * scale.view(-1, *([1] * (weight.dim() - 1)))).detach())
-        folded_bias = shift if bias is None else bias.detach() * scale + shift
-        return folded, folded_bias.contiguous(), stride, dilation, groups
+        folded = self._made(_channels_last((weight * scale.view(-1, *([1] * (weight.dim() - 1)))).detach()))
+        folded_bias = self._made((shift if bias is None else bias.detach() * scale + shift).contiguous())
+        return folded, folded_bias, stride, dilation, groups
 
     def window(self, node: Node, folded: tuple | None = None) -> WindowOp:
         """The LOCAL node's operator with padding 0 (its input windows arrive padded), ``folded`` convolution
@@ -171,7 +181,7 @@ class Operators:
         if node.operator == Operator.CONV:
             weight, bias, stride, dilation, groups = folded or self.conv_params(node)
             if folded is None:  # the windows arrive channels-last: oneDNN reorders other weights on every call
-                weight = _channels_last(weight.detach())
+                weight = self._made(_channels_last(weight.detach()), weight)
             conv = _CONV[d]
             if d == 3 and torch.backends.mkldnn.is_available():
                 return _conv3d(weight, bias, stride, dilation, groups)
@@ -198,7 +208,7 @@ class Operators:
         weight, bias, _, _, groups = folded or self.conv_params(node)
         if groups != 1:
             return None
-        return weight.reshape(weight.shape[0], -1).contiguous(), bias
+        return self._made(weight.reshape(weight.shape[0], -1).contiguous(), weight), bias
 
     def border_factors(self, node: Node, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """(1, 1, *out) factors turning a plain k-element average into the node's true average (which may
