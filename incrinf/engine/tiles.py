@@ -123,10 +123,11 @@ def exact_tiles(program: Program, frame: torch.Tensor, probe: Probe, tiles: list
     read no padding are translates of one another: they run as one batch through a single cone."""
     cones = [cone(program, probe.step, tile) for tile in tiles]
     # the tiles whose cones read no padding are translates of one another: one batch (a border tile's cone reads
-    # padding and runs alone)
-    inside = [i for i, c in enumerate(cones) if _translated_reads(program, probe, [c]) is not None] \
-        if len(cones) > 1 else []
-    reads = _translated_reads(program, probe, [cones[i] for i in inside]) if len(inside) > 1 else None
+    # padding and runs alone). Each cone is walked once; the batch's cones must then agree on their boxes' sizes
+    # and on what each step reads relative to them
+    own = [_translated_reads(program, probe, c) for c in cones] if len(cones) > 1 else []
+    inside = [i for i, r in enumerate(own) if r is not None]
+    reads = own[inside[0]] if len(inside) > 1 and _translates(cones, inside, own) else None
     batch = inside if reads is not None else []
     alone = [i for i in range(len(cones)) if i not in batch]
     if costs is not None and len(cones) > 1:
@@ -195,47 +196,50 @@ def _run_cone(program: Program, frame: torch.Tensor, probe: Probe, needed: dict[
     return scratch
 
 
-def _translated_reads(program: Program, probe: Probe, cones: list[dict[str, Box]]
+def _translated_reads(program: Program, probe: Probe, needed: dict[str, Box]
                       ) -> dict[str, tuple[tuple[str, tuple[int, int, int, int]], ...]] | None:
-    """Per step of the cone, what it reads: ``(tensor, rows and columns relative to that tensor's box)``, when every
-    cone has the same boxes up to a shift and reads the same relative windows with no padding (a batch can then run
-    them as one); None otherwise (a tile near a border, average-pool border factors)."""
-    first = cones[0]
-    sizes = {name: (b[1] - b[0], b[3] - b[2]) for name, b in first.items()}
-    if any(set(c) != set(first) or any((b[1] - b[0], b[3] - b[2]) != sizes[n] for n, b in c.items())
-           for c in cones[1:]):
-        return None
+    """Per step of the cone ``needed``, what it reads: ``(tensor, rows and columns relative to that tensor's box)``,
+    when it reads no padding; None otherwise (a tile near a border, average-pool border factors). Cones of boxes of
+    the same sizes with the same relative reads are translates of one another (:func:`_translates`): a batch can run
+    them as one."""
     reads = {}
     for index in range(probe.step + 1):
         step = program.steps[index]
-        if step.out not in first:
+        box = needed.get(step.out)
+        if box is None:
             continue
         if step.factors is not None:
             return None
-        relative = None
-        for needed in cones:
-            box = needed[step.out]
-            if step.window is not None:
-                spec, source = step.window, step.window.source
-                dims = program.dims(source)
-                window = []
-                for a in range(2):
-                    lo = box[2 * a] * spec.stride[a] - spec.offset[a]
-                    hi = (box[2 * a + 1] - 1) * spec.stride[a] - spec.offset[a] + spec.extent[a]
-                    if lo < 0 or hi > dims[a]:
-                        return None  # the window reads padding
-                    window.extend((lo, hi))
-                own = ((source, tuple(window)),)
-            else:
-                own = tuple((name, box) for name in step.inputs)
-            rel = tuple((name, (w[0] - needed[name][0], w[1] - needed[name][0], w[2] - needed[name][2],
-                                w[3] - needed[name][2])) for name, w in own)
-            if relative is None:
-                relative = rel
-            elif rel != relative:
-                return None
-        reads[step.out] = relative
+        if step.window is not None:
+            spec, source = step.window, step.window.source
+            dims = program.dims(source)
+            window = []
+            for a in range(2):
+                lo = box[2 * a] * spec.stride[a] - spec.offset[a]
+                hi = (box[2 * a + 1] - 1) * spec.stride[a] - spec.offset[a] + spec.extent[a]
+                if lo < 0 or hi > dims[a]:
+                    return None  # the window reads padding
+                window.extend((lo, hi))
+            own = ((source, tuple(window)),)
+        else:
+            own = tuple((name, box) for name in step.inputs)
+        reads[step.out] = tuple((name, (w[0] - needed[name][0], w[1] - needed[name][0], w[2] - needed[name][2],
+                                        w[3] - needed[name][2])) for name, w in own)
     return reads
+
+
+def _translates(cones: list[dict[str, Box]], chosen: list[int], own: list[dict | None]) -> bool:
+    """Whether the ``chosen`` cones have boxes of the same sizes for the same tensors and the same relative reads
+    (``own``: :func:`_translated_reads` of each cone alone), i.e. whether they are translates of one another."""
+    first = cones[chosen[0]]
+    sizes = {name: (b[1] - b[0], b[3] - b[2]) for name, b in first.items()}
+    for i in chosen[1:]:
+        c = cones[i]
+        if set(c) != set(first) or any((b[1] - b[0], b[3] - b[2]) != sizes[n] for n, b in c.items()):
+            return False
+        if own[i] != own[chosen[0]]:
+            return False
+    return True
 
 
 def _run_batched(program: Program, frame: torch.Tensor, probe: Probe, cones: list[dict[str, Box]],

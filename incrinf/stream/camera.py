@@ -76,6 +76,11 @@ class CameraEngine:
         self._grids = {r: np.mgrid[0:r[0], 0:r[1]].astype(np.float64) for r in self.engine.resolutions}
         self._arange = {r: np.arange(r[0] * r[1]) for r in self.engine.resolutions}
         self._drift: dict[tuple[int, int], np.ndarray] = {}
+        # what the drift fields hold, kept as they are set (a still camera's frame would otherwise scan every field
+        # twice to find them unchanged): the resolutions with a drift of half a position or more (their maps move
+        # even when the camera did not), and whether any drift is nonzero (recomputed positions must be reported)
+        self._moving_drift: set[tuple[int, int]] = set()
+        self._drifting = False
         self._memo: tuple[bytes, dict[tuple[int, int], _Warp]] | None = None
         self.full_reason = ""
 
@@ -99,14 +104,14 @@ class CameraEngine:
     def reset(self) -> None:
         """Drop the cache (the next frame must go through :meth:`full`)."""
         self.engine.reset()
-        self._drift = {}
+        self._set_drift({})
         self._memo = None
 
     # --- frames ------------------------------------------------------------------------------------------
 
     def full(self, x: torch.Tensor) -> Any:
         """Full inference of ``x`` (1, C, H, W) that also refills the cache."""
-        self._drift = {r: np.zeros((2, *r)) for r in self.engine.cached_resolutions}
+        self._set_drift({r: np.zeros((2, *r)) for r in self.engine.cached_resolutions})
         self._memo = None
         self.full_reason = ""
         thresholds = self.feature_threshold > 0 or self.moving_feature_threshold > 0
@@ -114,7 +119,7 @@ class CameraEngine:
 
     def plain(self, x: torch.Tensor) -> Any:
         """Full inference of ``x`` that keeps nothing (the cache is dropped)."""
-        self._drift = {}
+        self._set_drift({})
         self._memo = None
         self.full_reason = ""
         return self.engine.plain(x)
@@ -135,9 +140,9 @@ class CameraEngine:
         caller can skip preparing the change mask. Estimated first on a subgrid of the map: an estimate above
         ``dense_cut`` is returned as it is (the frame runs full, the index maps are never built); else the exact
         share from the maps the cached frame reads anyway."""
-        matrix = np.asarray(matrix, dtype=np.float64)
+        matrix = np.asarray(matrix, dtype=np.float64)  # converted once here: the helpers below take it as it is
         if self._memo is None or self._memo[0] != matrix.tobytes():
-            estimate = self.estimate_unusable(matrix)
+            estimate = self._estimate(matrix)
             if estimate > self.dense_cut:
                 return estimate
         warps = self._warps(matrix)
@@ -177,19 +182,29 @@ class CameraEngine:
             return out
         motion = self._motion(matrix)
         warps, self._memo = self._warps(matrix), None
-        drifting = any(d.any() for d in self._drift.values())
+        drifting = self._drifting
         still = motion is None
         threshold = self.feature_threshold if still else self.moving_feature_threshold
         out = self.engine.cached(x, changed, motion, threshold, fresh=drifting or not still, plan=plan)
-        for res, warp in warps.items():
-            if res not in self.engine.cached_resolutions:
-                continue
-            drift = warp.drift
-            fresh = self.engine.last.fresh.get(res)
-            if fresh is not None:
-                drift[:, fresh] = 0.0
-            self._drift[res] = drift
+        if drifting or not still:  # else every drift is zero and stays so
+            drifts = dict(self._drift)
+            for res, warp in warps.items():
+                if res not in self.engine.cached_resolutions:
+                    continue
+                drift = warp.drift
+                fresh = self.engine.last.fresh.get(res)
+                if fresh is not None:
+                    drift[:, fresh] = 0.0
+                drifts[res] = drift
+            self._set_drift(drifts)
         return out
+
+    def _set_drift(self, drifts: dict[tuple[int, int], np.ndarray]) -> None:
+        """Take ``drifts`` (resolution -> (2, h, w)) as the drift fields, noting which are nonzero or large."""
+        self._drift = drifts
+        largest = {res: float(np.abs(d).max()) if d.size else 0.0 for res, d in drifts.items()}
+        self._moving_drift = {res for res, value in largest.items() if value >= 0.5}
+        self._drifting = any(value > 0 for value in largest.values())
 
     def _motion(self, matrix: np.ndarray) -> Motion | None:
         """The engine's view of the motion (None: every map is read in place)."""
@@ -226,9 +241,9 @@ class CameraEngine:
             drift = self._drift.get(res)
             # a cached tensor of the frame's size (a stride-1 stem) moves; the frame itself never does
             cached = res in self.engine.cached_resolutions
-            if still and (not cached or drift is None or np.abs(drift).max() < 0.5):
-                # a still camera: every map is read in place and keeps its drift
-                warps[res] = _Warp(None, None, drift if drift is not None else np.zeros((2, h, w)))
+            if still and (not cached or res not in self._moving_drift):
+                # a still camera: every map is read in place and keeps its drift (a map that is not cached has none)
+                warps[res] = _Warp(None, None, drift if drift is not None and cached else np.zeros((2, h, w)))
                 continue
             m = scale_homography(matrix, self.input_dims, res)
             inv = np.linalg.inv(m)
@@ -252,7 +267,10 @@ class CameraEngine:
         """:meth:`unusable_fraction` estimated on every k-th row and column of the first cached map (about
         ``ESTIMATE_POSITIONS`` positions): a moving camera's attempt that the motion makes unusable is told so
         without the full map's index arithmetic (3-5 ms on a 272 x 640 frame's stride-2 map)."""
-        matrix = np.asarray(matrix, dtype=np.float64)
+        return self._estimate(np.asarray(matrix, dtype=np.float64))
+
+    def _estimate(self, matrix: np.ndarray) -> float:
+        """:meth:`estimate_unusable` of a float64 ``matrix``."""
         res = self.engine.first_resolution
         if res is None or res not in self.engine.cached_resolutions:
             return 0.0
@@ -260,7 +278,7 @@ class CameraEngine:
         drift = self._drift.get(res)
         if drift is None:
             drift = np.zeros((2, h, w))
-        if np.allclose(matrix, np.eye(3), rtol=0.0, atol=1e-12) and np.abs(drift).max() < 0.5:
+        if res not in self._moving_drift and np.allclose(matrix, np.eye(3), rtol=0.0, atol=1e-12):
             return 0.0
         step = max(int(math.sqrt(h * w / ESTIMATE_POSITIONS)), 1)
         ys, xs = (np.ascontiguousarray(g[::step, ::step]) for g in self._grids[res])
