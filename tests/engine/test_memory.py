@@ -95,12 +95,29 @@ class Dense3d(nn.Module):
         return self.head(x)
 
 
+def _sampled_growth(fn):
+    """``(peak resident growth, result)`` of ``fn()``, the resident set sampled every millisecond."""
+    import threading
+
+    origin = memory.resident_memory()
+    peak = [origin]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.001):
+            peak[0] = max(peak[0], memory.resident_memory())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    result = fn()
+    done.set()
+    sampler.join()
+    return max(peak[0], memory.resident_memory()) - origin, result
+
+
 def _peak_growth_of_a_run() -> tuple[int, int, int]:
     """In a fresh process: the peak resident growth of a 3-D occlusion run on a second volume (the executor and
     plan made on a first), sampled every millisecond, and the plan's budget and its check interval."""
-    import threading
-
-    import numpy as np
 
     from incrinf.engine.batches import TRIM_BYTES
 
@@ -119,22 +136,10 @@ def _peak_growth_of_a_run() -> tuple[int, int, int]:
         return plan
 
     run(torch.randn(1, 1, 32, 32, 32))  # executor, plan, oneDNN's primitives
-    origin = memory.resident_memory()
-    peak = [origin]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.001):
-            peak[0] = max(peak[0], memory.resident_memory())
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    plan = run(torch.randn(1, 1, 32, 32, 32))
-    done.set()
-    sampler.join()
-    peak[0] = max(peak[0], memory.resident_memory())
+    image = torch.randn(1, 1, 32, 32, 32)
+    growth, plan = _sampled_growth(lambda: run(image))
     assert np.isfinite(plan.budget_bytes)
-    return peak[0] - origin, plan.budget_bytes, TRIM_BYTES
+    return growth, plan.budget_bytes, TRIM_BYTES
 
 
 def test_a_3d_runs_resident_peak_stays_under_its_plans_budget():
@@ -228,8 +233,6 @@ def _growth_of_a_whole_run(n: int, batch_size: int) -> tuple[int, int, int]:
     """In a fresh process: the peak resident growth of a 3-D occlusion run that builds its executor, base and store
     (oneDNN started beforehand on another convolution), sampled every millisecond, and its byte model's predicted
     peak and bound."""
-    import threading
-
     torch.manual_seed(0)
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -237,24 +240,16 @@ def _growth_of_a_whole_run(n: int, batch_size: int) -> tuple[int, int, int]:
     image = torch.randn(1, 1, n, n, n)
     graph = capture(Dense3d().eval(), image.shape[1:])
     region = input_boxes(occlusion_grid((n,) * 3, (8,) * 3, (8,) * 3), (8,) * 3, (n,) * 3)
-    origin = memory.resident_memory()
-    peak = [origin]
-    done = threading.Event()
 
-    def sample() -> None:
-        while not done.wait(0.001):
-            peak[0] = max(peak[0], memory.resident_memory())
+    def run():
+        engine = BatchEngine(graph, image)
+        plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
+        for batch in plan.batches:
+            engine.run_batch(batch, torch.zeros(batch.n, 1, *batch.start.size))
+        return engine.run_bytes(plan)
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    engine = BatchEngine(graph, image)
-    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
-    for batch in plan.batches:
-        engine.run_batch(batch, torch.zeros(batch.n, 1, *batch.start.size))
-    done.set()
-    sampler.join()
-    predicted = engine.run_bytes(plan)
-    return max(peak[0], memory.resident_memory()) - origin, predicted.peak, predicted.bound
+    growth, predicted = _sampled_growth(run)
+    return growth, predicted.peak, predicted.bound
 
 
 def test_a_3d_densenet_runs_fresh_process_peak_lies_between_its_predicted_peak_and_bound():
