@@ -181,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
           "batches; ceiling: theory with the base's one full forward pass counted; vs ceil: speedup / ceiling;\n"
           "memory: peak resident growth of the call (sampled every 5 ms; both methods the same way, each in a fresh\n"
           "process, the same n_batch, model and volume loaded before the measurement; incrinf's imports inside the\n"
-          "call are counted); incrinf's predicted peak: its plan's byte model, max(weights it made + base forward +\n"
-          "store, weights + store + kept index + largest batch); bound: max(that, budget) + 32 MiB freed between\n"
-          "checks, the budget (naive re-inference's activations at n_batch) being what its allocator may keep\n")
+          "call are counted); incrinf's predicted peak: its plan's byte model, max(weights it made + base (its\n"
+          "forward pass keeping the store's values, then the tables made), weights + store + kept index + largest\n"
+          "batch); bound: max(that, budget) + 32 MiB freed between checks, the budget (naive re-inference's\n"
+          "activations at n_batch) being what its allocator may keep\n")
     print(f"{'model':<12} {'case':<7} {'windows':>7} {'MONAI s':>8} {'ours s':>8} {'speedup':>8} {'theory':>7} "
           f"{'plan':>7} {'ceiling':>8} {'vs ceil':>6} {'MONAI mem':>9} {'ours mem':>9} {'rel err':>8}")
     for name in args.models:

@@ -105,8 +105,8 @@ class RunBytes:
     Attributes:
         weights: weights the executor made beyond the model's own (folded batch norms, channels-last copies).
         store: the store's tables (the base values later steps read, padded as their windows read them).
-        base: the base forward pass (batch 1): the most node outputs live at once, plus the values it keeps for
-            the store.
+        base: the base's peak: its forward pass (batch 1, the values the store needs kept), then the store's
+            tables made one by one while those values are freed.
         index: the plan's kept index tensors (0 when each batch makes its own).
         batch: the largest batch's working memory (values live at once, the boundary tensors a shared tail run
             waits for, and its index tensors when the plan does not keep them).
@@ -130,11 +130,11 @@ class RunBytes:
 
     @property
     def peak(self) -> int:
-        """Predicted peak resident growth of a run that builds its executor and base: the base forward pass with
+        """Predicted peak resident growth of a run that builds its executor and base: the base forward pass and
         the store being made, or the largest batch on top of what is held. Not counted: the runtime libraries'
         own memory (oneDNN's primitives and scratch buffers, Python objects; 10-30 MiB measured) and the freed
         blocks the allocator keeps (at most up to :attr:`bound`)."""
-        return max(self.weights + self.base + self.store, self.held + self.batch)
+        return max(self.weights + self.base, self.held + self.batch)
 
     @property
     def bound(self) -> int:
