@@ -182,9 +182,11 @@ class Geometry:
     def __init__(self, program: Program, costs: FrameCosts, quantum: int) -> None:
         self.program, self.costs, self.quantum = program, costs, quantum
         self.read_bytes = [_read_bytes(program, step) for step in program.steps]
-        cuts = program_cut_steps(program)
+        cuts = self.cut_steps = program_cut_steps(program)
         self.next_cut = {c: n for c, n in zip(cuts, cuts[1:] + [None])}  # cut step -> the next one (None: none)
         self.step_of = {step.out: index for index, step in enumerate(program.steps)}
+        # steps without a window that read one tensor: their boxes are their input's, box by box
+        self.pointwise = [step.window is None and len(step.inputs) == 1 for step in program.steps]
 
     def switches(self, cut: int, step_seconds: list[float]) -> bool:
         """Whether to run the rest densely from the cut point step ``cut``: when the regional steps up to the next
@@ -256,36 +258,42 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     regions = {program.graph.input.name: start}
     steps: list[list[Box]] = []
     step_seconds: list[float] = []
+    # per step, (fixed, arithmetic) seconds of its boxes as measured: priced here with the calibration (as
+    # Geometry.priced would) and kept as the plan's parts
+    step_parts: list[tuple[float, float]] = []
+    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
     died = False
     for index, step in enumerate(program.steps):
-        if all(not regions.get(name) for name in program.live[index]):
+        if not any(regions.get(name) for name in program.live[index]):
             died = True
             break
         boxes = geometry.out_boxes(index, step, regions)
         steps.append(boxes)
-        step_seconds.append(geometry.priced(index, boxes))
+        fixed = arithmetic = 0.0
+        for b in boxes:
+            call, compute = costs.box_parts(index, area(b))
+            fixed, arithmetic = fixed + call, arithmetic + compute
+        step_parts.append((fixed, arithmetic))
+        area_share, box_share = costs.survival(index)
+        step_seconds.append(box_share * call_ratio * fixed + area_share * compute_ratio * arithmetic)
         if boxes:
             regions[step.out] = boxes
     steps.extend([] for _ in range(len(program.steps) - len(steps)))
     unchanged = died or not any(regions.get(name) for name in program.read_boundary)
     switch = None
-    for index in program_cut_steps(program):
+    for index in geometry.cut_steps:
         if index < len(step_seconds) and steps[index] and geometry.switches(index, step_seconds):
             switch = index
             break
     last = len(step_seconds) if switch is None else switch + 1
     dense = 0.0
     flops, gathered = 0.0, 0
-    step_parts = []
+    del step_parts[last:]
     for index in range(last):
         step = program.steps[index]
-        fixed = arithmetic = 0.0
         for b in steps[index]:
-            call, compute = costs.box_parts(index, area(b))
-            fixed, arithmetic = fixed + call, arithmetic + compute
             flops += step.flops * area(b) / step.positions
             gathered += _gathered(geometry, index, step, b)
-        step_parts.append((fixed, arithmetic))
     if switch is not None:
         cut = program.steps[switch].out
         dense = costs.suffix_parts(cut)
@@ -337,30 +345,37 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
     pruned = False
     switch_index = geometry.step_of[plan.switch] if plan.switch is not None else len(program.steps)
     sync = x.device.type == "cuda" and timed
+    # the calibration does not change while a frame runs: its ratios are read once
+    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
+    cached_set, planned = program.cached_set, plan.steps
     for index, (step, live) in enumerate(zip(program.steps, program.live)):
-        if all(not regions.get(name) for name in live):
+        if not any(regions.get(name) for name in live):
             # every change has died out (pruning): later tensors keep their cached values, and the plan's boxes
             # up to its switch were computed nowhere
-            for rest in range(index, min(switch_index + 1, len(plan.steps))):
-                _record_share(costs, rest, plan.steps[rest], [])
+            for rest in range(index, min(switch_index + 1, len(planned))):
+                _record_share(costs, rest, planned[rest], [])
             break
         clock = time.perf_counter() if timed else 0.0
-        if pruned or len(step.inputs) == 1 and step.window is None:
-            reads = [step.window.source] if step.window is not None else step.inputs
-            bounds = geometry.out_boxes(index, step, {k: [v.bounds for v in regions.get(k, ())] for k in reads})
+        if geometry.pointwise[index]:  # the input's boxes, each with its own values
+            out = [run_pointwise(program, step, source) for source in regions.get(step.inputs[0], ())]
         else:
-            bounds = plan.steps[index]
-        out = [run_box(program, cache, step, regions, b) for b in bounds]
-        if index < len(plan.steps):
-            _record_share(costs, index, plan.steps[index], out)
+            if pruned:
+                reads = [step.window.source] if step.window is not None else step.inputs
+                bounds = geometry.out_boxes(index, step, {k: [v.bounds for v in regions.get(k, ())] for k in reads})
+            else:
+                bounds = planned[index]
+            out = [run_box(program, cache, step, regions, b) for b in bounds]
+        if index < len(planned):
+            _record_share(costs, index, planned[index], out)
         call = compute = 0.0
         for box in out:
-            result.seconds += costs.box(index, box.area)
-            result.flops += step.flops * box.area / step.positions
-            result.positions += box.area
-            parts = costs.box_parts(index, box.area)
+            box_area = box.area
+            parts = costs.box_parts(index, box_area)
+            result.seconds += call_ratio * parts[0] + compute_ratio * parts[1]
+            result.flops += step.flops * box_area / step.positions
+            result.positions += box_area
             call, compute = call + parts[0], compute + parts[1]
-        if step.out in program.cached_set and out:
+        if out and step.out in cached_set:
             kept = []
             for box in out:
                 committed = cache.commit(step.out, box, feature_threshold)
@@ -418,6 +433,16 @@ def _record_share(costs: FrameCosts, index: int, planned: list[Box], computed: l
     if planned:
         costs.record_survival(index, (sum(area(b) for b in planned), len(planned)),
                               (sum(b.area for b in computed), len(computed)))
+
+
+def run_pointwise(program: Program, step: Step, source: Boxes) -> Boxes:
+    """A step without a window that reads one tensor, on one box of it (``source``, with its values)."""
+    out = Boxes(source.lo, source.size)
+    values = merge_values(program, step, {step.inputs[0]: source.values}, out)
+    for fn in step.functions:
+        values = fn(values)
+    out.values = values
+    return out
 
 
 def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, list[Boxes]], bounds: Box

@@ -329,7 +329,9 @@ class FrameCache:
         eps = feature_threshold * self.scale(name) if feature_threshold > 0 else 0.0
         if eps > 0:
             delta = torch.sub(region.values, target).abs_()
-            moved = (delta.mean(dim=tuple(range(1, delta.dim() - self.d))) > eps).numpy()
+            # compared in numpy: the float32 means against eps as float32, as torch's comparison would (one
+            # operator call less per commit, and a frame commits every cached tensor's boxes)
+            moved = delta.mean(dim=tuple(range(1, delta.dim() - self.d))).detach().numpy() > np.float32(eps)
             kept = _cut_one(region, moved[0]) if region.single and self.d == 2 else cut(region, moved)
             if kept is None:
                 return None

@@ -122,16 +122,21 @@ class SampledAudit:
             return True
         return error > self.config.sample_tolerance * max(self._held, default=0.0)
 
-    def record(self, cached_probe: torch.Tensor, full_probe: torch.Tensor, mask: ChangeMask | None, missed: bool,
-               flagged: float = math.nan) -> float:
+    def record(self, cached_probe: torch.Tensor, full_probe: torch.Tensor, mask: ChangeMask | None,
+               missed: bool | None, flagged: float = math.nan) -> float:
         """A full audit: the sampled error between the cached tensor and full inference's, kept as a reference;
         ``flagged``: the error of this frame's sample that called the audit. When the audit held, that error was a
         false alarm: the output met the target with the cache that far off, so it is a held reference too (the
         drift a still camera's cache accumulates between keyframes grows its sample error steadily, and without
-        this every sample past the first reference's age would call a full frame)."""
+        this every sample past the first reference's age would call a full frame). ``missed=None``: a miss that
+        says nothing of the drift (a classifier's near tie that flipped losing no more of its lead than audits had
+        seen the cache lose): no reference is kept, else every later sample at that ordinary drift would call a
+        full audit, a cascade of full frames after one near tie."""
         tiles = self.tiles(mask, self._frame_size(mask, full_probe))
         error = relative_error([cached_probe[..., a:b, c:d] for a, b, c, d in tiles],
                                [full_probe[..., a:b, c:d] for a, b, c, d in tiles])
+        if missed is None:
+            return error
         if math.isfinite(error):
             (self._missed if missed else self._held).append(error)
         if not missed and math.isfinite(flagged):

@@ -21,8 +21,11 @@
   when the frame had a sampled audit, its own measured error against the one the audit's sample saw, else the
   frames since the last full one (raised to the growth the audits at different distances show, on its cautious
   side). A near tie is first checked that way, by a sample of the frame (a fraction of a frame), and audited in
-  full only when the sampled drift leaves its margin at risk. The interval of full audits that run whatever
-  sampled audits say starts at ``keyframe_interval`` and adapts (:meth:`QualityGuard.long_due`).
+  full only when the sampled drift leaves its margin at risk. A frame is not trusted on the linear guess from the
+  audits' distances alone: when its margin would be at risk had the drift grown quadratically
+  (:meth:`QualityGuard.needs_sample`), a sample measures its drift first. The interval of full
+  audits that run whatever sampled audits say starts at ``keyframe_interval`` and adapts
+  (:meth:`QualityGuard.long_due`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ _LEAD_SAMPLES = 8  # audits whose lost lead a label output's margin is checked a
 _PROBE_FLOOR = 1e-4
 # Lead losses below this are float rounding: no growth exponent is taken from them.
 _LOSS_FLOOR = 1e-6
+# How fast the lead a cached frame loses is assumed to grow beyond the distance from a full frame at which an audit
+# measured it, until the audits' fit says: loss ~ frames ** 2. On a moving camera warping resamples the cached
+# features every frame and the error compounds with the misalignment it leaves (a street clip lost 0.12, 0.42 and
+# 0.21 of the lead 1, 2 and 3 frames after an audit); on a still one the cells that changed by less than the
+# threshold go stale together (an animated clip lost 0.04 one frame and 0.136 three frames after a full one). Not
+# fitted to a clip: it only decides when a frame's own sample is taken (a twentieth of a frame), and the sample then
+# measures the drift (see QualityGuard.needs_sample).
+CAUTIOUS_GROWTH = 2.0
 
 
 @dataclass(frozen=True)
@@ -230,20 +241,51 @@ class QualityGuard:
         mean = sum(losses) / len(losses) * (1.0 + 1.0 / math.sqrt(len(losses)))
         return max(max(losses), mean * math.log(1.0 / budget))
 
+    def surely_risky(self, margin: float) -> bool:
+        """Whether a label output's margin is at risk however little drift the frame shows: within the largest lead
+        change an audit measured or ``near_tie`` times their reference, each audit's loss unscaled (the frames since
+        the full one and a frame's own sample only ever scale it up: :meth:`lead_at_risk`). A near tie lasts over
+        frames, so a frame after such an output will most likely be checked in full whatever its sample says."""
+        if self.config.near_tie == 0 or math.isnan(margin) or not self._lead_lost:
+            return False
+        losses = [a.lost for a in self._lead_lost]
+        return margin <= max(max(losses), self.config.near_tie * self._reference(losses))
+
+    def needs_sample(self, margin: float, frames_since_full: int) -> bool:
+        """Whether a cached label output that :meth:`risky` let through is trusted only on the linear guess: the
+        audits' fit does not say how the drift grows (fewer than three audits at two distances, or a fit steeper
+        than linear, which :meth:`drift_growth` caps), and with each audit's loss extrapolated from its own distance
+        at :data:`CAUTIOUS_GROWTH` the margin would be within the lead at risk (at or below an audit's distance the
+        two bounds agree). The session then measures the frame's drift with a sample before trusting it (a check in
+        full when no sample can)."""
+        if self.config.near_tie == 0 or math.isnan(margin) or not self._lead_lost:
+            return False
+        slope = self._fitted_slope()
+        if slope is not None and slope <= 1.0:
+            return False
+        losses = [a.lost * max(1.0, frames_since_full / a.frames) ** CAUTIOUS_GROWTH for a in self._lead_lost]
+        return margin <= max(max(losses), self.config.near_tie * self._reference(losses))
+
+    def _fitted_slope(self) -> float | None:
+        """The growth exponent fitted to the recent audits (see :meth:`drift_growth`), raised by its standard error
+        and not capped; None until three audits at two or more distances measured a loss."""
+        points = [(math.log(max(a.frames, 1)), math.log(a.lost)) for a in self._lead_lost if a.lost > _LOSS_FLOOR]
+        xs = [x for x, _ in points]
+        if len(points) < 3 or len(set(xs)) < 2:
+            return None
+        mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+        residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in points) / (len(points) - 2)
+        return slope + math.sqrt(residual / sxx)
+
     def drift_growth(self) -> float:
         """How the lead a cached frame loses grows with the frames since the last full one: the exponent ``g`` of
         ``loss ~ frames ** g`` fitted to the recent audits on log scales (least squares), raised by its standard
         error (a few heavy-tailed losses give a loose fit: the cautious side of it), within [0, 1]; 1 (linear
         growth, the cautious guess) until three audits at two or more distances have measured a loss."""
-        points = [(math.log(max(a.frames, 1)), math.log(a.lost)) for a in self._lead_lost if a.lost > _LOSS_FLOOR]
-        xs = [x for x, _ in points]
-        if len(points) < 3 or len(set(xs)) < 2:
-            return 1.0
-        mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-        residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in points) / (len(points) - 2)
-        return min(max(slope + math.sqrt(residual / sxx), 0.0), 1.0)
+        slope = self._fitted_slope()
+        return 1.0 if slope is None else min(max(slope, 0.0), 1.0)
 
     # --- audits ------------------------------------------------------------------------------------------------
 

@@ -213,10 +213,14 @@ class StreamSession:
         flops_ratio = engine.last.flops_ratio if cached or (oracle and f.fallback is None) else 1.0
         regions = engine.last.regions if f.fallback is None else 0
         if comparison is not None:
+            # a flip that lost no more of the lead than the cache had been seen to lose: the margin was small, the
+            # drift ordinary (its sample is no reference of a drift that misses)
+            ordinary = comparison.kind == OutputKind.LABEL and \
+                comparison.lead_lost <= quality.measured_loss(since_full, f.sampled)
             verdict = quality.record(comparison, since_full)
             if f.probes is not None:
-                quality.probe_error(self._samplers[tuple(x.shape)].record(*f.probes, f.mask, verdict == Verdict.MISS,
-                                                                           f.sampled))
+                missed = None if verdict == Verdict.MISS and ordinary else verdict == Verdict.MISS
+                quality.probe_error(self._samplers[tuple(x.shape)].record(*f.probes, f.mask, missed, f.sampled))
             # a map's check on the spot (its first cached frame, or after an audit that left no room) is no near tie
             why = ("near tie, " if comparison.kind == OutputKind.LABEL else "check, ") if verify else ""
             f.fallback = Fallback(Cause.AUDIT, f"{why}{comparison.kind.value} agreement {comparison.agreement:.4g}, "
@@ -329,9 +333,14 @@ class StreamSession:
         # full when the margin is still at risk or the sample flags
         margin, since_full = top1_margin(out), self._index - self._last_full
         verify = not audit and quality is not None and quality.risky(margin, since_full, f.sampled)
-        if verify and math.isnan(f.sampled) and not math.isnan(margin):
+        # a frame whose margin is safe only if the drift grows linearly from the audits' distances: its own sample
+        # measures the drift (a full check when no sample can)
+        cautious = not audit and not verify and quality is not None and math.isnan(f.sampled) \
+            and quality.needs_sample(margin, since_full)
+        if (verify or cautious) and math.isnan(f.sampled) and not math.isnan(margin):
             audit = self._sample(f, engine, False, near_tie=True)
-            verify = not audit and quality.risky(margin, since_full, f.sampled)
+            verify = not audit and (quality.risky(margin, since_full, f.sampled) if not math.isnan(f.sampled)
+                                    else verify or cautious)
         if audit or verify:
             sampler = self._samplers.get(tuple(f.x.shape))
             probe = sampler.probe if sampler is not None else None
@@ -412,12 +421,16 @@ class StreamSession:
 
     def _check_certain(self) -> bool:
         """Whether a cached frame now would be checked by full inference: the previous output's top-1 lead is within
-        what a cached frame may lose (a near tie lasts over frames), and no sampled audit can check it for a fraction
-        of a frame first. Before the first audit every cached label output is checked, and that check is the guard's
-        first measurement: not counted."""
+        what a cached frame may lose (a near tie lasts over frames). Where a sampled audit could check the frame for
+        a fraction of a frame first, only a lead within what the audits measured unscaled counts (no sample can
+        clear it: :meth:`~incrinf.stream.guards.QualityGuard.surely_risky`); such a frame would otherwise pay its
+        cached run, its sample and a full frame. Before the first audit every cached label output is checked, and
+        that check is the guard's first measurement: not counted."""
         quality, sampler = self._quality, self._samplers.get(self._shape)
-        if quality is None or not quality.audited or (sampler is not None and sampler.ready):
+        if quality is None or not quality.audited:
             return False
+        if sampler is not None and sampler.ready:
+            return quality.surely_risky(self._margin)
         return quality.risky(self._margin, self._index - self._last_full)
 
     @property
@@ -545,6 +558,7 @@ class StreamSession:
                 self._reference = f.warped.copy()
                 for y0, y1, x0, x1 in refreshed:
                     self._reference[y0:y1, x0:x1] = f.pixels[y0:y1, x0:x1]
+                self._stillness.derive(self._reference, f.pixels, f.warped, refreshed)
         else:
             self._reference = f.pixels
             self._last_full = self._last_check = self._index
