@@ -104,14 +104,14 @@ class CameraEngine:
     def reset(self) -> None:
         """Drop the cache (the next frame must go through :meth:`full`)."""
         self.engine.reset()
-        self._set_drift({})
+        self._set_drift({}, zero=True)
         self._memo = None
 
     # --- frames ------------------------------------------------------------------------------------------
 
     def full(self, x: torch.Tensor) -> Any:
         """Full inference of ``x`` (1, C, H, W) that also refills the cache."""
-        self._set_drift({r: np.zeros((2, *r)) for r in self.engine.cached_resolutions})
+        self._set_drift({r: np.zeros((2, *r)) for r in self.engine.cached_resolutions}, zero=True)
         self._memo = None
         self.full_reason = ""
         thresholds = self.feature_threshold > 0 or self.moving_feature_threshold > 0
@@ -119,7 +119,7 @@ class CameraEngine:
 
     def plain(self, x: torch.Tensor) -> Any:
         """Full inference of ``x`` that keeps nothing (the cache is dropped)."""
-        self._set_drift({})
+        self._set_drift({}, zero=True)
         self._memo = None
         self.full_reason = ""
         return self.engine.plain(x)
@@ -199,10 +199,11 @@ class CameraEngine:
             self._set_drift(drifts)
         return out
 
-    def _set_drift(self, drifts: dict[tuple[int, int], np.ndarray]) -> None:
-        """Take ``drifts`` (resolution -> (2, h, w)) as the drift fields, noting which are nonzero or large."""
+    def _set_drift(self, drifts: dict[tuple[int, int], np.ndarray], zero: bool = False) -> None:
+        """Take ``drifts`` (resolution -> (2, h, w)) as the drift fields, noting which are nonzero or large (``zero``:
+        the caller knows them all zero, e.g. after a full frame, and nothing is scanned)."""
         self._drift = drifts
-        largest = {res: float(np.abs(d).max()) if d.size else 0.0 for res, d in drifts.items()}
+        largest = {} if zero else {res: float(np.abs(d).max()) if d.size else 0.0 for res, d in drifts.items()}
         self._moving_drift = {res for res, value in largest.items() if value >= 0.5}
         self._drifting = any(value > 0 for value in largest.values())
 

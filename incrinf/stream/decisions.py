@@ -61,9 +61,6 @@ PROBE_WITHIN = 1.5
 PROBE_EVERY = 8
 # Latest cached frames (after the quality guard's first audit) whose near-tie checks give the expected check rate.
 CHECK_WINDOW = 8
-# Latest plans that were predicted slower than a full frame, kept as (changed share, predicted cached seconds over a
-# full frame's): a frame whose changed share is at least one of theirs is rejected before it is planned.
-REJECTED_PLANS = 8
 
 
 class SpeedGuard:
@@ -82,7 +79,6 @@ class SpeedGuard:
         self._max_interval = max(max_interval, PROBE_EVERY)
         self.probe_every = PROBE_EVERY  # rejections before the next probe
         self._checks: deque[bool] = deque(maxlen=CHECK_WINDOW)
-        self._slow_plans: deque[tuple[float, float]] = deque(maxlen=REJECTED_PLANS)
 
     def record_check(self, checked: bool) -> None:
         """A cached frame ran after the first audit; ``checked``: its near tie was checked by full inference."""
@@ -123,35 +119,6 @@ class SpeedGuard:
         self._rejected += 1
         return (f"the cheapest plan ({cheapest * 1e3:.1f} ms) + {checks * 1e3:.1f} ms expected near-tie checks vs "
                 f"{full * 1e3:.1f} ms full")
-
-    def record_plan(self, share: float, prediction: Prediction) -> None:
-        """A frame whose changed cells cover ``share`` of the frame was planned: a plan predicted slower than a full
-        frame on its own (its expected checks aside) is kept for :meth:`slower_by_share`; one predicted faster
-        forgets them (the scene's changes, or the calibration, moved)."""
-        if math.isnan(prediction.full) or math.isnan(prediction.cached) or not prediction.full > 0:
-            return
-        if prediction.cached_faster:
-            self._slow_plans.clear()
-        else:
-            self._slow_plans.append((share, prediction.cached / prediction.full))
-
-    def slower_by_share(self, share: float, full: float, check_certain: bool = False
-                        ) -> tuple[Prediction, float] | None:
-        """A frame whose changed cells cover ``share`` of the frame, sent to full inference before it is planned:
-        ``(the prediction of the recent plan that bounds it, that plan's share)``, or None (plan it). A recent plan of
-        a change no larger than this one was predicted at a cost that, with this frame's expected near-tie checks,
-        is at least a full frame's. A plan grows with the change it carries (a larger share recomputes at least the
-        cells of a smaller one's extent at every step), and on a large frame planning itself costs a good part of
-        a frame (a fifth of a 720p frame on a classifier). Counts as a rejection towards the probe
-        (:meth:`choose_cached`): the frame a probe is due on is planned."""
-        if not self._slow_plans or self.probe_due or not full > 0:
-            return None
-        checks = (1.0 if check_certain else self.check_rate) * full
-        for planned_share, ratio in self._slow_plans:
-            if planned_share <= share and ratio * full + checks >= full:
-                self._rejected += 1
-                return Prediction(full, ratio * full, checks), planned_share
-        return None
 
     def choose_cached(self, prediction: Prediction) -> bool:
         if prediction.cached_faster:

@@ -50,7 +50,6 @@ class FrameState:
     overhead: float = 0.0  # seconds of the decision (stillness test, matching, mask, plan) before the engine ran
     probes: tuple[torch.Tensor, torch.Tensor] | None = None  # the probe, cached and full, at a full audit
     near_tie: bool = False  # the previous output was a near tie: a cached frame now would be checked
-    hopeless: bool = False  # no plan could pay (SpeedGuard.hopeless): the frame was never matched or planned
 
     @property
     def still(self) -> bool:

@@ -284,29 +284,15 @@ class StreamSession:
         if f.fallback is not None:
             return Prediction(costs.full_seconds if costs.profiled else math.nan, math.nan)
         clock = time.perf_counter()
-        share = f.mask.recompute_fraction
-        if self.config.speed_guard and costs.profiled:
-            bounded = self._speed.slower_by_share(share, costs.full_seconds, f.near_tie)
-            if bounded is not None:  # a change as large as one whose plan was predicted slower: not planned at all
-                prediction, planned_share = bounded
-                f.fallback = Fallback(Cause.SLOWER, f"predicted at least {self._predicted(prediction)} ({share:.0%} "
-                                                    f"of the frame changed, no less than a recent plan's "
-                                                    f"{planned_share:.0%})")
-                f.times.plan = time.perf_counter() - clock
-                return prediction
         f.plan = engine.plan(f.mask.pixel_mask, f.matrix, f.mask.clusters() if f.still else None)
         prediction = self._speed.predict(costs, f.plan, f.near_tie) if costs.profiled \
             else Prediction(math.nan, math.nan)
-        self._speed.record_plan(share, prediction)
         f.times.plan = time.perf_counter() - clock
         if self.config.speed_guard and not self._speed.choose_cached(prediction):
-            f.fallback = Fallback(Cause.SLOWER, f"predicted {self._predicted(prediction)}")
+            checks = f" + {prediction.checks * 1e3:.1f} ms expected near-tie checks" if prediction.checks else ""
+            f.fallback = Fallback(Cause.SLOWER, f"predicted {prediction.cached * 1e3:.1f} ms cached{checks} vs "
+                                                f"{prediction.full * 1e3:.1f} ms full")
         return prediction
-
-    @staticmethod
-    def _predicted(prediction: Prediction) -> str:
-        checks = f" + {prediction.checks * 1e3:.1f} ms expected near-tie checks" if prediction.checks else ""
-        return f"{prediction.cached * 1e3:.1f} ms cached{checks} vs {prediction.full * 1e3:.1f} ms full"
 
     def _run(self, f: FrameState, engine: CameraEngine, audit: bool, oracle: bool
              ) -> tuple[Any, Comparison | None, bool, float]:
@@ -426,7 +412,7 @@ class StreamSession:
             return False
         if cause == Cause.BACKING_OFF and self._backoff.skip > 1:
             return False  # this frame's stretch goes on
-        if cause == Cause.SLOWER and f.hopeless:
+        if cause == Cause.SLOWER and f.plan is None:
             return self._speed.probe_due  # no plan can pay: only a probe's frame uses the cache
         if cause in (*_MISSES, Cause.SLOWER) and self._backoff.starts_with_miss(f.overhead):
             return False  # this miss starts a stretch
@@ -493,7 +479,7 @@ class StreamSession:
         hopeless = self._speed.hopeless(engine.engine, self._pruning, f.near_tie) \
             if self.config.speed_guard else ""
         if hopeless:  # known before the stillness test, matching, mask and plan: none of them runs
-            f.fallback, f.hopeless = Fallback(Cause.SLOWER, hopeless), True
+            f.fallback = Fallback(Cause.SLOWER, hopeless)
             return
         if not engine.has_cache:  # the last full frame ran plain: it was not expected to be followed by a cached one
             f.fallback = Fallback(Cause.NO_CACHE, "the last full frame kept no maps")
@@ -572,6 +558,7 @@ class StreamSession:
                 self._reference = f.warped.copy()
                 for y0, y1, x0, x1 in refreshed:
                     self._reference[y0:y1, x0:x1] = f.pixels[y0:y1, x0:x1]
+                self._stillness.derive(self._reference, f.pixels, f.warped, refreshed)
         else:
             self._reference = f.pixels
             self._last_full = self._last_check = self._index
