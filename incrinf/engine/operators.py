@@ -113,6 +113,7 @@ class Operators:
         # bytes of the weights made here (folded batch norms, channels-last copies), which a run holds beyond the
         # model's own: part of a plan's predicted memory
         self.made_bytes = 0
+        self._window_convs: dict[str, tuple] = {}
 
     def _made(self, tensor: torch.Tensor | None, *originals: torch.Tensor | None) -> torch.Tensor | None:
         """``tensor``, counted in :attr:`made_bytes` unless it shares memory with one of ``originals``."""
@@ -182,9 +183,7 @@ class Operators:
         parameters replacing its own."""
         d = self.d
         if node.operator == Operator.CONV:
-            weight, bias, stride, dilation, groups = folded or self.conv_params(node)
-            if folded is None:  # the windows arrive channels-last: oneDNN reorders other weights on every call
-                weight = self._made(_channels_last(weight.detach()), weight)
+            weight, bias, stride, dilation, groups = self._window_conv(node, folded)
             conv = _CONV[d]
             if d == 3 and torch.backends.mkldnn.is_available():
                 return _conv3d(weight, bias, stride, dilation, groups)
@@ -227,11 +226,19 @@ class Operators:
         out = tuple((n + 2 * b - e) // s + 1 for n, b, e, s in zip(in_dims, before, spec.extent, spec.stride))
         if out != tuple(dims):
             return None
-        weight, bias, stride, dilation, groups = folded or self.conv_params(node)
-        if folded is None:
-            weight = _channels_last(weight.detach())
+        weight, bias, stride, dilation, groups = self._window_conv(node, folded)
         conv = _CONV[d]
         return lambda x: conv(x, weight, bias, stride, before, dilation, groups)
+
+    def _window_conv(self, node: Node, folded: tuple | None) -> tuple:
+        """A window convolution's parameters with its weight channels-last (the windows arrive channels-last:
+        oneDNN reorders other weights on every call), made once per node for all its operators."""
+        if folded is not None:
+            return folded
+        if node.name not in self._window_convs:
+            weight, *rest = self.conv_params(node)
+            self._window_convs[node.name] = (self._made(_channels_last(weight.detach()), weight), *rest)
+        return self._window_convs[node.name]
 
     def linear(self, node: Node, folded: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(weight (C_out, C_in), bias)`` of a 1x1, stride-1, unpadded, ungrouped convolution, to run as a
