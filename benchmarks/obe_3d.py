@@ -140,8 +140,14 @@ def compare(name: str, case: str, size: tuple[int, int, int], options: dict, b_b
           f"{s['realized_flop_ratio']:>6.2f}x {ceiling:>7.2f}x {speedup / ceiling:>6.2f} "
           f"{mib(median([r['memory'] for r in theirs])):>9} {mib(median([r['memory'] for r in ours])):>9} "
           f"{err:>8.1e}", flush=True)
-    print(f"{'':<21}incrinf: {fixed}, batches {s['seconds']:.1f} s ({s['batches']} of {s['batch_size']}), "
-          f"planned batch memory {mib(s['peak_memory_bytes'])}; load {' | '.join(loads)}", flush=True)
+    print(f"{'':<21}incrinf: {fixed}, batches {s['seconds']:.1f} s ({s['batches']} of {s['batch_size']}); "
+          f"load {' | '.join(loads)}", flush=True)
+    parts = ", ".join(f"{part} {mib(s[f'{part}_bytes'])}" for part in ("weights", "store", "base", "index", "batch",
+                                                                       "budget"))
+    measured = median([r["memory"] for r in ours])
+    print(f"{'':<21}memory: measured {mib(measured)}, predicted {mib(s['predicted_peak_bytes'])} "
+          f"({measured / max(s['predicted_peak_bytes'], 1):.2f} of it), bound {mib(s['bound_bytes'])}; {parts}",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
           "method in fresh processes (medians)\n")
     print("theory: FLOP ratio of the windows (each alone on its exact boxes); plan: FLOP ratio of incrinf's packed\n"
           "batches; ceiling: theory with the base's one full forward pass counted; vs ceil: speedup / ceiling;\n"
-          "memory: peak resident growth of the call\n")
+          "memory: peak resident growth of the call (sampled every 5 ms; both methods the same way, each in a fresh\n"
+          "process, the same n_batch, model and volume loaded before the measurement; incrinf's imports inside the\n"
+          "call are counted); incrinf's predicted peak: its plan's byte model, max(weights it made + base (its\n"
+          "forward pass keeping the store's values, then the tables made), weights + store + kept index + largest\n"
+          "batch); bound: max(that, budget) + 32 MiB freed between checks, the budget (naive re-inference's\n"
+          "activations at n_batch) being what its allocator may keep\n")
     print(f"{'model':<12} {'case':<7} {'windows':>7} {'MONAI s':>8} {'ours s':>8} {'speedup':>8} {'theory':>7} "
           f"{'plan':>7} {'ceiling':>8} {'vs ceil':>6} {'MONAI mem':>9} {'ours mem':>9} {'rel err':>8}")
     for name in args.models:

@@ -19,7 +19,7 @@ from incrinf.engine.batches import BatchEngine, Executor, executor_for, position
 from incrinf.engine.blocks import Motion
 from incrinf.engine.boxes import WalkResult, walk
 from incrinf.engine.frames import CacheMemory, ExecStats, FrameEngine
-from incrinf.engine.memory import free_device_memory, peak_memory, reset_peak_memory
+from incrinf.engine.memory import RunBytes, free_device_memory, peak_memory, reset_peak_memory
 from incrinf.engine.plans import BatchPlan, Plan, PlanKey, StepPlan
 from incrinf.engine.program import Program, Step
 from incrinf.engine.stores import crop_boxes
@@ -37,6 +37,7 @@ __all__ = [
     "Plan",
     "PlanKey",
     "Program",
+    "RunBytes",
     "Step",
     "StepPlan",
     "WalkResult",

@@ -28,7 +28,8 @@ import torch
 from incrinf.cache import LookupStatus, runtime_cache
 from incrinf.engine.boxes import WalkResult, chain, compute, shares_memory, walk
 from incrinf.engine.layout import Layout, compact, table_layout
-from incrinf.engine.memory import HostMemory, release_free_memory
+from incrinf.engine.memory import TRIM_BYTES, HostMemory, RunBytes, release_free_memory
+from incrinf.engine.plan_bytes import ByteSizes, forward_peak_bytes
 from incrinf.engine.plans import (
     BatchIndex,
     BatchPlan,
@@ -85,9 +86,6 @@ class Executor:
 
 
 _EXECUTORS_LOCK = threading.Lock()
-# Freed bytes after which a batch checks whether to hand host memory back to the system (glibc's largest mmap
-# threshold: blocks above it are unmapped when freed anyway).
-TRIM_BYTES = 32 * 2**20
 
 
 def _fingerprint(module: torch.nn.Module) -> tuple:
@@ -203,6 +201,33 @@ class BatchEngine:
                       str(x.device), str(x.dtype), compact(x.device, self.graph.spatial_dims))
         return runtime_cache().get_or_create(
             key, lambda k: build_plan(self.program, self.executor.layout, k, starts, sizes))
+
+    def run_bytes(self, plan: Plan) -> RunBytes:
+        """The host memory a run of ``plan`` holds (its byte model: weights made, base forward and store, index
+        tensors, batches, budget); its ``peak`` predicts the resident growth of a run that builds this engine."""
+        program, layout = self.program, self.executor.layout
+        graph = program.graph
+        element_size = self.store.input.element_size()
+        sizes = ByteSizes(program, element_size)
+        kept = layout.kept | {graph.input.name, graph.output.name}
+        # the base forward pass keeps what the store needs; the store then makes its tables one by one, each kept
+        # tensor freed after its last table (as BaseStore does)
+        base = forward_peak_bytes(program, 1, element_size, keep=kept)
+        values = {name: sizes.whole(name, 1) for name in kept if graph.by_name[name].shape}
+        remaining: dict[str, int] = {}
+        for table in layout.tables.values():
+            remaining[table.source] = remaining.get(table.source, 0) + 1
+        made = 0
+        for table in layout.tables.values():
+            made += table.rows * sizes.channels(table.source) * element_size
+            base = max(base, sum(values.values()) + made)
+            remaining[table.source] -= 1
+            if not remaining[table.source] and table.source not in (graph.input.name, graph.output.name):
+                values.pop(table.source, None)
+        batch = max(plan.peak_bytes, max((b.peak_bytes + (0 if plan.keeps_index else b.index_bytes)
+                                          for b in plan.batches), default=0))
+        return RunBytes(program.ops.made_bytes, self.store.nbytes, base, plan.index_bytes if plan.keeps_index else 0,
+                        batch, plan.budget_bytes)
 
     def index(self, batch: BatchPlan) -> BatchIndex:
         """A planned batch's index tensors: the plan's, or made now from its geometry (not kept)."""

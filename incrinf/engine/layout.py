@@ -181,14 +181,32 @@ def table_layout(program: Program, mutated: set[str] = frozenset(), alias: bool 
     windows: dict[str, Place] = {}
     reads: dict[str, Place] = {}
     kept: set[str] = set()
+    first_padded: dict[str, str] = {}  # source -> its first padded table, which holds its values once
+
+    def padded_key(source: str, pad: Padding) -> str:
+        key = f"{source}/pad{pad.before}{pad.after}/{pad.view_value}/{pad.pad_value}"
+        if key not in tables:
+            dims = tuple(n + b + a for n, b, a in zip(program.dims(source), pad.before, pad.after))
+            tables[key] = Table(source, pad, dims)
+            kept.add(source)
+            first_padded.setdefault(source, key)
+        return key
+
+    for step in program.steps:  # padded tables first: other reads of their sources (and parts) find them
+        if step.window is not None and not window_padding(step.window).empty:
+            padded_key(step.window.source, window_padding(step.window))
 
     def plain(name: str) -> Place:
+        """Where ``name`` is read without padding: in a padded table of its root when there is one (a
+        concatenation read by a padded window holds its parts' values once, in the columns of that table)."""
         base, column = root(name)
-        key = base
-        if key not in tables:
-            tables[key] = Table(base, no_padding(d), program.dims(base))
+        key = first_padded.get(base)
+        if key is not None:
+            return Place(key, (column, _channels(program, name)), tables[key].padding.before)
+        if base not in tables:
+            tables[base] = Table(base, no_padding(d), program.dims(base))
             kept.add(base)
-        return Place(key, (column, _channels(program, name)), (0,) * d)
+        return Place(base, (column, _channels(program, name)), (0,) * d)
 
     for step in program.steps:
         if step.window is None:
@@ -198,11 +216,7 @@ def table_layout(program: Program, mutated: set[str] = frozenset(), alias: bool 
         if pad.empty:
             windows[step.out] = plain(source)
             continue
-        key = f"{source}/pad{pad.before}{pad.after}/{pad.view_value}/{pad.pad_value}"
-        if key not in tables:
-            dims = tuple(n + b + a for n, b, a in zip(program.dims(source), pad.before, pad.after))
-            tables[key] = Table(source, pad, dims)
-            kept.add(source)
+        key = padded_key(source, pad)
         windows[step.out] = Place(key, (0, _channels(program, source)), pad.before)
         reads.setdefault(source, windows[step.out])
     for name in [graph.input.name, *program.cached, *sorted(kept)]:  # the roots are read too

@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +52,10 @@ def release_free_memory() -> None:
         trim(0)
 
 
+# Freed bytes after which a batch checks whether to hand host memory back to the system (glibc's largest mmap
+# threshold: blocks above it are unmapped when freed anyway).
+TRIM_BYTES = 32 * 2**20
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -90,3 +95,49 @@ class HostMemory:
         release_free_memory()
         self.releases += 1
         return True
+
+
+@dataclass(frozen=True)
+class RunBytes:
+    """The host memory a planned run of many changed copies of one input holds, in bytes, from shapes and sizes
+    alone: the byte model behind a plan's predicted peak (:meth:`~incrinf.engine.batches.BatchEngine.run_bytes`).
+
+    Attributes:
+        weights: weights the executor made beyond the model's own (folded batch norms, channels-last copies).
+        store: the store's tables (the base values later steps read, padded as their windows read them).
+        base: the base's peak: its forward pass (batch 1, the values the store needs kept), then the store's
+            tables made one by one while those values are freed.
+        index: the plan's kept index tensors (0 when each batch makes its own).
+        batch: the largest batch's working memory (values live at once, the boundary tensors a shared tail run
+            waits for, and its index tensors when the plan does not keep them).
+        budget: what the run may hold before freed memory is handed back to the system (the plan's budget:
+            naive re-inference's memory at the batch size, or the caller's).
+        slack: freed bytes between two checks of the budget (:data:`TRIM_BYTES`).
+    """
+
+    weights: int
+    store: int
+    base: int
+    index: int
+    batch: int
+    budget: int
+    slack: int = TRIM_BYTES
+
+    @property
+    def held(self) -> int:
+        """Bytes held from the base to the last batch: weights, store and kept index tensors."""
+        return self.weights + self.store + self.index
+
+    @property
+    def peak(self) -> int:
+        """Predicted peak resident growth of a run that builds its executor and base: the base forward pass and
+        the store being made, or the largest batch on top of what is held. Not counted: the runtime libraries'
+        own memory (oneDNN's primitives and scratch buffers, Python objects; 10-30 MiB measured) and the freed
+        blocks the allocator keeps (at most up to :attr:`bound`)."""
+        return max(self.weights + self.base, self.held + self.batch)
+
+    @property
+    def bound(self) -> int:
+        """What the run's resident growth stays under: the allocator keeps freed blocks only while the growth plus
+        the next batch's peak is within the budget, checked every :attr:`slack` freed bytes."""
+        return max(self.peak, max(self.held + self.batch, self.budget) + self.slack)

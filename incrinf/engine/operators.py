@@ -64,6 +64,36 @@ def _arg(args: list, kwargs: dict, index: int, name: str, default: Any = None) -
     return args[index] if len(args) > index else kwargs.get(name, default)
 
 
+class _Lookup:
+    """A node input's value by name for :meth:`Operators.invoke`: the region's values, else a constant, else a
+    META node evaluated on them, else (a map only its size is read from) an empty meta tensor shaped like ``like``.
+
+    An object rather than a closure: a closure calling itself (a META node's inputs are looked up with it) is a
+    reference cycle, and the region values it holds (a concatenation's inputs, tens of MiB per batch) would then
+    live until Python's cycle collector runs instead of being freed when the step is done.
+    """
+
+    def __init__(self, ops: Operators, values: dict[str, Any], like: torch.Tensor | None) -> None:
+        self.ops = ops
+        self.values = values
+        self.like = like
+
+    def __call__(self, name: str) -> Any:
+        ops, values = self.ops, self.values
+        if name in values:
+            return values[name]
+        if name in ops.constants:
+            return ops.constants[name]
+        node = ops.graph.by_name[name]
+        if node.kind == NodeKind.META:
+            values[name] = invoke(ops.graph, node, self)
+            return values[name]
+        if self.like is not None and ops.graph.is_map(node.shape):  # only its size is read (by a META node)
+            shape = (self.like.shape[0], *node.shape[1:-ops.d], *self.like.shape[-ops.d:])
+            return torch.empty(shape, dtype=self.like.dtype, device="meta")
+        raise KeyError(f"no value for {name} (an input of a region step)")
+
+
 class Operators:
     """Bound operators of one captured graph.
 
@@ -77,6 +107,16 @@ class Operators:
         self.graph = graph
         self.d = graph.spatial_dims
         self.constants = {n.name: env[n.name] for n in graph.nodes if n.kind == NodeKind.CONSTANT}
+        # bytes of the weights made here (folded batch norms, channels-last copies), which a run holds beyond the
+        # model's own: part of a plan's predicted memory
+        self.made_bytes = 0
+
+    def _made(self, tensor: torch.Tensor | None, *originals: torch.Tensor | None) -> torch.Tensor | None:
+        """``tensor``, counted in :attr:`made_bytes` unless it shares memory with one of ``originals``."""
+        if tensor is not None and not any(o is not None and o.untyped_storage().data_ptr()
+                                          == tensor.untyped_storage().data_ptr() for o in originals):
+            self.made_bytes += tensor.untyped_storage().nbytes()
+        return tensor
 
     # --- any node ----------------------------------------------------------------------------------------
 
@@ -87,23 +127,7 @@ class Operators:
         return invoke(self.graph, node, self._lookup(dict(values), like))
 
     def _lookup(self, values: dict[str, Any], like: torch.Tensor | None = None) -> Callable[[str], Any]:
-        d = self.d
-
-        def value(name: str) -> Any:
-            if name in values:
-                return values[name]
-            if name in self.constants:
-                return self.constants[name]
-            node = self.graph.by_name[name]
-            if node.kind == NodeKind.META:
-                values[name] = invoke(self.graph, node, value)
-                return values[name]
-            if like is not None and self.graph.is_map(node.shape):  # only its size is read (by a META node)
-                shape = (like.shape[0], *node.shape[1:-d], *like.shape[-d:])
-                return torch.empty(shape, dtype=like.dtype, device="meta")
-            raise KeyError(f"no value for {name} (an input of a region step)")
-
-        return value
+        return _Lookup(self, values, like)
 
     def _parameters(self, node: Node) -> tuple[list, dict]:
         """A node's arguments with constants bound and tensor inputs as None (to read its settings)."""
@@ -146,9 +170,9 @@ class Operators:
         """A convolution followed by a batch norm as one convolution's parameters."""
         weight, bias, stride, dilation, groups = self.conv_params(conv)
         scale, shift = self.batch_norm(bn)
-        folded = _channels_last((weight * scale.view(-1, *([1] * (weight.dim() - 1)))).detach())
-        folded_bias = shift if bias is None else bias.detach() * scale + shift
-        return folded, folded_bias.contiguous(), stride, dilation, groups
+        folded = self._made(_channels_last((weight * scale.view(-1, *([1] * (weight.dim() - 1)))).detach()))
+        folded_bias = self._made((shift if bias is None else bias.detach() * scale + shift).contiguous())
+        return folded, folded_bias, stride, dilation, groups
 
     def window(self, node: Node, folded: tuple | None = None) -> WindowOp:
         """The LOCAL node's operator with padding 0 (its input windows arrive padded), ``folded`` convolution
@@ -157,7 +181,7 @@ class Operators:
         if node.operator == Operator.CONV:
             weight, bias, stride, dilation, groups = folded or self.conv_params(node)
             if folded is None:  # the windows arrive channels-last: oneDNN reorders other weights on every call
-                weight = _channels_last(weight.detach())
+                weight = self._made(_channels_last(weight.detach()), weight)
             conv = _CONV[d]
             if d == 3 and torch.backends.mkldnn.is_available():
                 return _conv3d(weight, bias, stride, dilation, groups)
@@ -184,7 +208,7 @@ class Operators:
         weight, bias, _, _, groups = folded or self.conv_params(node)
         if groups != 1:
             return None
-        return weight.reshape(weight.shape[0], -1).contiguous(), bias
+        return self._made(weight.reshape(weight.shape[0], -1).contiguous(), weight), bias
 
     def border_factors(self, node: Node, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """(1, 1, *out) factors turning a plain k-element average into the node's true average (which may

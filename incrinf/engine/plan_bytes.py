@@ -36,10 +36,11 @@ class ByteSizes:
         return self.element_size * self.channels(name) * math.prod(self.program.dims(name)) * n
 
 
-def forward_peak_bytes(program: Program, n: int, element_size: int, names: set[str] | None = None) -> int:
+def forward_peak_bytes(program: Program, n: int, element_size: int, names: set[str] | None = None,
+                       keep: frozenset[str] = frozenset()) -> int:
     """The most bytes of node outputs live at once in a plain forward pass of batch ``n`` over ``names`` (None:
-    the whole graph; a tensor is freed after its last reader), what naive re-inference holds (MONAI's and
-    Captum's batches); outputs of nodes outside ``names`` are not counted."""
+    the whole graph; a tensor is freed after its last reader, except those in ``keep``), what naive
+    re-inference holds (MONAI's and Captum's batches); outputs of nodes outside ``names`` are not counted."""
     graph = program.graph
     order = {node.name: i for i, node in enumerate(graph.nodes)}
     last = {node.name: max((order[u] for u in node.users), default=order[node.name]) for node in graph.nodes}
@@ -50,7 +51,7 @@ def forward_peak_bytes(program: Program, n: int, element_size: int, names: set[s
                 and node.shape and not node.inplace:
             live[node.name] = element_size * n * math.prod(node.shape[1:])
             peak = max(peak, sum(live.values()))
-        for name in [m for m in live if last[m] <= i]:
+        for name in [m for m in live if last[m] <= i and m not in keep]:
             del live[name]
     return peak
 

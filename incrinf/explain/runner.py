@@ -31,7 +31,10 @@ GPU_MEMORY_SHARE = 0.5
 class RunStats:
     """What a run did: positions, batches, time, FLOP ratios, working memory, and its fixed costs.
 
-    ``seconds`` is the batches' time; ``capture_seconds``, ``executor_seconds``, ``base_seconds`` and
+    ``peak_memory_bytes`` is the largest batch's planned working memory (on CUDA: what the batches allocated);
+    ``predicted_peak_bytes`` the byte model's peak resident growth of the whole call (executor, base, store and
+    batches: :class:`~incrinf.engine.RunBytes`), its parts in ``extra``. ``seconds`` is the batches' time;
+    ``capture_seconds``, ``executor_seconds``, ``base_seconds`` and
     ``plan_seconds`` are the fixed costs of the run's capture (0 when shared), executor build (0 when shared),
     base materialization and plan (0 on a cache hit), each measured separately.
     """
@@ -44,6 +47,7 @@ class RunStats:
     theoretical_speedup: float = 1.0
     realized_flop_ratio: float = 1.0
     peak_memory_bytes: int = 0
+    predicted_peak_bytes: int = 0
     tau: float = 1.0
     capture_seconds: float = 0.0
     executor_seconds: float = 0.0
@@ -187,6 +191,10 @@ class OcclusionRunner:
                          theoretical_speedup=plan.theoretical_speedup, capture_seconds=self.capture_seconds,
                          executor_seconds=self.engine.seconds["executor"], base_seconds=self.engine.seconds["base"],
                          plan_seconds=planning, plan_hit=hit)
+        predicted = self.engine.run_bytes(plan)
+        stats.predicted_peak_bytes = predicted.peak
+        stats.extra.update({f"{part}_bytes": getattr(predicted, part)
+                            for part in ("weights", "store", "base", "index", "batch", "budget", "bound")})
         outputs: list[Any] = []
         done: list[np.ndarray] = []
         realized = 0.0

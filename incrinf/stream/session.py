@@ -558,6 +558,7 @@ class StreamSession:
                 self._reference = f.warped.copy()
                 for y0, y1, x0, x1 in refreshed:
                     self._reference[y0:y1, x0:x1] = f.pixels[y0:y1, x0:x1]
+                self._stillness.derive(self._reference, f.pixels, f.warped, refreshed)
         else:
             self._reference = f.pixels
             self._last_full = self._last_check = self._index

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from incrinf.extras import require
+from incrinf.geometry import Box
 
 cv2 = require("cv2", "stream", "camera streams")
 
@@ -47,17 +48,54 @@ class StillnessTest:
         self.min_response = min_response
         self.max_shift = max_shift
         self._window: np.ndarray | None = None
+        # (image, its grey levels) of the latest frame tested and of the latest reference whose grey levels are
+        # known: a session's next reference is one of its frames, or a frame's refreshed boxes pasted over the last
+        # reference (:meth:`derive`), so its grey levels need not be computed again
+        self._frame: tuple[np.ndarray, np.ndarray] | None = None
+        self._reference: tuple[np.ndarray, np.ndarray] | None = None
 
     def __call__(self, pixels: np.ndarray, reference: np.ndarray) -> Stillness:
         """The verdict on ``pixels`` (H, W, 3) uint8 against ``reference`` (the same size)."""
-        gray, ref = _gray(pixels), _gray(reference)
+        gray, ref = _gray(pixels), self.gray(reference)
+        self._frame = (pixels, gray)
         if self._window is None or self._window.shape != gray.shape:
             self._window = cv2.createHanningWindow((gray.shape[1], gray.shape[0]), cv2.CV_32F)
-        (dx, dy), response = cv2.phaseCorrelate(ref, gray, self._window)
+        # copies: phaseCorrelate writes into its inputs, and the grey levels are kept for the next frame
+        (dx, dy), response = cv2.phaseCorrelate(ref.copy(), gray.copy(), self._window)
         scale = pixels.shape[1] / gray.shape[1]
         dx, dy = dx * scale, dy * scale
         still = response >= self.min_response and math.hypot(dx, dy) < self.max_shift
         return Stillness(bool(still), (float(dx), float(dy)), float(response))
+
+    def gray(self, image: np.ndarray) -> np.ndarray:
+        """The test's grey levels of ``image`` (H, W, 3) uint8 (float32, at half size above ``_HALVE_ABOVE``
+        pixels): those already known when ``image`` is the latest frame tested or reference derived (the same
+        object, which the session never changes in place), else computed."""
+        for known in (self._reference, self._frame):
+            if known is not None and known[0] is image:
+                return known[1]
+        gray = _gray(image)
+        self._reference = (image, gray)
+        return gray
+
+    def derive(self, reference: np.ndarray, pixels: np.ndarray, base: np.ndarray, boxes: list[Box]) -> None:
+        """Note the grey levels of ``reference`` = ``base`` with the pixel ``boxes`` ``(y0, y1, x0, x1)`` (end
+        exclusive) taken from ``pixels``, when those of both are known (``pixels`` the latest frame tested,
+        ``base`` the latest reference): pasted from theirs. Exact when every grey pixel comes from one side (a
+        halved frame's 2 x 2 blocks straddle no box edge when the edges and the sides are even); otherwise
+        nothing is noted and the next test computes them."""
+        if self._frame is None or self._frame[0] is not pixels or self._reference is None \
+                or self._reference[0] is not base:
+            return
+        h, w = reference.shape[:2]
+        factor = 1 if _grey_size(h, w) == (h, w) else 2
+        if h % factor or w % factor or any(v % factor for box in boxes for v in box):
+            return
+        gray, frame_gray = self._reference[1].copy(), self._frame[1]
+        for y0, y1, x0, x1 in boxes:
+            y0, y1, x0, x1 = y0 // factor, y1 // factor, x0 // factor, x1 // factor
+            gray[y0:y1, x0:x1] = frame_gray[y0:y1, x0:x1]
+        self._reference = (reference, gray)
 
 
 # Frames are correlated at half size above this many pixels: the shift keeps a tenth of a pixel's precision, and
@@ -68,9 +106,15 @@ _HALVE_ABOVE = 160 * 160
 def _gray(pixels: np.ndarray) -> np.ndarray:
     """Grey levels (float32) of an (H, W, 3) frame, at half size for a large one."""
     gray = cv2.cvtColor(pixels, cv2.COLOR_RGB2GRAY)
-    if gray.shape[0] * gray.shape[1] > _HALVE_ABOVE:
-        gray = cv2.resize(gray, (gray.shape[1] // 2, gray.shape[0] // 2), interpolation=cv2.INTER_AREA)
+    size = _grey_size(*gray.shape)
+    if size != gray.shape:
+        gray = cv2.resize(gray, (size[1], size[0]), interpolation=cv2.INTER_AREA)
     return gray.astype(np.float32)
+
+
+def _grey_size(h: int, w: int) -> tuple[int, int]:
+    """(rows, columns) of the grey levels of an (h, w) frame."""
+    return (h // 2, w // 2) if h * w > _HALVE_ABOVE else (h, w)
 
 
 # Shifts below this (pixels) leave the reference as it is.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -94,12 +95,29 @@ class Dense3d(nn.Module):
         return self.head(x)
 
 
+def _sampled_growth(fn):
+    """``(peak resident growth, result)`` of ``fn()``, the resident set sampled every millisecond."""
+    import threading
+
+    origin = memory.resident_memory()
+    peak = [origin]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.001):
+            peak[0] = max(peak[0], memory.resident_memory())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    result = fn()
+    done.set()
+    sampler.join()
+    return max(peak[0], memory.resident_memory()) - origin, result
+
+
 def _peak_growth_of_a_run() -> tuple[int, int, int]:
     """In a fresh process: the peak resident growth of a 3-D occlusion run on a second volume (the executor and
     plan made on a first), sampled every millisecond, and the plan's budget and its check interval."""
-    import threading
-
-    import numpy as np
 
     from incrinf.engine.batches import TRIM_BYTES
 
@@ -118,22 +136,10 @@ def _peak_growth_of_a_run() -> tuple[int, int, int]:
         return plan
 
     run(torch.randn(1, 1, 32, 32, 32))  # executor, plan, oneDNN's primitives
-    origin = memory.resident_memory()
-    peak = [origin]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.001):
-            peak[0] = max(peak[0], memory.resident_memory())
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    plan = run(torch.randn(1, 1, 32, 32, 32))
-    done.set()
-    sampler.join()
-    peak[0] = max(peak[0], memory.resident_memory())
+    image = torch.randn(1, 1, 32, 32, 32)
+    growth, plan = _sampled_growth(lambda: run(image))
     assert np.isfinite(plan.budget_bytes)
-    return peak[0] - origin, plan.budget_bytes, TRIM_BYTES
+    return growth, plan.budget_bytes, TRIM_BYTES
 
 
 def test_a_3d_runs_resident_peak_stays_under_its_plans_budget():
@@ -145,3 +151,114 @@ def test_a_3d_runs_resident_peak_stays_under_its_plans_budget():
     with mp.get_context("spawn").Pool(1) as pool:
         growth, budget, interval = pool.apply(_peak_growth_of_a_run)
     assert growth <= budget + interval, (growth >> 20, budget >> 20, interval >> 20)
+
+
+def test_a_batch_leaves_no_tensor_in_reference_cycles():
+    """Every value a planned batch makes is freed by reference counting when its last reader is done: a tensor
+    held in a reference cycle (a self-calling closure over a concatenation's inputs, say) lives until Python's
+    cycle collector happens to run, and a 3-D DenseNet's batches then held hundreds of MiB above their plan."""
+    import gc
+
+    torch.manual_seed(0)
+    image = torch.randn(1, 1, 16, 16, 16)
+    engine = BatchEngine(capture(Dense3d().eval(), image.shape[1:]), image)
+    region = input_boxes(occlusion_grid((16, 16, 16), (6, 6, 6), (5, 5, 5)), (6, 6, 6), (16, 16, 16))
+    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=4)
+    gc.collect()
+    flags = gc.get_debug()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds is kept in gc.garbage instead of freed
+    try:
+        for batch in plan.batches:
+            engine.run_batch(batch, torch.zeros(batch.n, 1, *batch.start.size))
+        gc.collect()
+        cycled = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(flags)
+        gc.garbage.clear()
+        gc.enable()
+    assert not cycled, [tuple(t.shape) for t in cycled[:5]]
+
+
+def test_a_concatenation_holds_its_parts_values_once():
+    """The parts of a concatenation that the store keeps are column slices of the concatenation's table, also
+    when a padded window reads the concatenation (its padded table then holds them): no tensor's values are
+    stored twice, and the store's bytes are those of its distinct tables."""
+    torch.manual_seed(0)
+    image = torch.randn(1, 1, 12, 12, 12)
+    engine = BatchEngine(capture(Dense3d().eval(), image.shape[1:]), image)
+    layout, store = engine.executor.layout, engine.store
+    whole = layout.reads["cat_2"].table
+    parts = ["stem_2", "layers_0_2", "layers_1_2", "layers_2_2", "cat", "cat_1"]
+    assert all(layout.reads[p].table == whole for p in parts), {p: layout.reads[p] for p in parts}
+    assert [layout.reads[p].columns for p in ("stem_2", "layers_0_2", "layers_1_2", "layers_2_2")] == \
+        [(0, 16), (16, 8), (24, 8), (32, 8)]
+    sources = [t.source for t in layout.tables.values()]
+    assert len(sources) == len(set(sources))  # one padding per source here: one table each
+    assert store.nbytes == sum(t.rows * store.tables[k].shape[1] * 4 for k, t in layout.tables.items())
+    for p in parts:  # the values read back are the base's
+        assert torch.equal(store.plain(p), engine.base[p])
+
+
+def test_the_weights_a_program_makes_are_counted():
+    """A run's byte model counts the weights its program made beyond the model's own (folded batch norms,
+    channels-last copies): every tensor the steps hold that the model does not."""
+    torch.manual_seed(0)
+    image = torch.randn(1, 1, 12, 12, 12)
+    model = Dense3d().eval()
+    engine = BatchEngine(capture(model, image.shape[1:]), image)
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    held: dict[int, int] = {}
+
+    def visit(value, depth=0):
+        if isinstance(value, torch.Tensor):
+            if value.untyped_storage().data_ptr() not in own:
+                held[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+        elif isinstance(value, (list, tuple)) and depth < 3:
+            for v in value:
+                visit(v, depth + 1)
+        elif callable(value) and getattr(value, "__closure__", None) and depth < 3:
+            for cell in value.__closure__:
+                visit(cell.cell_contents, depth + 1)
+
+    for step in engine.program.steps:
+        visit(step.op)
+        visit(step.linear)
+    assert held and engine.program.ops.made_bytes >= sum(held.values())
+    assert engine.run_bytes(engine.plan(np.zeros((1, 3), np.int64), np.full((1, 3), 4), batch_size=1)[0]).weights \
+        == engine.program.ops.made_bytes
+
+
+def _growth_of_a_whole_run(n: int, batch_size: int) -> tuple[int, int, int]:
+    """In a fresh process: the peak resident growth of a 3-D occlusion run that builds its executor, base and store
+    (oneDNN started beforehand on another convolution), sampled every millisecond, and its byte model's predicted
+    peak and bound."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    nn.Conv3d(1, 4, 3)(torch.randn(1, 1, 8, 8, 8))  # the runtime's own first-use memory, outside the measurement
+    image = torch.randn(1, 1, n, n, n)
+    graph = capture(Dense3d().eval(), image.shape[1:])
+    region = input_boxes(occlusion_grid((n,) * 3, (8,) * 3, (8,) * 3), (8,) * 3, (n,) * 3)
+
+    def run():
+        engine = BatchEngine(graph, image)
+        plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
+        for batch in plan.batches:
+            engine.run_batch(batch, torch.zeros(batch.n, 1, *batch.start.size))
+        return engine.run_bytes(plan)
+
+    growth, predicted = _sampled_growth(run)
+    return growth, predicted.peak, predicted.bound
+
+
+def test_a_3d_densenet_runs_fresh_process_peak_lies_between_its_predicted_peak_and_bound():
+    """The byte model of a plan predicts a 3-D DenseNet-style run's resident growth, executor and base included:
+    at least its predicted peak (weights made, store, base forward, largest batch: nothing counted that the run
+    does not hold) and at most its bound (the budget the allocator may fill with freed blocks, plus the freed
+    bytes between two checks)."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        growth, peak, bound = pool.apply(_growth_of_a_whole_run, (40, 16))
+    assert peak <= growth <= bound, (growth >> 20, peak >> 20, bound >> 20)

@@ -187,3 +187,26 @@ def test_uint8_fast_path_equals_float_path(h, w, cell, threshold, gray, seed):
     slow = change_mask(curr.astype(np.float64), prev.astype(np.float64), cell=cell, pixel_threshold=threshold)
     np.testing.assert_array_equal(fast.cells, slow.cells)
     np.testing.assert_allclose(fast.cell_diff, slow.cell_diff, rtol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(h=st.integers(1, 70), w=st.integers(1, 70), cell=st.integers(1, 20), channels=st.sampled_from([1, 3, 4]),
+       threshold=st.floats(0, 255), seed=st.integers(0, 2**16))
+def test_uint8_cell_sums_and_fraction_match_a_plain_count(h, w, cell, channels, threshold, seed):
+    """The uint8 path (cells summed by cv2 in int32, the changed share counted per cell) gives the int64 sums and the
+    pixel mask's mean exactly, edge cells and ties with the threshold included."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 256, (h, w, channels), dtype=np.uint8)
+    b = rng.integers(0, 256, (h, w, channels), dtype=np.uint8)
+    if channels == 1 and seed % 2:
+        a, b = a[..., 0], b[..., 0]
+    mask = change_mask(a, b, cell, threshold)
+    diff = np.abs(a.astype(np.int64) - b).reshape(h, w, -1)
+    gh, gw = -(-h // cell), -(-w // cell)
+    padded = np.zeros((gh * cell, gw * cell, diff.shape[2]), np.int64)
+    padded[:h, :w] = diff
+    sums = padded.reshape(gh, cell, gw, -1).sum(axis=(1, 3))
+    counts = np.outer(np.minimum(cell, h - np.arange(gh) * cell), np.minimum(cell, w - np.arange(gw) * cell))
+    np.testing.assert_array_equal(mask.cells, sums >= threshold * counts * diff.shape[2])
+    np.testing.assert_array_equal(mask.cell_diff, (sums / (counts * diff.shape[2])).astype(np.float32))
+    assert mask.recompute_fraction == float(mask.pixel_mask.mean())
