@@ -56,8 +56,9 @@ _LOSS_FLOOR = 1e-6
 # measured it, until the audits' fit says: loss ~ frames ** 2. On a moving camera warping resamples the cached
 # features every frame and the error compounds with the misalignment it leaves (a street clip lost 0.12, 0.42 and
 # 0.21 of the lead 1, 2 and 3 frames after an audit); on a still one the cells that changed by less than the
-# threshold go stale together (an animated clip lost 0.04 one frame and 0.136 three frames after a full one). Not
-# fitted to a clip: it only decides when a frame's own sample is taken (a twentieth of a frame), and the sample then
+# threshold go stale together (an animated clip lost 0.04 one frame and 0.136 three frames after a full one). The
+# power comes from that error model (the lowest integer power above the linear fit), not from a leave-one-out over
+# the clips: it only decides when a frame's own sample is taken (a twentieth of a frame), and the sample then
 # measures the drift (see QualityGuard.needs_sample).
 CAUTIOUS_GROWTH = 2.0
 
