@@ -128,6 +128,10 @@ class Row:
     how: str
 
 
+def _subject(clip: Clip) -> str:
+    """The clip's subject in words ("small subject", "no subject")."""
+    return "no subject" if clip.subject == Subject.NONE else f"{clip.subject.value} subject"
+
 def _normaliser(mean: tuple[float, ...], std: tuple[float, ...], channels_last: bool) -> Callable:
     m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
 
@@ -277,7 +281,7 @@ def classifier(args: argparse.Namespace) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for clip, rows, lost in table:
         s = rows["session"]
-        print(f"| {clip.name} {clip.size[0]}x{clip.size[1]} ({clip.camera.value}, {clip.subject.value} subject) | "
+        print(f"| {clip.name} {clip.size[0]}x{clip.size[1]} ({clip.camera.value}, {_subject(clip)}) | "
               f"{rows['full CL'].median_ms:.1f} | {s.median_ms:.1f} / {s.mean_ms:.1f} | {s.median_x:.2f}x / "
               f"{s.mean_x:.2f}x | {s.macs:.1f} | {s.agreement:.1%} | {s.audits:.0%} / {s.sampled:.0%} | "
               f"{s.audit_ms:.1f}, {sum(s.parts_ms.values()):.1f} | {_regret_cell(lost)} |")
