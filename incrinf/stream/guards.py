@@ -189,6 +189,11 @@ class QualityGuard:
         if not self._lead_lost:
             return True
         losses = self._scaled_losses(frames_since_full, sampled_error)
+        return self._within(margin, losses)
+
+    def _within(self, margin: float, losses: list[float]) -> bool:
+        """Whether ``margin`` is within the lead these audit ``losses`` put at risk: their largest (a change the cache
+        was measured to make), or ``near_tie`` times their reference (:meth:`_reference`)."""
         return margin <= max(max(losses), self.config.near_tie * self._reference(losses))
 
     def measured_loss(self, frames_since_full: int = 1, sampled_error: float = math.nan) -> float:
@@ -250,7 +255,7 @@ class QualityGuard:
         if self.config.near_tie == 0 or math.isnan(margin) or not self._lead_lost:
             return False
         losses = [a.lost for a in self._lead_lost]
-        return margin <= max(max(losses), self.config.near_tie * self._reference(losses))
+        return self._within(margin, losses)
 
     def needs_sample(self, margin: float, frames_since_full: int) -> bool:
         """Whether a cached label output that :meth:`risky` let through is trusted only on the audits' fit of how
@@ -263,7 +268,7 @@ class QualityGuard:
         if self.config.near_tie == 0 or math.isnan(margin) or not self._lead_lost:
             return False
         losses = [a.lost * max(1.0, frames_since_full / a.frames) ** CAUTIOUS_GROWTH for a in self._lead_lost]
-        return margin <= max(max(losses), self.config.near_tie * self._reference(losses))
+        return self._within(margin, losses)
 
     def _fitted_slope(self) -> float | None:
         """The growth exponent fitted to the recent audits (see :meth:`drift_growth`), raised by its standard error
