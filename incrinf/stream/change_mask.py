@@ -61,10 +61,8 @@ class ChangeMask:
     def recompute_fraction(self) -> float:
         """Changed pixels / all pixels (edge cells count only their pixels inside the frame)."""
         # counted per cell, not over the pixel mask: the same integer count, a few hundred cells instead of H x W
+        rows, cols = _cell_sides(self.image_size, self.cell, self.cells.shape)
         h, w = self.image_size
-        gh, gw = self.cells.shape
-        rows = np.minimum(self.cell, h - np.arange(gh) * self.cell)
-        cols = np.minimum(self.cell, w - np.arange(gw) * self.cell)
         return int(rows @ self.cells.astype(np.int64) @ cols) / (h * w)
 
     @property
@@ -163,9 +161,15 @@ def _cell_sums(values: np.ndarray, cell: int) -> tuple[np.ndarray, np.ndarray]:
         # one pass: integer sums are exact, float64 keeps ties with the threshold exact for the float path
         dtype = np.int64 if values.dtype.kind in "ub" else np.float64
         sums = values.reshape(gh, cell, gw, -1).sum(axis=(1, 3), dtype=dtype).astype(np.float64)
-    rows = np.minimum(cell, h - np.arange(gh) * cell)
-    cols = np.minimum(cell, w - np.arange(gw) * cell)
+    rows, cols = _cell_sides((h, w), cell, (gh, gw))
     return sums, np.outer(rows, cols).astype(np.float64)
+
+
+def _cell_sides(size: tuple[int, int], cell: int, grid: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Pixels inside an (H, W) frame of each row and each column of its (gh, gw) grid of ``cell``-pixel cells
+    ((gh,) and (gw,) int: ``cell`` but at the far edges)."""
+    (h, w), (gh, gw) = size, grid
+    return np.minimum(cell, h - np.arange(gh) * cell), np.minimum(cell, w - np.arange(gw) * cell)
 
 
 def _channels(values: np.ndarray) -> int:
