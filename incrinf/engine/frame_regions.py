@@ -219,17 +219,31 @@ class Geometry:
         return seconds
 
     def priced(self, index: int, boxes: list[Box], since: int | None = None) -> float:
-        """Predicted seconds of step ``index`` on ``boxes`` as planned: each box's fixed cost and arithmetic,
-        discounted by the shares of boxes and positions that pruning left of the plan there lately (relative to
-        step ``since`` when the boxes are already the pruned ones there)."""
+        """Predicted seconds of step ``index`` on ``boxes`` as planned (:meth:`price` of their :meth:`parts`)."""
+        return self.price(index, self.parts(index, boxes), since)
+
+    def parts(self, index: int, boxes: list[Box]) -> tuple[float, float]:
+        """``(fixed, arithmetic)`` seconds of step ``index`` on ``boxes`` as profiled: each box's call and
+        arithmetic, summed, before the calibration and pruning."""
         costs = self.costs
-        area_share, box_share = costs.survival(index, since)
         fixed = arithmetic = 0.0
         for b in boxes:
             call, compute = costs.box_parts(index, area(b))
             fixed, arithmetic = fixed + call, arithmetic + compute
-        return (box_share * costs.call_ratio(RegionKind.BOXES) * fixed
-                + area_share * costs.compute_ratio(RegionKind.BOXES) * arithmetic)
+        return fixed, arithmetic
+
+    def price(self, index: int, parts: tuple[float, float], since: int | None = None,
+              ratios: tuple[float, float] | None = None) -> float:
+        """Predicted seconds of step ``index`` from its :meth:`parts`: calibrated (``ratios``: the calibration's
+        call and compute ratios when the caller read them already) and discounted by the shares of boxes and
+        positions that pruning left of the plan there lately (relative to step ``since`` when the boxes are
+        already the pruned ones there)."""
+        costs = self.costs
+        area_share, box_share = costs.survival(index, since)
+        call_ratio, compute_ratio = ratios or (costs.call_ratio(RegionKind.BOXES),
+                                               costs.compute_ratio(RegionKind.BOXES))
+        fixed, arithmetic = parts
+        return box_share * call_ratio * fixed + area_share * compute_ratio * arithmetic
 
     def break_even(self, index: int) -> float:
         return self.costs.break_even(index)
@@ -258,10 +272,10 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     regions = {program.graph.input.name: start}
     steps: list[list[Box]] = []
     step_seconds: list[float] = []
-    # per step, (fixed, arithmetic) seconds of its boxes as measured: priced here with the calibration (as
-    # Geometry.priced would) and kept as the plan's parts
+    # per step, (fixed, arithmetic) seconds of its boxes as profiled: priced with the calibration, read once, and
+    # kept as the plan's parts
     step_parts: list[tuple[float, float]] = []
-    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
+    ratios = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
     died = False
     for index, step in enumerate(program.steps):
         if not any(regions.get(name) for name in program.live[index]):
@@ -269,13 +283,9 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
             break
         boxes = geometry.out_boxes(index, step, regions)
         steps.append(boxes)
-        fixed = arithmetic = 0.0
-        for b in boxes:
-            call, compute = costs.box_parts(index, area(b))
-            fixed, arithmetic = fixed + call, arithmetic + compute
-        step_parts.append((fixed, arithmetic))
-        area_share, box_share = costs.survival(index)
-        step_seconds.append(box_share * call_ratio * fixed + area_share * compute_ratio * arithmetic)
+        parts = geometry.parts(index, boxes)
+        step_parts.append(parts)
+        step_seconds.append(geometry.price(index, parts, ratios=ratios))
         if boxes:
             regions[step.out] = boxes
     steps.extend([] for _ in range(len(program.steps) - len(steps)))
