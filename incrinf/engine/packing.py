@@ -106,9 +106,9 @@ def run_cost(n: int, positions: np.ndarray, per_position: np.ndarray, weight_byt
     """What one packed batch costs, in multiply-adds: per step that computes anything, its multiply-adds (``n``
     queries on ``positions`` output positions each, ``per_position`` multiply-adds apiece) plus the multiply-adds
     the machine completes in the time it reads the step's weights (``weight_bytes`` times ``per_byte``, by default
-    :data:`MACS_PER_WEIGHT_BYTE`), which every batch that runs the step reads again. Where boxes are large the multiply-adds dominate and batches are
-    cut to waste few; where the step's output is a few positions per query (the last stages of a classifier, edge
-    windows), the weights dominate and fewer, larger batches cost less."""
+    :data:`MACS_PER_WEIGHT_BYTE`), which every batch that runs the step reads again. Where boxes are large the
+    multiply-adds dominate and batches are cut to waste few; where the step's output is a few positions per query
+    (the last stages of a classifier, edge windows), the weights dominate and fewer, larger batches cost less."""
     macs = n * positions * per_position
     reads = np.where(positions > 0, weight_bytes * per_byte, 0.0)
     return float((macs + reads).sum())
