@@ -25,22 +25,43 @@ def machine() -> str:
             f"({torch.get_num_threads()} threads), python {platform.python_version()}")
 
 
-def _rss() -> int:
+def _status(*fields: str) -> dict[str, int]:
+    """Fields of ``/proc/self/status`` in bytes (those it lacks are 0)."""
+    found = dict.fromkeys(fields, 0)
     try:
         with open("/proc/self/status") as fh:
             for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+                key = line.split(":", 1)[0]
+                if key in found:
+                    found[key] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return found
+
+
+def _rss() -> int:
+    return _status("VmRSS")["VmRSS"]
+
+
+def _reset_high_water_mark() -> bool:
+    """Reset the kernel's record of this process's peak resident set (Linux 4.0+); whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class PeakRSS:
-    """Peak resident memory above the level at entry, sampled every few milliseconds."""
+    """Peak resident memory above the level at entry: the kernel's high-water mark where it can be reset (exact),
+    else sampled every few milliseconds. ``file_bytes`` is the growth of file-backed resident pages over the block
+    (shared-library code and data touched for the first time: the runtime's, not the work's)."""
 
     def __enter__(self) -> PeakRSS:
-        self.start = _rss()
+        self.exact = _reset_high_water_mark()
+        start = _status("VmRSS", "RssFile")
+        self.start, self.file_start = start["VmRSS"], start["RssFile"]
         self.peak = self.start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -54,7 +75,9 @@ class PeakRSS:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss())
+        end = _status("VmRSS", "VmHWM", "RssFile")
+        self.peak = max(self.peak, end["VmRSS"], end["VmHWM"] if self.exact else 0)
+        self.file_bytes = max(end["RssFile"] - self.file_start, 0)
 
     @property
     def bytes(self) -> int:

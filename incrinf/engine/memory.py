@@ -97,6 +97,25 @@ class HostMemory:
         return True
 
 
+class FreedBytes:
+    """Bytes of values freed since the resident memory was last checked: past :data:`TRIM_BYTES` it is, and freed
+    memory is handed back to the system when the growth plus ``coming`` bytes would pass ``budget`` (0: always),
+    so that the freed blocks the allocator keeps stay within :data:`TRIM_BYTES` of that budget."""
+
+    def __init__(self, host: HostMemory, budget: int = 0, coming: int = 0) -> None:
+        self.bytes = 0
+        self.host = host
+        self.budget = budget
+        self.coming = coming
+
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` just freed."""
+        self.bytes += nbytes
+        if self.bytes >= TRIM_BYTES:
+            self.host.settle(self.budget, self.coming)
+            self.bytes = 0
+
+
 @dataclass(frozen=True)
 class RunBytes:
     """The host memory a planned run of many changed copies of one input holds, in bytes, from shapes and sizes
@@ -131,13 +150,15 @@ class RunBytes:
     @property
     def peak(self) -> int:
         """Predicted peak resident growth of a run that builds its executor and base: the base forward pass and
-        the store being made, or the largest batch on top of what is held. Not counted: the runtime libraries'
-        own memory (oneDNN's primitives and scratch buffers, Python objects; 10-30 MiB measured) and the freed
-        blocks the allocator keeps (at most up to :attr:`bound`)."""
+        the store being made, or the largest batch on top of what is held, each operator's working memory
+        counted (:meth:`~incrinf.engine.operators.Operators.working_bytes`). Not counted: the runtime libraries'
+        own memory (oneDNN's primitives, Python objects; 10-30 MiB measured) and the freed blocks the allocator
+        keeps (at most up to :attr:`bound`)."""
         return max(self.weights + self.base, self.held + self.batch)
 
     @property
     def bound(self) -> int:
         """What the run's resident growth stays under: the allocator keeps freed blocks only while the growth plus
-        the next batch's peak is within the budget, checked every :attr:`slack` freed bytes."""
-        return max(self.peak, max(self.held + self.batch, self.budget) + self.slack)
+        the next batch's peak is within the budget (and the base's forward pass none), checked every
+        :attr:`slack` freed bytes (values and operators' working memory)."""
+        return max(self.peak, self.budget) + self.slack
