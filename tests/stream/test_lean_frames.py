@@ -152,8 +152,8 @@ def test_a_clear_shift_that_misaligns_the_cache_skips_the_keypoint_fit(monkeypat
     photo = cv2.resize(skimage.data.chelsea(), (320, 240), interpolation=cv2.INTER_AREA)
     session = StreamSession(model, speed_guard=False, quality_guard=False, max_backoff=0)
     detections = []
-    detect = session._estimator.detect
-    monkeypatch.setattr(session._estimator, "detect", lambda frame: detections.append(1) or detect(frame))
+    detect = session._change.estimator.detect
+    monkeypatch.setattr(session._change.estimator, "detect", lambda frame: detections.append(1) or detect(frame))
     session(np.ascontiguousarray(photo[40:120, 60:156]))
     moved = np.ascontiguousarray(photo[40:120, 63:159])
     torch.testing.assert_close(session(moved), full_inference(model, moved), rtol=1e-4, atol=1e-4)
