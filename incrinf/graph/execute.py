@@ -208,19 +208,32 @@ def extract(graph: Graph, inputs: Iterable[str], outputs: Iterable[str], clone: 
     new = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {name: new.placeholder(name) for name in inputs}
     fx_nodes = {n.name: n for n in graph.module.graph.nodes}
-
-    def need(fx_node: torch.fx.Node) -> torch.fx.Node:
-        if fx_node.name not in env:
-            if fx_node.op == "placeholder":
-                raise ValueError(f"{fx_node.name} is needed but is not among the inputs {inputs}")
-            env[fx_node.name] = new.node_copy(fx_node, need)
-        return env[fx_node.name]
-
+    # the nodes the outputs need: a walk back from them that stops at the inputs (a loop, not a function calling
+    # itself: a closure referring to itself is a reference cycle, freed only by Python's cycle collector)
+    roots: list[torch.fx.Node] = []
+    for name in outputs:
+        fx_node = fx_nodes[name]
+        if fx_node.op == "output":  # the output node stands for the model's output (any structure of tensors)
+            torch.fx.node.map_arg(fx_node.args[0], roots.append)
+        else:
+            roots.append(fx_node)
+    needed: set[str] = set()
+    while roots:
+        fx_node = roots.pop()
+        if fx_node.name in env or fx_node.name in needed:
+            continue
+        if fx_node.op == "placeholder":
+            raise ValueError(f"{fx_node.name} is needed but is not among the inputs {inputs}")
+        needed.add(fx_node.name)
+        roots.extend(fx_node.all_input_nodes)
+    for fx_node in graph.module.graph.nodes:  # in graph order: every input copied before its readers
+        if fx_node.name in needed:
+            env[fx_node.name] = new.node_copy(fx_node, lambda a: env[a.name])
     results = []
     for name in outputs:
         fx_node = fx_nodes[name]
-        # the output node stands for the model's output (any structure of tensors)
-        value = torch.fx.node.map_arg(fx_node.args[0], need) if fx_node.op == "output" else need(fx_node)
+        value = torch.fx.node.map_arg(fx_node.args[0], lambda a: env[a.name]) if fx_node.op == "output" \
+            else env[fx_node.name]
         if name in clone:
             value = new.call_method("clone", (value,))
         results.append(value)
