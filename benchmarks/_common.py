@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from incrinf.engine.memory import file_resident, reset_resident_peak, resident_memory, resident_peak
+
 
 def machine() -> str:
     """One line describing this machine and software."""
@@ -25,32 +27,8 @@ def machine() -> str:
             f"({torch.get_num_threads()} threads), python {platform.python_version()}")
 
 
-def _status(*fields: str) -> dict[str, int]:
-    """Fields of ``/proc/self/status`` in bytes (those it lacks are 0)."""
-    found = dict.fromkeys(fields, 0)
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                key = line.split(":", 1)[0]
-                if key in found:
-                    found[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return found
-
-
 def _rss() -> int:
-    return _status("VmRSS")["VmRSS"]
-
-
-def _reset_high_water_mark() -> bool:
-    """Reset the kernel's record of this process's peak resident set (Linux 4.0+); whether it could."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
+    return resident_memory() or 0
 
 
 class PeakRSS:
@@ -59,9 +37,8 @@ class PeakRSS:
     (shared-library code and data touched for the first time: the runtime's, not the work's)."""
 
     def __enter__(self) -> PeakRSS:
-        self.exact = _reset_high_water_mark()
-        start = _status("VmRSS", "RssFile")
-        self.start, self.file_start = start["VmRSS"], start["RssFile"]
+        self.exact = reset_resident_peak()
+        self.start, self.file_start = _rss(), file_resident() or 0
         self.peak = self.start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -75,9 +52,8 @@ class PeakRSS:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        end = _status("VmRSS", "VmHWM", "RssFile")
-        self.peak = max(self.peak, end["VmRSS"], end["VmHWM"] if self.exact else 0)
-        self.file_bytes = max(end["RssFile"] - self.file_start, 0)
+        self.peak = max(self.peak, _rss(), (resident_peak() or 0) if self.exact else 0)
+        self.file_bytes = max((file_resident() or 0) - self.file_start, 0)
 
     @property
     def bytes(self) -> int:

@@ -68,6 +68,39 @@ def resident_memory() -> int | None:
         return None
 
 
+def _status(field: str) -> int | None:
+    """A field of Linux's ``/proc/self/status`` in bytes, None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def reset_resident_peak() -> bool:
+    """Reset the kernel's record of this process's peak resident set to its current size (Linux 4.0+:
+    ``/proc/self/clear_refs``); whether it could. After it, :func:`resident_peak` is an exact peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def resident_peak() -> int | None:
+    """This process's peak resident set in bytes since it started or :func:`reset_resident_peak` (``VmHWM``)."""
+    return _status("VmHWM")
+
+
+def file_resident() -> int | None:
+    """This process's file-backed resident bytes (shared libraries' code and data among them: ``RssFile``)."""
+    return _status("RssFile")
+
+
 class HostMemory:
     """When to hand freed host memory back to the operating system: only when the process's resident growth since
     this object was made, plus what the work still to come may allocate, would pass a budget.

@@ -4,8 +4,6 @@ on several networks (MONAI's UNet, DenseNet121, ResNet10, and a SegResNet no ben
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import multiprocessing as mp
 
 import pytest
@@ -14,41 +12,31 @@ import torch.nn as nn
 
 from incrinf.analysis import occlusion_grid
 from incrinf.engine import BatchEngine
+from incrinf.engine.memory import (
+    file_resident,
+    release_free_memory,
+    reset_resident_peak,
+    resident_memory,
+    resident_peak,
+)
 from incrinf.geometry import input_boxes
 from incrinf.graph import capture
 
 
-def _status(*fields: str) -> dict[str, int]:
-    found = dict.fromkeys(fields, 0)
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key = line.split(":", 1)[0]
-            if key in found:
-                found[key] = int(line.split()[1]) * 1024
-    return found
-
-
 def _exact_peaks() -> bool:
     """Whether this kernel lets a process reset its resident high-water mark (then peaks are exact)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
+    return reset_resident_peak()
 
 
 def _peak_growth(fn) -> tuple[int, object]:
     """``(peak anonymous resident growth, result)`` of ``fn()``: the kernel's high-water mark over the call less
     the level at its start, less the file-backed pages it touched for the first time (shared-library code: the
     runtime's, not the work's)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.malloc_trim(0)
-    assert _exact_peaks()
-    start = _status("VmRSS", "RssFile")
+    release_free_memory()
+    assert reset_resident_peak()
+    start, files = resident_memory(), file_resident()
     result = fn()
-    end = _status("VmHWM", "RssFile")
-    return end["VmHWM"] - start["VmRSS"] - max(end["RssFile"] - start["RssFile"], 0), result
+    return resident_peak() - start - max(file_resident() - files, 0), result
 
 
 class _Roi(nn.Module):
