@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 
+import cv2
 import numpy as np
 
 from incrinf.geometry import Box
@@ -31,7 +32,7 @@ class ChangeFinder:
 
     Args:
         config: the session's settings (matcher, ``still_fraction``, ``still_response``, ``min_motion``, ``cell``,
-            ``max_ratio``).
+            ``max_ratio``, ``opencv_threads``: set here, for the whole process).
 
     Attributes:
         estimator: the keypoint homography estimator.
@@ -43,6 +44,8 @@ class ChangeFinder:
 
     def __init__(self, config: StreamConfig) -> None:
         self.config = config
+        if config.opencv_threads is not None:
+            cv2.setNumThreads(config.opencv_threads)  # process-wide, as torch.set_num_threads
         self.estimator = HomographyEstimator(config.matcher_settings)
         self.stillness = StillnessTest(config.still_response, max(config.min_motion, 0.5))
         self.reset()

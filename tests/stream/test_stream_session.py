@@ -557,6 +557,21 @@ def test_keyframe_interval_one_runs_full_inference_on_every_frame(zoo, photo):
     assert not any(s.audit for s in session.stats)
 
 
+def test_opencv_threads_is_set_for_the_process_and_validated(zoo):
+    before = cv2.getNumThreads()
+    try:
+        cv2.setNumThreads(2)
+        StreamSession(zoo["mobilenet_v2"])  # None: OpenCV's setting is left as it is
+        assert cv2.getNumThreads() == 2
+        session = StreamSession(zoo["mobilenet_v2"], opencv_threads=1)
+        assert session.config.opencv_threads == 1 and cv2.getNumThreads() == 1
+    finally:
+        cv2.setNumThreads(before)
+    for bad in (0, -2, 1.5, "2"):
+        with pytest.raises(ValueError, match="opencv_threads"):
+            StreamConfig(opencv_threads=bad)
+
+
 def test_stats_are_bounded_by_keep_stats(zoo, photo):
     session = StreamSession(zoo["mobilenet_v2"], keep_stats=3)
     frame = _crop(photo, 40, 60)
