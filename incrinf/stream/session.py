@@ -202,6 +202,8 @@ class StreamSession:
         bookkeeping = time.perf_counter()
         if f.fallback is None and engine.full_reason:
             f.fallback = Fallback(Cause.CACHE_UNUSABLE, engine.full_reason)
+        if self._refilled_at == self._index - 1:  # the previous frame refilled a dropped cache: did this one use it?
+            self._refill_wasted = not (f.plan is not None and f.fallback is None)
         ran_cached = f.fallback is None and not oracle
         cached = f.fallback is None and comparison is None and not oracle
         refreshed = engine.last.refreshed if cached else None
@@ -392,6 +394,8 @@ class StreamSession:
         if not self._next_may_use_cache(f):
             return engine.plain(f.x)
         out = engine.full(f.x)
+        if f.fallback.cause == Cause.NO_CACHE:
+            self._refilled_at = self._index
         if self.config.speed_guard and not engine.costs.profiled:
             engine.profile()
             if best_saving(engine.engine, self._pruning) < self.config.min_saving:
@@ -412,6 +416,11 @@ class StreamSession:
             return False  # this frame's stretch goes on
         if cause == Cause.SLOWER and f.plan is None:
             return self._speed.probe_due  # no plan can pay: only a probe's frame uses the cache
+        if cause == Cause.NO_CACHE and self._refill_wasted and self.config.speed_guard:
+            # the last refill of a dropped cache went unused (the frame after it was a near tie, a miss or planned
+            # slower): a refill costs more than a plain frame (the maps are written), so only a probe's refills
+            self._speed.reject()
+            return self._speed.probe_due
         if cause in (*_MISSES, Cause.SLOWER) and self._backoff.starts_with_miss(f.overhead):
             return False  # this miss starts a stretch
         quality = self._quality
@@ -506,6 +515,8 @@ class StreamSession:
         self._last_full = 0
         self._last_check = 0
         self._planned = 0
+        self._refilled_at = -2  # the latest frame that refilled a dropped cache (Cause.NO_CACHE)
+        self._refill_wasted = False  # the frame after it did not run cached
         self._backoff.reset()
         self._failed = False
         self._margin = math.nan  # the latest output's top-1 lead (NaN: none, or a map)
