@@ -57,13 +57,13 @@ class StillnessTest:
     def __call__(self, pixels: np.ndarray, reference: np.ndarray, moving: np.ndarray | None = None) -> Stillness:
         """The verdict on ``pixels`` (H, W, 3) uint8 against ``reference`` (the same size), leaving out of the
         correlation the ``moving`` pixels ((H, W) bool, e.g. where the last frames changed: see
-        :func:`subject_mask`) when they are less than half the frame (another frame size's are ignored)."""
+        :func:`subject_mask`) when they are less than half the frame."""
         gray, ref = _gray(pixels), self.gray(reference)
         self._frame = (pixels, gray)
         if self._window is None or self._window.shape != gray.shape:
             self._window = cv2.createHanningWindow((gray.shape[1], gray.shape[0]), cv2.CV_32F)
         window = self._window
-        if moving is not None and moving.shape == pixels.shape[:2] and moving.any() and moving.mean() < _MOST_MOVING:
+        if moving is not None and moving.any() and moving.mean() < _MOST_MOVING:
             # a subject that moves pulls the sub-pixel peak towards its own motion (a figure walking 4.5 px a frame
             # moved a garage clip's estimated jitter by half a pixel, and the background's edges then came out as
             # change in a few dozen cells): the camera's shift is the background's
