@@ -23,7 +23,7 @@ from incrinf.stream.config import StreamConfig
 from incrinf.stream.frame_state import Fallback, FrameState
 from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
 from incrinf.stream.stats import Cause
-from incrinf.stream.stillness import StillnessTest, align, subject_mask
+from incrinf.stream.stillness import StillnessTest, align
 from incrinf.stream.warp import warp_image, warp_valid_mask
 
 
@@ -55,7 +55,6 @@ class ChangeFinder:
         self.reference: np.ndarray | None = None
         self.prev_pixels: np.ndarray | None = None
         self.prev_features: FrameFeatures | None = None
-        self.moving: np.ndarray | None = None  # where the subject may be: the last mask's cells, grown by one
 
     def find(self, f: FrameState, engine: CameraEngine, matrix_given: np.ndarray | None,
              pixel_threshold: float) -> None:
@@ -66,7 +65,7 @@ class ChangeFinder:
         clock = time.perf_counter()
         stillness = None
         if matrix_given is None and config.still_fraction > 0:
-            stillness = self.stillness(f.pixels, self.reference, self.moving)
+            stillness = self.stillness(f.pixels, self.reference)
         if stillness is not None and stillness.still:
             # a still camera: keypoint matching (about half a small frame's inference) would find the identity. The
             # mask is taken against the reference moved by the camera's sub-pixel jitter; the reference itself keeps
@@ -141,5 +140,3 @@ class ChangeFinder:
             self.reference = f.pixels
         self.prev_pixels = f.pixels
         self.prev_features = f.features
-        if f.mask is not None:  # a frame without a mask (run full before one was taken) leaves the subject where it was
-            self.moving = subject_mask(f.mask.cells, f.mask.cell, f.pixels.shape[:2])

@@ -54,25 +54,14 @@ class StillnessTest:
         self._frame: tuple[np.ndarray, np.ndarray] | None = None
         self._reference: tuple[np.ndarray, np.ndarray] | None = None
 
-    def __call__(self, pixels: np.ndarray, reference: np.ndarray, moving: np.ndarray | None = None) -> Stillness:
-        """The verdict on ``pixels`` (H, W, 3) uint8 against ``reference`` (the same size), leaving out of the
-        correlation the ``moving`` pixels ((H, W) bool, e.g. where the last frames changed: see
-        :func:`subject_mask`) when they are less than half the frame (another frame size's are ignored)."""
+    def __call__(self, pixels: np.ndarray, reference: np.ndarray) -> Stillness:
+        """The verdict on ``pixels`` (H, W, 3) uint8 against ``reference`` (the same size)."""
         gray, ref = _gray(pixels), self.gray(reference)
         self._frame = (pixels, gray)
         if self._window is None or self._window.shape != gray.shape:
             self._window = cv2.createHanningWindow((gray.shape[1], gray.shape[0]), cv2.CV_32F)
-        window = self._window
-        if moving is not None and moving.shape == pixels.shape[:2] and moving.any() and moving.mean() < _MOST_MOVING:
-            # a subject that moves pulls the sub-pixel peak towards its own motion (a figure walking 4.5 px a frame
-            # moved a garage clip's estimated jitter by half a pixel, and the background's edges then came out as
-            # change in a few dozen cells): the camera's shift is the background's
-            keep = (~moving).astype(np.float32)
-            if keep.shape != gray.shape:
-                keep = cv2.resize(keep, (gray.shape[1], gray.shape[0]), interpolation=cv2.INTER_AREA)
-            window = window * keep
         # copies: phaseCorrelate writes into its inputs, and the grey levels are kept for the next frame
-        (dx, dy), response = cv2.phaseCorrelate(ref.copy(), gray.copy(), window)
+        (dx, dy), response = cv2.phaseCorrelate(ref.copy(), gray.copy(), self._window)
         scale = pixels.shape[1] / gray.shape[1]
         dx, dy = dx * scale, dy * scale
         still = response >= self.min_response and math.hypot(dx, dy) < self.max_shift
@@ -107,18 +96,6 @@ class StillnessTest:
             y0, y1, x0, x1 = y0 // factor, y1 // factor, x0 // factor, x1 // factor
             gray[y0:y1, x0:x1] = frame_gray[y0:y1, x0:x1]
         self._reference = (reference, gray)
-
-
-# A moving share of the frame from which the correlation keeps every pixel (the background would be too small a part).
-_MOST_MOVING = 0.5
-
-
-def subject_mask(cells: np.ndarray, cell: int, size: tuple[int, int]) -> np.ndarray:
-    """(H, W) bool of an (H, W) frame: the changed ``cells`` ((gh, gw) bool grid of ``cell``-pixel cells) grown by
-    one cell on every side, where a subject that moved into them last frame may be now (up to a cell a frame)."""
-    grown = cv2.dilate(cells.astype(np.uint8), np.ones((3, 3), np.uint8))
-    h, w = size
-    return np.repeat(np.repeat(grown, cell, axis=0), cell, axis=1)[:h, :w].astype(bool)
 
 
 # Frames are correlated at half size above this many pixels: the shift keeps a tenth of a pixel's precision, and

@@ -44,10 +44,8 @@ def test_a_near_tie_is_sampled_before_it_is_checked_in_full(monkeypatch):
     frame) and returned from the cache; the outputs stay exact (no pruning)."""
     model = wide_classifier()
     frames = still_camera(10)
-    # pixel_threshold 5: every cell the square's 2 px step touches is recomputed (a step split between two cells
-    # leaves about 7 levels in each, under the default 10: stale, as designed, and the samples then see drift)
-    session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0, pixel_threshold=5.0,
-                            sample_budget=0.8, max_backoff=0)
+    session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0, sample_budget=0.8,
+                            max_backoff=0)
     session._quality.risky = lambda margin, since=1, sampled=math.nan: math.isnan(sampled)
     session(frames[0])  # profiles the engine and picks the sampled audits' probe
     frozen_costs(session, monkeypatch)  # from here on the plans alone decide (no wall clock)

@@ -629,10 +629,8 @@ def _dense_convs() -> nn.Module:
 def test_a_sampled_audit_detects_an_injected_drift(frames, monkeypatch):
     model = _dense_convs()
     # a small model at a small size: one tile's cone is a good part of a frame, so the budget is set higher
-    # pixel_threshold 5: every cell the square's 2 px step touches is recomputed (a step split between two cells
-    # leaves about 7 levels in each, under the default 10: stale, as designed, and the samples would see drift)
-    session = StreamSession(model, audit_interval=2, keyframe_interval=64, feature_threshold=0.0, pixel_threshold=5.0,
-                            sample_budget=0.8, max_backoff=0)
+    session = StreamSession(model, audit_interval=2, keyframe_interval=64, feature_threshold=0.0, sample_budget=0.8,
+                            max_backoff=0)
     session(frames[0])  # the first frame profiles the engine and picks the sampled audits' probe
     # the frames must run cached for samples to run: from here on the plan's multiply-adds and bytes alone decide,
     # whatever the machine's load (at this size a cached frame's Python overhead, which a calibration from
