@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from incrinf.engine.memory import file_resident, reset_resident_peak, resident_memory, resident_peak
+
 
 def machine() -> str:
     """One line describing this machine and software."""
@@ -26,21 +28,17 @@ def machine() -> str:
 
 
 def _rss() -> int:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return resident_memory() or 0
 
 
 class PeakRSS:
-    """Peak resident memory above the level at entry, sampled every few milliseconds."""
+    """Peak resident memory above the level at entry: the kernel's high-water mark where it can be reset (exact),
+    else sampled every few milliseconds. ``file_bytes`` is the growth of file-backed resident pages over the block
+    (shared-library code and data touched for the first time: the runtime's, not the work's)."""
 
     def __enter__(self) -> PeakRSS:
-        self.start = _rss()
+        self.exact = reset_resident_peak()
+        self.start, self.file_start = _rss(), file_resident() or 0
         self.peak = self.start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -54,7 +52,8 @@ class PeakRSS:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, _rss(), (resident_peak() or 0) if self.exact else 0)
+        self.file_bytes = max((file_resident() or 0) - self.file_start, 0)
 
     @property
     def bytes(self) -> int:

@@ -58,6 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cv2
 import numpy as np
 import torch
 
@@ -521,7 +522,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=48, help="frames per clip")
     parser.add_argument("--clips", type=lambda s: s.split(","), default=list(CLIP_NAMES),
                         help=f"comma-separated clip names (default: all of {', '.join(CLIP_NAMES)})")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op and OpenCV threads (default 1)")
     parser.add_argument("--rounds", type=int, default=2, help="passes over each clip per configuration")
     parser.add_argument("--loo", action="store_true", help="leave-one-out choice of the defaults")
     parser.add_argument("--near-tie", action="store_true", help="with --loo: the leave-one-out choice of near_tie")
@@ -543,7 +544,11 @@ def main() -> None:
         parser.error(f"--candidates must name 'defaults' and candidates of {', '.join(GRID)}; got "
                      f"{', '.join(args.candidates)}")
     torch.set_num_threads(args.threads)
+    # OpenCV's image work (matching, masks, warps) on as many threads as inference: its default pool of one worker
+    # per core waits for a busy core on a shared machine (StreamConfig.opencv_threads says what was measured)
+    cv2.setNumThreads(args.threads)
     print(machine())
+    print(f"OpenCV threads: {cv2.getNumThreads()}")
     print(f"load average at start: {_load()}")
     if args.loo and args.no_reuse:
         saving_loo(args)

@@ -28,7 +28,7 @@ import torch
 from incrinf.cache import LookupStatus, runtime_cache
 from incrinf.engine.boxes import WalkResult, chain, compute, shares_memory, walk
 from incrinf.engine.layout import Layout, compact, table_layout
-from incrinf.engine.memory import TRIM_BYTES, HostMemory, RunBytes, release_free_memory
+from incrinf.engine.memory import FreedBytes, HostMemory, RunBytes, release_free_memory
 from incrinf.engine.plan_bytes import ByteSizes, forward_peak_bytes
 from incrinf.engine.plans import (
     BatchIndex,
@@ -42,13 +42,14 @@ from incrinf.engine.plans import (
     build_plan,
     projections,
     step_indices,
+    step_working_bytes,
 )
 from incrinf.engine.program import Program, Step
 from incrinf.engine.replays import Replays, graphs_enabled
 from incrinf.engine.stores import BaseStore
 from incrinf.geometry import Boxes
 from incrinf.graph import Graph, NodeKind, Operator, possibly_mutated
-from incrinf.graph.execute import concat_parts, constant_values, materialize
+from incrinf.graph.execute import concat_parts, constant_values, materialize, run_releasing
 from incrinf.kernels import dispatch
 
 
@@ -131,8 +132,12 @@ def executor_for(graph: Graph, x: torch.Tensor, fold_batch_norm: bool = True) ->
 
 def _base(executor: Executor, x: torch.Tensor) -> dict[str, Any]:
     graph = executor.program.graph
+    # freed memory handed back every TRIM_BYTES freed: the pass frees every value the store does not keep
     env, _ = materialize(graph, x, keep=executor.layout.kept | {graph.input.name, graph.output.name},
-                         clone=executor.mutated)
+                         clone=executor.mutated, released=FreedBytes(HostMemory()).add,
+                         scratch=lambda name: executor.program.ops.working_bytes(
+                             graph.by_name[name], x.shape[0], x.element_size(), _channels_last(x))
+                         if name in graph.by_name else 0)
     return env
 
 
@@ -212,7 +217,7 @@ class BatchEngine:
         kept = layout.kept | {graph.input.name, graph.output.name}
         # the base forward pass keeps what the store needs; the store then makes its tables one by one, each kept
         # tensor freed after its last table (as BaseStore does)
-        base = forward_peak_bytes(program, 1, element_size, keep=kept)
+        base = forward_peak_bytes(program, 1, element_size, keep=kept, channels_last=_channels_last(self.store.input))
         values = {name: sizes.whole(name, 1) for name in kept if graph.by_name[name].shape}
         remaining: dict[str, int] = {}
         for table in layout.tables.values():
@@ -263,7 +268,13 @@ class BatchEngine:
         Freed host memory is handed back to the system afterwards when the run's resident growth plus ``coming``
         bytes (the next batch's) would pass ``budget`` (0: always), see :class:`~incrinf.engine.memory.HostMemory`.
         """
-        output = self.program.tail()(*boundary)
+        # node by node, freed values counted: a tail at full resolution (a 3-D decoder) frees far more than the
+        # allocator may keep between two checks
+        graph, like = self.program.graph, boundary[0] if boundary else self.store.input
+        output = run_releasing(self.program.tail(), boundary, FreedBytes(self.host, budget, coming).add,
+                               lambda name: self.program.ops.working_bytes(graph.by_name[name], like.shape[0],
+                                                                           like.element_size(), True)
+                               if name in graph.by_name else 0)
         del boundary
         self.host.settle(budget, coming)
         return output
@@ -291,6 +302,8 @@ class BatchEngine:
                 freed.drop(regions, program.release[skipped])
             out = Boxes(sp.box.lo, sp.box.size)
             out.values = self._step(program.steps[sp.index], sp, si, out, regions, freed)
+            # its operator's working memory was freed too (a 3-D convolution's reordered weights: tens of MiB)
+            freed.add(step_working_bytes(program, program.steps[sp.index], batch.n, sp.box, values.element_size()))
             positions += out.area
             regions[program.steps[sp.index].out] = out
             freed.drop(regions, program.release[sp.index])
@@ -369,24 +382,13 @@ class BatchEngine:
         return walk(self.program, self.store, start, tau=tau, feature_threshold=feature_threshold)
 
 
-class _Freed:
-    """Bytes of region values and gathers freed since the resident memory was last checked: past
-    :data:`TRIM_BYTES` it is, and freed memory is handed back to the system when the run's growth plus the batch's
-    planned peak would pass the plan's budget (glibc keeps freed blocks below its mmap threshold, 32 MiB at most,
+class _Freed(FreedBytes):
+    """Bytes of region values and gathers freed since the resident memory was last checked (see
+    :class:`~incrinf.engine.memory.FreedBytes`; glibc keeps freed blocks below its mmap threshold, 32 MiB at most,
     resident)."""
 
     def __init__(self, host: HostMemory, batch: BatchPlan) -> None:
-        self.bytes = 0
-        self.host = host
-        self.budget = batch.budget_bytes
-        self.coming = batch.peak_bytes
-
-    def add(self, nbytes: int) -> None:
-        """Count ``nbytes`` just freed."""
-        self.bytes += nbytes
-        if self.bytes >= TRIM_BYTES:
-            self.host.settle(self.budget, self.coming)
-            self.bytes = 0
+        super().__init__(host, batch.budget_bytes, batch.peak_bytes)
 
     def drop(self, regions: dict[str, Boxes], names: list[str]) -> None:
         """Remove the regions of ``names`` (their last reader ran), counting their values."""
@@ -396,6 +398,12 @@ class _Freed:
                 nbytes = _nbytes(region.values)
                 del region
                 self.add(nbytes)
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    """Whether a map is laid out channels-last (its operators' working memory depends on it)."""
+    return x.dim() > 3 and not x.is_contiguous() and x.is_contiguous(
+        memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
 
 
 def _nbytes(value: Any) -> int:

@@ -68,6 +68,39 @@ def resident_memory() -> int | None:
         return None
 
 
+def _status(field: str) -> int | None:
+    """A field of Linux's ``/proc/self/status`` in bytes, None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def reset_resident_peak() -> bool:
+    """Reset the kernel's record of this process's peak resident set to its current size (Linux 4.0+:
+    ``/proc/self/clear_refs``); whether it could. After it, :func:`resident_peak` is an exact peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def resident_peak() -> int | None:
+    """This process's peak resident set in bytes since it started or :func:`reset_resident_peak` (``VmHWM``)."""
+    return _status("VmHWM")
+
+
+def file_resident() -> int | None:
+    """This process's file-backed resident bytes (shared libraries' code and data among them: ``RssFile``)."""
+    return _status("RssFile")
+
+
 class HostMemory:
     """When to hand freed host memory back to the operating system: only when the process's resident growth since
     this object was made, plus what the work still to come may allocate, would pass a budget.
@@ -95,6 +128,25 @@ class HostMemory:
         release_free_memory()
         self.releases += 1
         return True
+
+
+class FreedBytes:
+    """Bytes of values freed since the resident memory was last checked: past :data:`TRIM_BYTES` it is, and freed
+    memory is handed back to the system when the growth plus ``coming`` bytes would pass ``budget`` (0: always),
+    so that the freed blocks the allocator keeps stay within :data:`TRIM_BYTES` of that budget."""
+
+    def __init__(self, host: HostMemory, budget: int = 0, coming: int = 0) -> None:
+        self.bytes = 0
+        self.host = host
+        self.budget = budget
+        self.coming = coming
+
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` just freed."""
+        self.bytes += nbytes
+        if self.bytes >= TRIM_BYTES:
+            self.host.settle(self.budget, self.coming)
+            self.bytes = 0
 
 
 @dataclass(frozen=True)
@@ -131,13 +183,15 @@ class RunBytes:
     @property
     def peak(self) -> int:
         """Predicted peak resident growth of a run that builds its executor and base: the base forward pass and
-        the store being made, or the largest batch on top of what is held. Not counted: the runtime libraries'
-        own memory (oneDNN's primitives and scratch buffers, Python objects; 10-30 MiB measured) and the freed
-        blocks the allocator keeps (at most up to :attr:`bound`)."""
+        the store being made, or the largest batch on top of what is held, each operator's working memory
+        counted (:meth:`~incrinf.engine.operators.Operators.working_bytes`). Not counted: the runtime libraries'
+        own memory (oneDNN's primitives, Python objects; 10-30 MiB measured) and the freed blocks the allocator
+        keeps (at most up to :attr:`bound`)."""
         return max(self.weights + self.base, self.held + self.batch)
 
     @property
     def bound(self) -> int:
         """What the run's resident growth stays under: the allocator keeps freed blocks only while the growth plus
-        the next batch's peak is within the budget, checked every :attr:`slack` freed bytes."""
-        return max(self.peak, max(self.held + self.batch, self.budget) + self.slack)
+        the next batch's peak is within the budget (and the base's forward pass none), checked every
+        :attr:`slack` freed bytes (values and operators' working memory)."""
+        return max(self.peak, self.budget) + self.slack

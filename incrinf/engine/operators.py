@@ -5,10 +5,12 @@ and the average-pool border correction.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from incrinf.graph import Graph, Node, NodeKind, Operator
@@ -23,6 +25,15 @@ _AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 WindowOp = Callable[[torch.Tensor], torch.Tensor]
 
+# oneDNN computes convolutions on channel blocks of 16 (AVX-512; 8 on AVX2, 16 is the larger): a convolution called on
+# maps in a plain channels-first layout reorders its output (and an input of at least a block of channels; smaller
+# ones are read as they are) into blocked copies, channels padded up to a multiple of the block, and every
+# convolution reorders its weights into a blocked copy on each call
+_CHANNEL_BLOCK = 16
+_TRANSPOSED = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+_CONVOLUTIONS = {*_CONV.values(), *_TRANSPOSED}
+_INDEX_POOLS = {Operator.MAX_POOL, Operator.ADAPTIVE_MAX_POOL}
+
 
 def _channels_last(weight: torch.Tensor) -> torch.Tensor:
     """A convolution weight in the layout of the region values (channels last): oneDNN then skips reordering
@@ -33,6 +44,43 @@ def _channels_last(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() == 5:
         return weight.contiguous(memory_format=torch.channels_last_3d)
     return weight
+
+
+def _blocked(channels: int) -> int:
+    """``channels`` padded up to a multiple of oneDNN's channel block."""
+    return -(-channels // _CHANNEL_BLOCK) * _CHANNEL_BLOCK
+
+
+def _convolution_bytes(conv: tuple, n: int, source: tuple, shape: tuple, element_size: int,
+                       channels_last: bool, onednn: bool = False) -> int:
+    """Working bytes of one CPU float convolution call (see :meth:`Operators.working_bytes`): PyTorch's
+    reference kernels (its ``use_mkldnn`` rule: a batch of one on a small map, a 1x1 convolution on one thread)
+    unfold the input into columns (a transposed one folds columns of its output, one example at a time); oneDNN
+    reorders the weights into channel blocks, and on channels-first maps the output and an input of at least a
+    block of channels too."""
+    weight, transposed, stride, dilation, groups = conv
+    kernel = tuple(weight.shape[2:])
+    d = len(kernel)
+    strided = any(v != 1 for v in (stride if isinstance(stride, (tuple, list)) else (stride,) * d))
+    dilated = any(v != 1 for v in (dilation if isinstance(dilation, (tuple, list)) else (dilation,) * d))
+    wide = len(kernel) >= 2 and kernel[-1] > 3 and kernel[-2] > 3
+    small = n * math.prod(source[1:4]) <= 20480 if len(source) >= 4 else True
+    pointwise = len(kernel) >= 2 and kernel[-1] == 1 and kernel[-2] == 1
+    onednn = onednn or (strided or dilated or n >= 16 or not pointwise or torch.get_num_threads() > 1) \
+        and (groups > 1 or wide or n > 1 or not small)
+    if not onednn:
+        if transposed:
+            return element_size * weight.shape[1] * groups * math.prod(kernel) * math.prod(source[2:])
+        return element_size * n * source[1] // groups * math.prod(kernel) * math.prod(shape[2:])
+    made = math.prod(_blocked(c) for c in weight.shape[:2]) * math.prod(kernel) * element_size
+    if channels_last:
+        return made
+    if transposed:
+        return made + element_size * n * (math.prod(source[1:]) + 2 * math.prod(shape[1:]))
+    copies = element_size * n * _blocked(shape[1]) * math.prod(shape[2:])
+    if source[1] >= _CHANNEL_BLOCK:
+        copies += element_size * n * _blocked(source[1]) * math.prod(source[2:])
+    return made + copies
 
 
 def _triple(value: Any) -> list[int]:
@@ -143,6 +191,60 @@ class Operators:
         if any(self.graph.by_name[i].kind == NodeKind.META for i in node.inputs):
             return lambda v: self.invoke(node, {source: v}, like=v)  # sizes follow the values
         return unary(self.graph, node, source, self._lookup({}))
+
+    def working_bytes(self, node: Node, n: int, element_size: int, channels_last: bool,
+                      dims: tuple[tuple[int, ...], tuple[int, ...]] | None = None, onednn: bool = False) -> int:
+        """Bytes a call of ``node`` on a batch of ``n`` allocates beyond its output and frees before it returns (its
+        operator's scratch on CPU), from shapes alone; ``channels_last`` says the maps it reads are channels-last
+        (the executor's region values and 4-D maps) rather than channels-first (a 3-D model's plain forward pass).
+        ``dims``: the spatial extents ``(read, written)`` of a call on part of the maps (a step's windows and
+        boxes; None: the whole maps); ``onednn``: the call goes to oneDNN whatever PyTorch's rule (the
+        executor's 3-D window convolutions, :func:`_conv3d`).
+
+        - a convolution: its weights reordered into channel blocks; on channels-first maps also its output in
+          blocks of :data:`_CHANNEL_BLOCK` channels, and its input too when it has at least a block of channels
+          (a transposed convolution instead copies its input and makes its output twice);
+        - a max pool: the int64 indices of its maxima (PyTorch's CPU kernels always make them);
+        - a 3-D average pool on channels-last maps: a channels-first copy of its input (PyTorch's CPU kernel);
+        - anything else: nothing (elementwise operators, concatenations and resampling write their output only).
+        """
+        shape = node.shape
+        if not shape or not isinstance(shape, tuple) or len(shape) < 3 or not node.inputs:
+            return 0
+        source = self.graph.by_name[node.inputs[0]].shape
+        if not isinstance(source, tuple) or len(source) != len(shape):
+            return 0
+        if dims is not None:
+            source = (*source[:len(source) - len(dims[0])], *dims[0])
+            shape = (*shape[:len(shape) - len(dims[1])], *dims[1])
+        out = element_size * n * math.prod(shape[1:])
+        conv = self._convolution(node)
+        if conv is not None:
+            return _convolution_bytes(conv, n, source, shape, element_size, channels_last, onednn)
+        if node.operator in _INDEX_POOLS:
+            return out // element_size * 8
+        if node.operator in (Operator.AVG_POOL, Operator.ADAPTIVE_AVG_POOL) and channels_last and len(shape) == 5:
+            return element_size * n * math.prod(source[1:])
+        return 0
+
+    def _convolution(self, node: Node) -> tuple[torch.Tensor, bool, Any, Any, int] | None:
+        """``(weight, transposed, stride, dilation, groups)`` of a convolution node (a module or a function,
+        transposed or not), else None."""
+        mod = module_of(self.graph, node)
+        if isinstance(mod, nn.modules.conv._ConvNd):
+            return mod.weight, bool(mod.transposed), mod.stride, mod.dilation, mod.groups
+        target = node.fx_node.target
+        if node.fx_node.op != "call_function" or target not in _CONVOLUTIONS:
+            return None
+        args, kwargs = self._parameters(node)
+        weight = _arg(args, kwargs, 1, "weight")
+        if not isinstance(weight, torch.Tensor):
+            return None
+        if target in _TRANSPOSED:
+            return weight, True, _arg(args, kwargs, 3, "stride", 1), _arg(args, kwargs, 7, "dilation", 1), \
+                int(_arg(args, kwargs, 6, "groups", 1))
+        return weight, False, _arg(args, kwargs, 3, "stride", 1), _arg(args, kwargs, 5, "dilation", 1), \
+            int(_arg(args, kwargs, 6, "groups", 1))
 
     # --- local nodes -------------------------------------------------------------------------------------
 

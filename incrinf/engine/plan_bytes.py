@@ -37,10 +37,13 @@ class ByteSizes:
 
 
 def forward_peak_bytes(program: Program, n: int, element_size: int, names: set[str] | None = None,
-                       keep: frozenset[str] = frozenset()) -> int:
+                       keep: frozenset[str] = frozenset(), channels_last: bool | None = None) -> int:
     """The most bytes of node outputs live at once in a plain forward pass of batch ``n`` over ``names`` (None:
     the whole graph; a tensor is freed after its last reader, except those in ``keep``), what naive
-    re-inference holds (MONAI's and Captum's batches); outputs of nodes outside ``names`` are not counted."""
+    re-inference holds (MONAI's and Captum's batches); outputs of nodes outside ``names`` are not counted.
+
+    With ``channels_last`` set (the layout of the maps the pass reads), each node's operator also holds its
+    working memory while it runs (:meth:`~incrinf.engine.operators.Operators.working_bytes`)."""
     graph = program.graph
     order = {node.name: i for i, node in enumerate(graph.nodes)}
     last = {node.name: max((order[u] for u in node.users), default=order[node.name]) for node in graph.nodes}
@@ -50,7 +53,8 @@ def forward_peak_bytes(program: Program, n: int, element_size: int, names: set[s
         if (names is None or node.name in names) and node.kind not in (NodeKind.CONSTANT, NodeKind.META) \
                 and node.shape and not node.inplace:
             live[node.name] = element_size * n * math.prod(node.shape[1:])
-            peak = max(peak, sum(live.values()))
+            work = 0 if channels_last is None else program.ops.working_bytes(node, n, element_size, channels_last)
+            peak = max(peak, sum(live.values()) + work)
         for name in [m for m in live if last[m] <= i and m not in keep]:
             del live[name]
     return peak

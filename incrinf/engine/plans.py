@@ -333,7 +333,8 @@ def _geometry(program: Program, layout: Layout, exact: Propagation | None, queri
             steps.append(StepPlan(i, out, same, assemble, dense, step_macs, out_bytes, read))
             # a function of the chain that is not in place (or the border factors) holds its input and output
             copies = 2 if step.factors is not None or any(not node.inplace for node, _ in step.chain) else 1
-            peak = max(peak, sum(live.values()) + read + copies * out_bytes)
+            peak = max(peak, sum(live.values()) + read + copies * out_bytes
+                       + step_working_bytes(program, step, n, out, sizes.element_size))
             regions[step.out] = out
             live[step.out] = out_bytes
         for name in program.release[i]:
@@ -345,9 +346,22 @@ def _geometry(program: Program, layout: Layout, exact: Propagation | None, queri
         macs += program.tail_flops * n
         projected = sum(sizes.whole(name, n) for name in program.boundary)
         local = {node.name for node in program.local}
-        tail = forward_peak_bytes(program, n, sizes.element_size, {x.name for x in graph.nodes} - local)
+        # the tail reads the store's channels-last projections
+        tail = forward_peak_bytes(program, n, sizes.element_size, {x.name for x in graph.nodes} - local,
+                                  channels_last=True)
         peak = max(peak, sum(live.values()) + projected + tail)
     return steps, boundary, unchanged, macs, peak
+
+
+def step_working_bytes(program: Program, step: Step, n: int, box: Boxes, element_size: int) -> int:
+    """What a step's operator allocates and frees while it runs on ``n`` boxes ``box`` (channels-last region
+    values; the executor's 3-D window convolutions always in oneDNN), see
+    :meth:`~incrinf.engine.operators.Operators.working_bytes`."""
+    if step.linear is not None:
+        return 0  # a matrix product over rows
+    read = step.window.read_size(box.size) if step.window is not None else box.size
+    return program.ops.working_bytes(step.head, n, element_size, True, (tuple(read), tuple(box.size)),
+                                     onednn=step.window is not None and program.graph.spatial_dims == 3)
 
 
 def step_indices(program: Program, layout: Layout, batch: BatchPlan, device: torch.device

@@ -66,8 +66,55 @@ def unary(graph: Graph, node: Node, source: str, value: Value) -> Callable[[Any]
     return (lambda v: fn(v, *rest)) if rest else fn
 
 
+class _Releasing(torch.fx.Interpreter):
+    """A module run node by node that reports the bytes of the values it drops after their last reader (to
+    ``released``, before the next node runs), except those of nodes ``held`` names (recorded elsewhere).
+
+    Freed blocks below glibc's mmap threshold stay resident until handed back: a caller that hands them back
+    every few tens of MiB bounds what a long pass (a 3-D decoder at full resolution) holds beyond its live
+    values, which a compiled module run in one call cannot. ``scratch(name)``, where given, is what a node's
+    operator allocated and freed while it ran (its working memory), reported with the node's dropped values."""
+
+    def __init__(self, module: nn.Module, released: Callable[[int], None] | None,
+                 held: Callable[[str], bool] = lambda name: False,
+                 scratch: Callable[[str], int] | None = None) -> None:
+        super().__init__(module)
+        self.released = released
+        self.held = held
+        self.scratch = scratch
+        self.pending = 0
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if self.pending and self.released is not None:
+            self.released(self.pending)
+        self.pending = 0
+        out = super().run_node(n)
+        if self.released is not None:
+            self.pending = sum(_nbytes(self.env.get(dead)) for dead in self.user_to_last_uses.get(n, ())
+                               if not self.held(dead.name)) + (self.scratch(n.name) if self.scratch else 0)
+        return out
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def run_releasing(module: nn.Module, args: Iterable[Any], released: Callable[[int], None],
+                  scratch: Callable[[str], int] | None = None) -> Any:
+    """``module(*args)`` for a graph module (:func:`extract`'s), run node by node, each value dropped after its
+    last reader and its bytes reported to ``released`` (see :class:`_Releasing`)."""
+    with torch.no_grad():
+        return _Releasing(module, released, scratch=scratch).run(*args)
+
+
 def materialize(graph: Graph, x: torch.Tensor, track_mutation: bool = False, keep: Iterable[str] | None = None,
-                clone: Iterable[str] = (), watch: Iterable[str] | None = None) -> tuple[dict[str, Any], set[str]]:
+                clone: Iterable[str] = (), watch: Iterable[str] | None = None,
+                released: Callable[[int], None] | None = None, scratch: Callable[[str], int] | None = None
+                ) -> tuple[dict[str, Any], set[str]]:
     """Node values for input ``x``, and (with ``track_mutation``) the names of the recorded tensors a later
     in-place operation overwrote (their recorded values are then copies taken when they were made).
 
@@ -80,6 +127,9 @@ def materialize(graph: Graph, x: torch.Tensor, track_mutation: bool = False, kee
         clone: record copies of these nodes' tensors, made when they are made (a later in-place operation
             overwrites the originals).
         watch: with ``track_mutation``, snapshot only these recorded tensors (None: every recorded one).
+        released: told the bytes of the values the pass drops after their last reader (those it does not
+            record) and, with ``scratch``, what each node's operator allocated and freed while it ran
+            (``scratch(name)`` bytes), e.g. to hand freed host memory back to the system.
     """
     env: dict[str, Any] = {}
     snapshots: dict[str, torch.Tensor] = {}
@@ -87,7 +137,7 @@ def materialize(graph: Graph, x: torch.Tensor, track_mutation: bool = False, kee
     copies = set(clone)
     watched = None if watch is None else set(watch)
 
-    class _Recorder(torch.fx.Interpreter):
+    class _Recorder(_Releasing):
         def run_node(self, n: torch.fx.Node) -> Any:
             out = super().run_node(n)
             is_tensor = isinstance(out, torch.Tensor)
@@ -99,7 +149,7 @@ def materialize(graph: Graph, x: torch.Tensor, track_mutation: bool = False, kee
             return out
 
     with torch.no_grad():
-        _Recorder(graph.module).run(x)
+        _Recorder(graph.module, released, lambda name: name in env, scratch).run(x)
     mutated = {name for name, snap in snapshots.items() if not torch.equal(env[name], snap)}
     for name in mutated:
         env[name] = snapshots[name]  # the value when it was made, which is what the node stands for
@@ -158,19 +208,32 @@ def extract(graph: Graph, inputs: Iterable[str], outputs: Iterable[str], clone: 
     new = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {name: new.placeholder(name) for name in inputs}
     fx_nodes = {n.name: n for n in graph.module.graph.nodes}
-
-    def need(fx_node: torch.fx.Node) -> torch.fx.Node:
-        if fx_node.name not in env:
-            if fx_node.op == "placeholder":
-                raise ValueError(f"{fx_node.name} is needed but is not among the inputs {inputs}")
-            env[fx_node.name] = new.node_copy(fx_node, need)
-        return env[fx_node.name]
-
+    # the nodes the outputs need: a walk back from them that stops at the inputs (a loop, not a function calling
+    # itself: a closure referring to itself is a reference cycle, freed only by Python's cycle collector)
+    roots: list[torch.fx.Node] = []
+    for name in outputs:
+        fx_node = fx_nodes[name]
+        if fx_node.op == "output":  # the output node stands for the model's output (any structure of tensors)
+            torch.fx.node.map_arg(fx_node.args[0], roots.append)
+        else:
+            roots.append(fx_node)
+    needed: set[str] = set()
+    while roots:
+        fx_node = roots.pop()
+        if fx_node.name in env or fx_node.name in needed:
+            continue
+        if fx_node.op == "placeholder":
+            raise ValueError(f"{fx_node.name} is needed but is not among the inputs {inputs}")
+        needed.add(fx_node.name)
+        roots.extend(fx_node.all_input_nodes)
+    for fx_node in graph.module.graph.nodes:  # in graph order: every input copied before its readers
+        if fx_node.name in needed:
+            env[fx_node.name] = new.node_copy(fx_node, lambda a: env[a.name])
     results = []
     for name in outputs:
         fx_node = fx_nodes[name]
-        # the output node stands for the model's output (any structure of tensors)
-        value = torch.fx.node.map_arg(fx_node.args[0], need) if fx_node.op == "output" else need(fx_node)
+        value = torch.fx.node.map_arg(fx_node.args[0], lambda a: env[a.name]) if fx_node.op == "output" \
+            else env[fx_node.name]
         if name in clone:
             value = new.call_method("clone", (value,))
         results.append(value)

@@ -134,7 +134,22 @@ class StreamConfig:
             default is the leave-one-out choice over the clip set (``benchmarks/stream.py --loo --near-tie``: the
             smallest candidate at which every other clip keeps 100% top-1): with the measured-change bound every
             clip but one kept 100% at every candidate from 0.02 to 0.3 (bigbuckbunny flipped a frame of 24 at 0.2
-            and 0.3), and without checks (0) five of ten clips flipped 1-4 frames of 24.
+            and 0.3), and without checks (0) five of ten clips flipped 1-4 frames of 24. A rerun (24 frames, one pass,
+            load 5-9) chose 0.15: the nine other clips kept 100% at every candidate from 0.02 up, bigbuckbunny
+            (720x1280) only at 0.15 and 0.3. Its flips follow the session's path (the speed guard's timings decide
+            which frames run cached): at 0.02 it flipped one frame of 24 in 4 of 6 runs at load 4-9. In the one
+            traced, a cached frame right after an audit led by 0.127 where full inference led by 0.001 the other way;
+            the audits two frames and more before it had measured lead losses of 0.042 and 0.067 (a reference of
+            0.43: 0.15 would check margins up to 0.065 on their account, not 0.127). The default stays at 0.02 until
+            a run of several passes settles it.
+        opencv_threads: worker threads OpenCV may use for the session's image work (the still-camera test,
+            keypoint matching, warps, resizes), set with ``cv2.setNumThreads`` when the session is built; OpenCV's
+            setting is process-wide, like ``torch.set_num_threads``. None leaves it as it is (OpenCV's default: one
+            thread per core). Set it to torch's thread count when inference runs on fewer threads than cores on a
+            shared machine: OpenCV's parallel loops then wait for a worker on a busy core (measured at load 4-5 on
+            2 cores, torch at 1 thread, 24-frame clips in lockstep: the walkers clip's change mask took 1.05 ms
+            median / 1.03 ms mean on one OpenCV thread against 1.14 / 1.72 on two, its matching 0.68 / 0.74 against
+            0.71 / 1.01); ``benchmarks/stream.py`` sets OpenCV's threads to ``--threads``.
         keep_stats: per-frame records kept in :attr:`StreamSession.stats` (the newest; None: all). A stream never
             ends, and an unbounded log grows by a record per frame.
         oracle_sample: on this share of the frames that had a plan, run both the cached path and full inference,
@@ -169,6 +184,7 @@ class StreamConfig:
     near_tie: float = 0.02
     keep_stats: int | None = 1000
     oracle_sample: float = 0.0
+    opencv_threads: int | None = None
 
     #: feature threshold of still-camera frames when ``feature_threshold`` is None (on EfficientNet-Lite0 about
     #: 7x fewer FLOPs on a still-camera clip at the output error of reusing the previous frame's output)
@@ -221,6 +237,10 @@ class StreamConfig:
             object.__setattr__(self, name, int(getattr(self, name)))
         if self.keep_stats is not None:
             object.__setattr__(self, "keep_stats", int(self.keep_stats))
+        _check(self.opencv_threads is None or (_is_int(self.opencv_threads) and self.opencv_threads >= 1),
+               "opencv_threads must be a positive integer or None", self.opencv_threads)
+        if self.opencv_threads is not None:
+            object.__setattr__(self, "opencv_threads", int(self.opencv_threads))
 
     @property
     def first_audit_interval(self) -> int:

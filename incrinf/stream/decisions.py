@@ -100,6 +100,11 @@ class SpeedGuard:
         """Whether the next frame rejected by :meth:`hopeless` or :meth:`choose_cached` would be probed."""
         return self._rejected + 1 >= self.probe_every
 
+    def reject(self) -> None:
+        """A frame runs full without a plan because the cache it would have needed was not worth keeping (the last
+        refill went unused): it counts towards the next probe as a rejection does."""
+        self._rejected += 1
+
     def hopeless(self, engine: FrameEngine, pruning: bool, check_certain: bool = False) -> str:
         """Why no plan of the next frame can be faster than a full frame (``""``: one may be): the expected near-tie
         checks alone, on top of the cheapest plan there is (:func:`cheapest_seconds`), cost a full frame; with

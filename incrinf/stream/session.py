@@ -1,6 +1,7 @@
 """A camera stream session: full inference on the first frame, then reuse through the homography (CacheInf).
 
-Per frame: the frame becomes the model's input (:mod:`~incrinf.stream.inputs`), the homography previous ->
+Per frame: the frame becomes the model's input (:mod:`~incrinf.stream.inputs`); :mod:`~incrinf.stream.change_finder`
+finds what changed: the homography previous ->
 current is estimated on the same pixels the model sees (skipped on a still camera:
 :mod:`~incrinf.stream.stillness`), the previous frame's *reference* (the pixels the cache stands for) is warped
 into the current view, and the cells where it differs by at least ``pixel_threshold`` become the change mask. The
@@ -35,16 +36,13 @@ from incrinf.stream.agreement import Comparison, OutputKind, compare, top1_margi
 from incrinf.stream.audits import SampledAudit
 from incrinf.stream.backoff import BackOff
 from incrinf.stream.camera import CameraEngine
-from incrinf.stream.change_mask import change_mask
+from incrinf.stream.change_finder import ChangeFinder
 from incrinf.stream.config import StreamConfig
 from incrinf.stream.decisions import Prediction, SpeedGuard, best_saving, plan_kind
 from incrinf.stream.frame_state import Fallback, FrameState
 from incrinf.stream.guards import Agreement, QualityGuard, Verdict
 from incrinf.stream.inputs import FrameInput
-from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
 from incrinf.stream.stats import Cause, FrameLog, FrameStats, FrameTimes
-from incrinf.stream.stillness import StillnessTest, align
-from incrinf.stream.warp import warp_image, warp_valid_mask
 from incrinf.validation import check_homography
 
 # Frames that tried the cache in vain; they count towards a back-off.
@@ -106,8 +104,7 @@ class StreamSession:
         self.device = torch.device(device) if device is not None else (
             param.device if param is not None else torch.device("cpu"))
         self.inputs = FrameInput(Normalization(mean, std), input_size, preprocess, self.device)
-        self._estimator = HomographyEstimator(self.config.matcher_settings)
-        self._stillness = StillnessTest(self.config.still_response, max(self.config.min_motion, 0.5))
+        self._change = ChangeFinder(self.config)
         self._engines: dict[tuple[int, ...], CameraEngine] = {}
         self._no_reuse: dict[tuple[int, ...], str] = {}  # frame shapes on which the cache cannot pay, and why
         self._samplers: dict[tuple[int, ...], SampledAudit] = {}
@@ -205,6 +202,8 @@ class StreamSession:
         bookkeeping = time.perf_counter()
         if f.fallback is None and engine.full_reason:
             f.fallback = Fallback(Cause.CACHE_UNUSABLE, engine.full_reason)
+        if self._refilled_at == self._index - 1:  # the previous frame refilled a dropped cache: did this one use it?
+            self._refill_wasted = not (f.plan is not None and f.fallback is None)
         ran_cached = f.fallback is None and not oracle
         cached = f.fallback is None and comparison is None and not oracle
         refreshed = engine.last.refreshed if cached else None
@@ -372,6 +371,7 @@ class StreamSession:
         result = sampler.check(engine.engine, f.x, f.mask)
         f.times.audit += time.perf_counter() - clock
         f.sampled = result.error
+        quality.drift_sampled(since_full, result.error)
         self._last_check = self._index
         if result.flagged:
             return True
@@ -394,6 +394,8 @@ class StreamSession:
         if not self._next_may_use_cache(f):
             return engine.plain(f.x)
         out = engine.full(f.x)
+        if f.fallback.cause == Cause.NO_CACHE:
+            self._refilled_at = self._index
         if self.config.speed_guard and not engine.costs.profiled:
             engine.profile()
             if best_saving(engine.engine, self._pruning) < self.config.min_saving:
@@ -414,6 +416,11 @@ class StreamSession:
             return False  # this frame's stretch goes on
         if cause == Cause.SLOWER and f.plan is None:
             return self._speed.probe_due  # no plan can pay: only a probe's frame uses the cache
+        if cause == Cause.NO_CACHE and self._refill_wasted and self.config.speed_guard:
+            # the last refill of a dropped cache went unused (the frame after it was a near tie, a miss or planned
+            # slower): a refill costs more than a plain frame (the maps are written), so only a probe's refills
+            self._speed.reject()
+            return self._speed.probe_due
         if cause in (*_MISSES, Cause.SLOWER) and self._backoff.starts_with_miss(f.overhead):
             return False  # this miss starts a stretch
         quality = self._quality
@@ -448,14 +455,14 @@ class StreamSession:
     # --- steps -------------------------------------------------------------------------------------------
 
     def _decide(self, f: FrameState, engine: CameraEngine, matrix_given: np.ndarray | None) -> None:
-        """Set the frame's fallback (None: cached), homography, change mask, warped reference and keypoints;
-        mutates nothing else. Keypoints are detected only when a homography is estimated (the previous frame's
-        lazily, when it had none)."""
+        """Set the frame's fallback (None: cached), and for a frame that may use the cache its homography, change
+        mask, warped reference and keypoints (:meth:`~incrinf.stream.change_finder.ChangeFinder.find`); mutates
+        nothing else."""
         no_reuse = self._no_reuse.get(tuple(f.x.shape))
         if no_reuse is not None:
             f.fallback = Fallback(Cause.NO_REUSE, no_reuse)
             return
-        if self._prev_pixels is None:
+        if self._change.prev_pixels is None:
             f.fallback = Fallback(Cause.FIRST_FRAME)
             return
         if f.raw_size != self._raw_size or tuple(f.x.shape) != self._shape:
@@ -484,103 +491,32 @@ class StreamSession:
         if not engine.has_cache:  # the last full frame ran plain: it was not expected to be followed by a cached one
             f.fallback = Fallback(Cause.NO_CACHE, "the last full frame kept no maps")
             return
-        config, times = self.config, f.times
-        clock = time.perf_counter()
-        stillness = None
-        if matrix_given is None and config.still_fraction > 0:
-            stillness = self._stillness(f.pixels, self._reference)
-        if stillness is not None and stillness.still:
-            # a still camera: keypoint matching (about half a small frame's inference) would find the identity. The
-            # mask is taken against the reference moved by the camera's sub-pixel jitter; the reference itself keeps
-            # the alignment of the features the cache holds (moving it would let a slow pan drift away unseen)
-            clock, times.match = time.perf_counter(), time.perf_counter() - clock
-            aligned = align(self._reference, stillness.shift)
-            f.mask = change_mask(f.pixels, aligned, config.cell, self.pixel_threshold, None)
-            clock, times.mask = time.perf_counter(), time.perf_counter() - clock
-            if f.mask.recompute_fraction <= config.still_fraction:
-                f.matrix, f.warped = np.eye(3), self._reference
-                return
-        if stillness is not None and not stillness.still and stillness.response >= self._stillness.min_response:
-            # a clear global shift: when that translation alone leaves the cache misaligned, the frame runs full
-            # without a keypoint fit (which would refine the motion, rarely into one the cache can use)
-            dx, dy = stillness.shift
-            unusable = engine.estimate_unusable(np.array([[1.0, 0.0, dx], [0.0, 1.0, dy], [0.0, 0.0, 1.0]]))
-            if unusable > engine.dense_cut:
-                times.match += time.perf_counter() - clock
-                f.fallback = Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by a clear "
-                                                            f"{math.hypot(dx, dy):.1f} px shift")
-                return
-        if matrix_given is not None:
-            f.matrix = matrix_given
-        else:
-            f.features = self._estimator.detect(f.pixels)
-            prev = self._prev_features or self._estimator.detect(self._prev_pixels)
-            result = self._estimator.match(prev, f.features)
-            f.n_matches = result.n_matches
-            if not result.ok:
-                times.match += time.perf_counter() - clock
-                f.fallback = Fallback(Cause.MATCH_FAILED, result.reason)
-                return
-            f.matrix = result.matrix
-        size = f.pixels.shape[:2]
-        if corner_distance(f.matrix, np.eye(3), size) < config.min_motion:
-            f.matrix = np.eye(3)
-        mask_start = time.perf_counter()
-        times.match += mask_start - clock
-        if f.still:
-            f.warped = self._reference  # a still camera: nothing to warp, nothing uncovered
-            if f.mask is None:
-                f.mask = change_mask(f.pixels, f.warped, config.cell, self.pixel_threshold, None)
-        else:
-            unusable = engine.unusable_fraction(f.matrix)
-            if unusable > engine.dense_cut:  # checked before the warp and mask it would make useless
-                f.mask = None
-                f.fallback = Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by the motion")
-                f.times.mask += time.perf_counter() - mask_start
-                return
-            f.warped = warp_image(self._reference, f.matrix)
-            f.mask = change_mask(f.pixels, f.warped, config.cell, self.pixel_threshold,
-                                 warp_valid_mask(f.matrix, size))
-        f.times.mask += time.perf_counter() - mask_start
-        fraction = f.mask.recompute_fraction
-        if fraction > config.max_ratio:
-            f.fallback = Fallback(Cause.CHANGED_FRACTION, f"{fraction:.2f} > max_ratio {config.max_ratio:g}")
-            f.warped = None
+        self._change.find(f, engine, matrix_given, self.pixel_threshold)
 
     def _commit(self, f: FrameState, shape: tuple[int, ...], refreshed: list[tuple[int, int, int, int]] | None,
                 paid: bool | None, full_seconds: float, oracle: bool) -> None:
         """The frame succeeded: it becomes the previous frame."""
-        if f.fallback is None and not oracle:
-            # the reference is what the cache stands for: stale where the frame kept cached values
-            if refreshed is None:
-                self._reference = np.where(f.mask.pixel_mask[:, :, None], f.pixels, f.warped)
-            else:
-                self._reference = f.warped.copy()
-                for y0, y1, x0, x1 in refreshed:
-                    self._reference[y0:y1, x0:x1] = f.pixels[y0:y1, x0:x1]
-                self._stillness.derive(self._reference, f.pixels, f.warped, refreshed)
-        else:
-            self._reference = f.pixels
+        kept_cache = f.fallback is None and not oracle
+        self._change.commit(f, kept_cache, refreshed)
+        if not kept_cache:
             self._last_full = self._last_check = self._index
             for other_shape, engine in self._engines.items():
                 if other_shape != shape:
                     engine.reset()  # another frame size: free its cache
         self._backoff.count(f.fallback.cause if f.fallback is not None else None, paid, full_seconds)
-        self._prev_pixels = f.pixels
-        self._prev_features = f.features
         self._raw_size = f.raw_size
         self._shape = shape
         self._failed = False
 
     def _reset_stream(self) -> None:
-        self._prev_pixels: np.ndarray | None = None
-        self._prev_features: FrameFeatures | None = None
-        self._reference: np.ndarray | None = None
+        self._change.reset()
         self._raw_size: tuple[int, int] | None = None
         self._shape: tuple[int, ...] | None = None
         self._last_full = 0
         self._last_check = 0
         self._planned = 0
+        self._refilled_at = -2  # the latest frame that refilled a dropped cache (Cause.NO_CACHE)
+        self._refill_wasted = False  # the frame after it did not run cached
         self._backoff.reset()
         self._failed = False
         self._margin = math.nan  # the latest output's top-1 lead (NaN: none, or a map)

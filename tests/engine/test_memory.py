@@ -119,7 +119,7 @@ def _peak_growth_of_a_run() -> tuple[int, int, int]:
     """In a fresh process: the peak resident growth of a 3-D occlusion run on a second volume (the executor and
     plan made on a first), sampled every millisecond, and the plan's budget and its check interval."""
 
-    from incrinf.engine.batches import TRIM_BYTES
+    from incrinf.engine.memory import TRIM_BYTES
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

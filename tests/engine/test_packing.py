@@ -15,7 +15,7 @@ from incrinf.engine import BatchEngine
 from incrinf.engine.packing import run_cost
 from incrinf.geometry import incremental_flops, input_boxes, propagate
 from incrinf.graph import capture
-from tests.engine.test_plans import _naive, _planned
+from tests.engine.plan_cases import naive_outputs, planned_outputs
 
 PER_BYTE = packing.MACS_PER_WEIGHT_BYTE  # the default, before any test patches it
 
@@ -133,13 +133,13 @@ def test_whole_map_operators_stay_exact(name):
         engine.program.steps[i].whole_op = lambda x, op=op: calls.append(1) or op(x)
     corners = occlusion_grid((64, 64), window, (16, 16))
     try:
-        got, _ = _planned(engine, image, corners, window, batch_size=6)
+        got, _ = planned_outputs(engine, image, corners, window, batch_size=6)
     finally:
         for i, op in saved.items():
             engine.program.steps[i].whole_op = op
     assert calls
     with torch.no_grad():
-        want = _naive(model, image, corners, window)
+        want = naive_outputs(model, image, corners, window)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 

@@ -19,6 +19,7 @@ from incrinf.engine.plans import forward_peak_bytes
 from incrinf.geometry import incremental_flops, input_boxes, propagate
 from incrinf.graph import capture
 from incrinf.testing.memory import TensorMemory
+from tests.engine.plan_cases import naive_outputs, planned_outputs
 
 
 class DenseBlock3d(nn.Module):
@@ -75,33 +76,6 @@ def _calibrated(model: nn.Module, shape: tuple[int, ...]) -> nn.Module:
     return model.eval()
 
 
-def _naive(model: nn.Module, image: torch.Tensor, corners: np.ndarray, window: tuple[int, ...]) -> torch.Tensor:
-    outs = []
-    for corner in corners:
-        x = image.clone()
-        x[(..., *(slice(int(c), int(c) + w) for c, w in zip(corner, window)))] = 0.0
-        outs.append(model(x))
-    return torch.cat(outs)
-
-
-def _planned(engine: BatchEngine, image: torch.Tensor, corners: np.ndarray, window: tuple[int, ...],
-             batch_size: int) -> tuple[torch.Tensor, object]:
-    dims = tuple(image.shape[2:])
-    region = input_boxes(corners, window, dims)
-    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
-    outputs = torch.zeros(len(corners), *engine.base_output.shape[1:])
-    for batch in plan.batches:
-        starts = batch.start.start()
-        boxes = []
-        for q, s in zip(batch.queries, starts):
-            x = image.clone()
-            x[(..., *(slice(int(c), int(c) + w) for c, w in zip(corners[q], window)))] = 0.0
-            boxes.append(x[(0, slice(None), *(slice(int(a), int(a) + e) for a, e in zip(s, batch.start.size)))])
-        result = engine.run_batch(batch, torch.stack(boxes))
-        outputs[torch.tensor(batch.queries)] = result.output
-    return outputs, plan
-
-
 @pytest.fixture
 def dense3d():
     torch.manual_seed(3)
@@ -113,9 +87,9 @@ def test_planned_runs_equal_naive_inference(dense3d):
     model, image = dense3d
     engine = BatchEngine(capture(model, image.shape[1:]), image)
     corners = occlusion_grid((20, 24, 28), (6, 6, 6), (5, 6, 7))
-    got, plan = _planned(engine, image, corners, (6, 6, 6), batch_size=5)
+    got, plan = planned_outputs(engine, image, corners, (6, 6, 6), batch_size=5)
     with torch.no_grad():
-        torch.testing.assert_close(got, _naive(model, image, corners, (6, 6, 6)), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, naive_outputs(model, image, corners, (6, 6, 6)), rtol=1e-4, atol=1e-4)
     assert any(sp.assemble for b in plan.batches for sp in b.steps)  # concatenations written in place
     assert any(sp.dense for b in plan.batches for sp in b.steps)  # whole-map steps without gathers
 
@@ -127,9 +101,9 @@ def test_in_place_merges_read_the_values_before_they_were_overwritten():
     engine = BatchEngine(capture(model, image.shape[1:]), image)
     assert engine.executor.mutated  # a's output is overwritten by the in-place ReLU
     corners = occlusion_grid((20, 20), (5, 5), (3, 3))
-    got, _ = _planned(engine, image, corners, (5, 5), batch_size=7)
+    got, _ = planned_outputs(engine, image, corners, (5, 5), batch_size=7)
     with torch.no_grad():
-        torch.testing.assert_close(got, _naive(model, image, corners, (5, 5)), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, naive_outputs(model, image, corners, (5, 5)), rtol=1e-4, atol=1e-4)
 
 
 def test_a_plan_is_built_once_per_key_and_shared(dense3d, monkeypatch):
@@ -229,9 +203,9 @@ def test_executor_is_rebuilt_when_weights_change_in_place(dense3d):
     second = BatchEngine(graph, image)
     assert second.executor is not first.executor
     corners = np.array([[4, 4, 4], [10, 12, 14]])
-    got, _ = _planned(second, image, corners, (6, 6, 6), batch_size=2)
+    got, _ = planned_outputs(second, image, corners, (6, 6, 6), batch_size=2)
     with torch.no_grad():
-        torch.testing.assert_close(got, _naive(model, image, corners, (6, 6, 6)), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, naive_outputs(model, image, corners, (6, 6, 6)), rtol=1e-4, atol=1e-4)
 
 
 def test_a_3d_run_stays_under_its_planned_memory(dense3d):
@@ -316,4 +290,4 @@ def test_batches_share_tail_runs_within_naive_memory():
     shared = engine.tail([torch.cat(parts) for parts in zip(*waiting)])
     outputs[torch.tensor(queries)] = shared
     with torch.no_grad():
-        torch.testing.assert_close(outputs, _naive(model, image, corners, (5, 5)), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(outputs, naive_outputs(model, image, corners, (5, 5)), rtol=1e-4, atol=1e-4)

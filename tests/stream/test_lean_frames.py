@@ -152,8 +152,8 @@ def test_a_clear_shift_that_misaligns_the_cache_skips_the_keypoint_fit(monkeypat
     photo = cv2.resize(skimage.data.chelsea(), (320, 240), interpolation=cv2.INTER_AREA)
     session = StreamSession(model, speed_guard=False, quality_guard=False, max_backoff=0)
     detections = []
-    detect = session._estimator.detect
-    monkeypatch.setattr(session._estimator, "detect", lambda frame: detections.append(1) or detect(frame))
+    detect = session._change.estimator.detect
+    monkeypatch.setattr(session._change.estimator, "detect", lambda frame: detections.append(1) or detect(frame))
     session(np.ascontiguousarray(photo[40:120, 60:156]))
     moved = np.ascontiguousarray(photo[40:120, 63:159])
     torch.testing.assert_close(session(moved), full_inference(model, moved), rtol=1e-4, atol=1e-4)
@@ -176,3 +176,34 @@ def test_one_miss_starts_a_stretch_by_default_unless_the_attempts_around_it_save
     for cause, seconds in [(None, 0.015), (None, 0.015), (Cause.CACHE_UNUSABLE, 0.004)]:
         saving.count(cause, saving.paid(cause, True, math.inf, full, seconds, 0.004), full)
     assert saving.misses == 1 and not saving.active
+
+
+def test_a_dropped_cache_is_refilled_only_for_a_probe_after_a_refill_went_unused(frames, monkeypatch):
+    """A frame whose cache was dropped (the frame before ran plain) refills it by a full run, which writes every map:
+    while the latest such refill went unused (the frame after it was a near tie that no plan can pay for), the next
+    ones run plain and count towards the speed guard's probe, and the frame before the probe refills."""
+    model = wide_classifier()
+    session = StreamSession(model, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
+                            sampled_audits=False, input_size=(H, W), backoff_after=64)
+    frozen_costs(session, monkeypatch)
+    engine = next(iter(session._engines.values())).engine
+    # after the first frames, every other output is a near tie whose check no cached frame can pay for
+    monkeypatch.setattr(session, "_check_certain", lambda: session._index >= 2 and session._index % 2 == 0)
+    kept = []
+    for k in range(2 + 2 * PROBE_EVERY):
+        frame = frames[k % len(frames)]
+        torch.testing.assert_close(session(frame), full_inference(model, frame), rtol=1e-4, atol=1e-4)
+        kept.append(engine.has_cache)
+    stats = session.stats
+    refills = [s.index for s in stats if s.cause == Cause.NO_CACHE and kept[s.index]]
+    plain = [s.index for s in stats if s.cause == Cause.NO_CACHE and not kept[s.index]]
+    planned = [s.index for s in stats[2:] if s.times.plan > 0]
+    assert refills and plain, [(s.cause, kept[s.index]) for s in stats]
+    first = refills[0]
+    assert stats[first + 1].cause == Cause.SLOWER and stats[first + 1].times.plan == 0  # the refill went unused
+    # after a refill that went unused, a dropped cache is refilled only right before a probe (a planned frame); after
+    # one that was used, as before
+    for before, after in zip(refills, refills[1:]):
+        assert before + 1 in planned or after + 1 in planned, (refills, planned)
+        assert all(before + 1 not in planned for i in plain if before < i < after), (refills, plain, planned)
+    assert all(i > first for i in plain) and len(plain) >= 2, (refills, plain, planned)

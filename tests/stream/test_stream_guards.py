@@ -604,7 +604,7 @@ def test_a_model_where_every_change_reaches_the_whole_output_runs_plain_from_the
     model = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), _SqueezeExcite(16), _SqueezeExcite(16),
                           _SqueezeExcite(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
     session = StreamSession(model)
-    session._estimator = None  # no keypoint matching may run
+    session._change.estimator = None  # no keypoint matching may run
     for frame in still_camera(6):
         out = session(frame)
         torch.testing.assert_close(out, full_inference(model, frame), rtol=1e-4, atol=1e-4)

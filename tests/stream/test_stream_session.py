@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from incrinf import models
 from incrinf.engine import frame_regions
-from incrinf.stream import session as session_module
+from incrinf.stream import change_finder as change_finder_module
 from incrinf.stream.camera import CameraEngine
 from incrinf.stream.config import StreamConfig
 from incrinf.stream.session import StreamSession as GuardedSession
@@ -294,13 +294,13 @@ def test_feature_threshold_prunes_work_and_stays_close(zoo, photo):
 
 def test_change_mask_uses_the_pixels_the_model_sees(zoo, photo, monkeypatch):
     seen = []
-    original = session_module.change_mask
+    original = change_finder_module.change_mask
 
     def spy(curr, warped, *args, **kwargs):
         seen.append(curr.shape)
         return original(curr, warped, *args, **kwargs)
 
-    monkeypatch.setattr(session_module, "change_mask", spy)
+    monkeypatch.setattr(change_finder_module, "change_mask", spy)
     session = StreamSession(zoo["resnet18"], input_size=(64, 80))
     big = _crop(photo, 0, 0, 160, 200)
     session(big)
@@ -373,15 +373,15 @@ def test_still_camera_skips_keypoint_matching(zoo, photo):
     moved = _crop(photo, 46, 72)  # the camera moved: most cells change under the identity
     gated, always = StreamSession(model, still_fraction=0.25), StreamSession(model, still_fraction=0.0)
     for session in (gated, always):
-        session._estimator = _CountingEstimator(session._estimator)
+        session._change.estimator = _CountingEstimator(session._change.estimator)
     for image in (frame, frame, changed, moved):
         out_gated, out_always = gated(image), always(image)
         _assert_close(out_gated, out_always)
     # the gate accepted the still frames without detecting keypoints; the moved one was matched
     assert [s.mode for s in gated.stats] == ["full", "cached", "cached", "cached"]
     assert [s.n_matches > 0 for s in gated.stats] == [False, False, False, True]
-    assert gated._estimator.detections == 2  # the moved frame and, lazily, the frame before it
-    assert always._estimator.detections == 4  # every frame once (the first lazily)
+    assert gated._change.estimator.detections == 2  # the moved frame and, lazily, the frame before it
+    assert always._change.estimator.detections == 4  # every frame once (the first lazily)
     assert gated.stats[2].recompute_fraction > 0 and np.array_equal(gated.stats[2].homography, np.eye(3))
     assert gated.stats[3].recompute_fraction > gated.config.still_fraction
     with pytest.raises(ValueError, match="still_fraction"):
@@ -391,7 +391,7 @@ def test_still_camera_skips_keypoint_matching(zoo, photo):
 def test_back_off_after_frames_that_cannot_use_the_cache(zoo, photo):
     model = zoo["mobilenet_v2"]
     session = StreamSession(model, keyframe_interval=None, max_backoff=4)
-    session._estimator = _CountingEstimator(session._estimator)
+    session._change.estimator = _CountingEstimator(session._change.estimator)
     rng = np.random.default_rng(1)
     noise = [rng.integers(0, 256, (H, W, 3), dtype=np.uint8) for _ in range(12)]  # nothing to match
     frame = _crop(photo, 40, 60)
@@ -408,7 +408,7 @@ def test_back_off_after_frames_that_cannot_use_the_cache(zoo, photo):
     assert kept[:13] == [True, True, True, False, False, True, False, False, False, False, True, False, False]
     assert reasons[13:] == ["backing off", "backing off", "backing off", "ok"]  # the probe reuses the cache
     assert session.stats[-1].mode == "cached" and session._backoff.skip == session._backoff.stretch == 0
-    detections = session._estimator.detections
+    detections = session._change.estimator.detections
     assert detections < 2 * 6  # no keypoints were detected on the frames run without trying
     never = StreamSession(model, keyframe_interval=None, max_backoff=0)
     for image in [frame, *noise[:5]]:
@@ -423,8 +423,8 @@ def test_sub_stride_motion_is_found_unusable_before_the_change_mask(zoo, photo, 
     # position off, so the frame runs fully; the session sees that from the homography alone
     model = zoo["mobilenet_v2"]
     calls = []
-    original = session_module.change_mask
-    monkeypatch.setattr(session_module, "change_mask", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = change_finder_module.change_mask
+    monkeypatch.setattr(change_finder_module, "change_mask", lambda *a, **k: calls.append(1) or original(*a, **k))
     session = StreamSession(model, still_fraction=0)
     session(_crop(photo, 40, 60))
     moved = _crop(photo, 40, 63)
@@ -555,6 +555,21 @@ def test_keyframe_interval_one_runs_full_inference_on_every_frame(zoo, photo):
     assert [s.mode for s in session.stats] == ["full"] * 4
     assert [s.reason for s in session.stats[1:]] == ["keyframe"] * 3
     assert not any(s.audit for s in session.stats)
+
+
+def test_opencv_threads_is_set_for_the_process_and_validated(zoo):
+    before = cv2.getNumThreads()
+    try:
+        cv2.setNumThreads(2)
+        StreamSession(zoo["mobilenet_v2"])  # None: OpenCV's setting is left as it is
+        assert cv2.getNumThreads() == 2
+        session = StreamSession(zoo["mobilenet_v2"], opencv_threads=1)
+        assert session.config.opencv_threads == 1 and cv2.getNumThreads() == 1
+    finally:
+        cv2.setNumThreads(before)
+    for bad in (0, -2, 1.5, "2"):
+        with pytest.raises(ValueError, match="opencv_threads"):
+            StreamConfig(opencv_threads=bad)
 
 
 def test_stats_are_bounded_by_keep_stats(zoo, photo):

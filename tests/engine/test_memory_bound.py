@@ -1,0 +1,155 @@
+"""The plan's byte model bounds what a run holds: operators' working memory (reference kernels' columns, oneDNN's
+blocked copies, max pools' indices) predicted from shapes, and a 3-D run's measured resident peak under its bound
+on several networks (MONAI's UNet, DenseNet121, ResNet10, and a SegResNet no benchmark names)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+import torch.nn as nn
+
+from incrinf.analysis import occlusion_grid
+from incrinf.engine import BatchEngine
+from incrinf.engine.memory import (
+    file_resident,
+    release_free_memory,
+    reset_resident_peak,
+    resident_memory,
+    resident_peak,
+)
+from incrinf.geometry import input_boxes
+from incrinf.graph import capture
+
+
+def _exact_peaks() -> bool:
+    """Whether this kernel lets a process reset its resident high-water mark (then peaks are exact)."""
+    return reset_resident_peak()
+
+
+def _peak_growth(fn) -> tuple[int, object]:
+    """``(peak anonymous resident growth, result)`` of ``fn()``: the kernel's high-water mark over the call less
+    the level at its start, less the file-backed pages it touched for the first time (shared-library code: the
+    runtime's, not the work's)."""
+    release_free_memory()
+    assert reset_resident_peak()
+    start, files = resident_memory(), file_resident()
+    result = fn()
+    return resident_peak() - start - max(file_resident() - files, 0), result
+
+
+class _Roi(nn.Module):
+    """A segmenter reduced to one score per volume: class 1's logits summed over the central eighth."""
+
+    def __init__(self, net: nn.Module, n: int) -> None:
+        super().__init__()
+        self.net = net
+        roi = torch.zeros(1, n, n, n)
+        roi[:, n // 4:n - n // 4, n // 4:n - n // 4, n // 4:n - n // 4] = 1.0
+        self.register_buffer("roi", roi)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.net(x)[:, 1] * self.roi).sum((1, 2, 3)).unsqueeze(1)
+
+
+def _network(name: str, n: int) -> nn.Module:
+    from monai.networks import nets
+
+    torch.manual_seed(0)
+    if name == "resnet10":
+        return nets.resnet10(spatial_dims=3, n_input_channels=1, num_classes=2).eval()
+    if name == "densenet121":
+        return nets.DenseNet121(spatial_dims=3, in_channels=1, out_channels=2).eval()
+    if name == "unet":
+        return _Roi(nets.UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(16, 32, 64, 128),
+                              strides=(2, 2, 2), num_res_units=2, norm="batch"), n).eval()
+    if name == "segresnet":
+        return _Roi(nets.SegResNet(spatial_dims=3, in_channels=1, out_channels=2, init_filters=8, norm="batch"),
+                    n).eval()
+    raise ValueError(name)
+
+
+def _growth_and_bound(name: str, n: int, mask: int, stride: int, batch_size: int) -> tuple[int, int, int]:
+    """In a fresh process: a 3-D occlusion run's peak anonymous resident growth (executor, base, store, plan and
+    batches), its byte model's predicted peak and its bound."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    nn.Conv3d(1, 4, 3)(torch.randn(1, 1, 8, 8, 8))  # the runtime's own first-use memory, outside the measurement
+    model = _network(name, n)
+    image = torch.randn(1, 1, n, n, n)
+    graph = capture(model, image.shape[1:])
+    region = input_boxes(occlusion_grid((n,) * 3, (mask,) * 3, (stride,) * 3), (mask,) * 3, (n,) * 3)
+
+    def run():
+        engine = BatchEngine(graph, image)
+        plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
+        for batch in plan.batches:
+            engine.run_batch(batch, torch.zeros(batch.n, 1, *batch.start.size))
+        return engine.run_bytes(plan)
+
+    growth, predicted = _peak_growth(run)
+    return growth, predicted.peak, predicted.bound
+
+
+@pytest.mark.skipif(not _exact_peaks(), reason="needs /proc/self/clear_refs (Linux) for exact resident peaks")
+@pytest.mark.parametrize("name, n, batch_size", [("unet", 32, 8), ("densenet121", 32, 8), ("resnet10", 24, 8),
+                                                 ("segresnet", 32, 8)])
+def test_a_3d_runs_resident_peak_stays_under_its_plans_bound(name, n, batch_size):
+    """A 3-D occlusion run's peak resident growth, measured exactly in a fresh process (the kernel's high-water
+    mark), stays under the bound its plan's byte model derives from shapes: the base's forward pass with its
+    operators' working memory (a batch of one runs PyTorch's reference convolutions, whose unfolded columns are
+    many times a map), the store, the batches and the tail, and the freed blocks the allocator keeps between two
+    checks."""
+    pytest.importorskip("monai")
+    with mp.get_context("spawn").Pool(1) as pool:
+        growth, peak, bound = pool.apply(_growth_and_bound, (name, n, 8, 8, batch_size))
+    assert growth <= bound, (name, growth >> 20, peak >> 20, bound >> 20)
+
+
+def _working(module: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """``(measured, predicted)`` working bytes of one call of ``module`` on ``x`` (beyond its output): measured as
+    the resident peak over the call (after a warm-up call, freed memory handed back first) less its output."""
+    module(x)
+    graph = capture(nn.Sequential(module), x.shape[1:])
+    node = next(node for node in graph.nodes if node.fx_node.op == "call_module")
+    engine = BatchEngine(graph, x[:1].contiguous())
+    layout = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
+    channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=layout)
+    predicted = engine.program.ops.working_bytes(node, x.shape[0], x.element_size(), channels_last)
+    growth, out = _peak_growth(lambda: module(x))
+    return growth - out.numel() * out.element_size(), predicted
+
+
+def _operator_cases() -> list:
+    cl = torch.channels_last_3d
+    return [
+        ("reference conv, batch 1", nn.Conv3d(16, 16, 3, padding=1), torch.randn(1, 16, 32, 32, 32)),
+        ("oneDNN conv, channels-first", nn.Conv3d(16, 24, 3, padding=1), torch.randn(4, 16, 32, 32, 32)),
+        ("oneDNN conv, weights", nn.Conv3d(256, 256, 3, padding=1), torch.randn(4, 256, 4, 4, 4)),
+        ("oneDNN conv, channels-last", nn.Conv3d(16, 2, 3, padding=1).to(memory_format=cl),
+         torch.randn(4, 16, 32, 32, 32).contiguous(memory_format=cl)),
+        ("transposed conv", nn.ConvTranspose3d(32, 16, 3, stride=2, padding=1, output_padding=1),
+         torch.randn(4, 32, 16, 16, 16)),
+        ("max pool", nn.MaxPool3d(3, 2, 1), torch.randn(4, 16, 32, 32, 32)),
+        ("average pool, channels-last", nn.AvgPool3d(2, 2),
+         torch.randn(4, 16, 32, 32, 32).contiguous(memory_format=cl)),
+    ]
+
+
+def _measure_operators() -> list[tuple[str, int, int]]:
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    return [(label, *_working(module.eval(), x)) for label, module, x in _operator_cases()]
+
+
+@pytest.mark.skipif(not _exact_peaks(), reason="needs /proc/self/clear_refs (Linux) for exact resident peaks")
+def test_operators_working_memory_is_predicted_from_shapes():
+    """Each operator's working memory, measured in a fresh process, is at most its prediction from shapes, and the
+    prediction is not vacuous: within twice the measurement plus 1 MiB."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        measured = pool.apply(_measure_operators)
+    for label, work, predicted in measured:
+        assert work <= predicted + 2**20, (label, work >> 10, predicted >> 10)
+        assert predicted <= 2 * max(work, 0) + 2**20, (label, work >> 10, predicted >> 10)
