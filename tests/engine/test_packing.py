@@ -197,10 +197,10 @@ def test_batches_grow_within_naive_memory_and_stay_exact(funnel, monkeypatch):
     cost = [p.macs + PER_BYTE * p.weight_bytes for p in (plain, grown)]
     assert cost[1] < cost[0]
     runtime_cache().clear()
-    got, plan = _planned(engine, image, corners, window, batch_size=batch_size)
+    got, plan = planned_outputs(engine, image, corners, window, batch_size=batch_size)
     assert plan.largest_batch > batch_size  # the default cap lets this run grow too
     with torch.no_grad():
-        want = _naive(model, image, corners, window)
+        want = naive_outputs(model, image, corners, window)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
@@ -222,6 +222,6 @@ def test_batches_do_not_grow_past_a_small_budget(funnel):
         box = x[0, :, s[0]:s[0] + batch.start.size[0], s[1]:s[1] + batch.start.size[1]]
         outputs[q] = engine.run_batch(batch, box[None]).output[0]
     with torch.no_grad():
-        want = _naive(model, image, corners, window)
+        want = naive_outputs(model, image, corners, window)
     torch.testing.assert_close(outputs, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     runtime_cache().clear()
