@@ -184,10 +184,10 @@ def test_batches_grow_within_naive_memory_and_stay_exact(funnel, monkeypatch):
     from incrinf.engine.plan_bytes import forward_peak_bytes
 
     model, _, _ = funnel
-    image = torch.randn(1, 3, 96, 96)  # maps large enough that naive re-inference holds more than the store
+    image = torch.randn(1, 3, 128, 128)  # maps large enough that naive re-inference holds more than the store
     engine = BatchEngine(capture(model, image.shape[1:]), image)
-    dims, window, batch_size = (96, 96), (6, 6), 8
-    corners = occlusion_grid(dims, window, (8, 8))
+    dims, window, batch_size = (128, 128), (6, 6), 8
+    corners = occlusion_grid(dims, window, (12, 12))
     plain = _grown_plan(engine, corners, window, dims, batch_size, batch_size, monkeypatch)
     grown = _grown_plan(engine, corners, window, dims, batch_size, 64, monkeypatch)
     assert plain.largest_batch <= batch_size < grown.largest_batch
