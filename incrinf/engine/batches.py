@@ -158,6 +158,7 @@ class BatchEngine:
     def __init__(self, graph: Graph, base_input: torch.Tensor, fold_batch_norm: bool = True) -> None:
         self.graph = graph
         self.host = HostMemory()  # the resident growth a plan's budget bounds counts from here
+        self._work: dict[tuple, int] = {}
         start = time.perf_counter()
         self.executor, base = executor_for(graph, base_input, fold_batch_norm)
         self.program = self.executor.program
@@ -303,7 +304,7 @@ class BatchEngine:
             out = Boxes(sp.box.lo, sp.box.size)
             out.values = self._step(program.steps[sp.index], sp, si, out, regions, freed)
             # its operator's working memory was freed too (a 3-D convolution's reordered weights: tens of MiB)
-            freed.add(step_working_bytes(program, program.steps[sp.index], batch.n, sp.box, values.element_size()))
+            freed.add(self._working_bytes(sp, batch.n, values.element_size()))
             positions += out.area
             regions[program.steps[sp.index].out] = out
             freed.drop(regions, program.release[sp.index])
@@ -317,6 +318,16 @@ class BatchEngine:
                    for name, region, projection in zip(program.boundary, batch.boundary, projected)]
         regions.clear()
         return WalkResult(tensors, flops, positions, peak_bytes=batch.peak_bytes)
+
+    def _working_bytes(self, sp: StepPlan, n: int, element_size: int) -> int:
+        """A planned step's operator's working memory (:func:`~incrinf.engine.plans.step_working_bytes`), kept per
+        step, batch size and box extent (every batch of a plan asks again)."""
+        key = (sp.index, n, tuple(sp.box.size), element_size)
+        found = self._work.get(key)
+        if found is None:
+            found = self._work[key] = step_working_bytes(self.program, self.program.steps[sp.index], n, sp.box,
+                                                         element_size)
+        return found
 
     def _step(self, step: Step, sp: StepPlan, si: StepIndex, out: Boxes, regions: dict[str, Boxes],
               freed: _Freed) -> torch.Tensor:
