@@ -371,6 +371,7 @@ class StreamSession:
         result = sampler.check(engine.engine, f.x, f.mask)
         f.times.audit += time.perf_counter() - clock
         f.sampled = result.error
+        quality.drift_sampled(since_full, result.error)
         self._last_check = self._index
         if result.flagged:
             return True
