@@ -265,6 +265,9 @@ class Gather:
         origin: (K,) region row of each ``dest`` (None: region rows 0..K-1 in order).
         combined: the fused index of the Triton kernels (None off CUDA).
         box: the read by its boxes' corners (on CUDA: no row indices at all).
+        shifts: the overlay as runs ``(first, end, place)`` of consecutive boxes whose region starts at one place
+            inside them (``dest`` and ``origin`` None: a strided copy of the region's values per run, clipped to
+            the boxes, instead of a scatter of rows).
     """
 
     read: torch.Tensor | None
@@ -272,11 +275,13 @@ class Gather:
     origin: torch.Tensor | None = None
     combined: torch.Tensor | None = None
     box: BoxIndex | None = None
+    shifts: tuple[tuple[int, int, tuple[int, ...]], ...] | None = None
 
     @property
     def overlays(self) -> bool:
         """Whether the read overlays a region's values."""
-        return self.dest is not None or (self.box is not None and self.box.region is not None)
+        return self.dest is not None or self.shifts is not None or \
+            (self.box is not None and self.box.region is not None)
 
     @property
     def nbytes(self) -> int:
@@ -340,6 +345,12 @@ def overlay_index(region: Boxes, offset: np.ndarray, window: tuple[int, ...]) ->
     return dest[inside], np.flatnonzero(inside)
 
 
+def _runs(offset: np.ndarray) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """Runs ``(first, end, place)`` of consecutive rows of ``offset`` (N, d) that are equal."""
+    cuts = [0, *(np.flatnonzero((offset[1:] != offset[:-1]).any(axis=1)) + 1).tolist(), len(offset)]
+    return tuple((a, b, tuple(int(o) for o in offset[a])) for a, b in zip(cuts[:-1], cuts[1:]))
+
+
 def _read_boxes(table: Table, start: np.ndarray, size: tuple[int, ...], region: Boxes | None, origin: np.ndarray,
                 device: torch.device) -> Gather:
     """N boxes of extent ``size`` at ``start`` (N, d) (table coordinates) read from ``table``, with ``region``'s
@@ -349,6 +360,8 @@ def _read_boxes(table: Table, start: np.ndarray, size: tuple[int, ...], region: 
     if compact(device, len(size)):
         return Gather(None, box=describe_boxes(start, size, table.dims, region, offset, device))
     dest = origin_rows = None
+    if region is not None and len(offset) and not dispatch.wants_fused_index(device):
+        return Gather(_tensor(box_rows(start, size, table.dims), device), shifts=_runs(offset))
     if region is not None:
         dest, origin_rows = overlay_index(region, offset, size)
     read_t, dest_t, origin_t = (_tensor(a, device) for a in (box_rows(start, size, table.dims), dest, origin_rows))

@@ -29,13 +29,14 @@ def order_queries(program: Program, exact: Propagation, sizes: np.ndarray) -> np
     return np.lexsort(keys)
 
 
-def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
-    """Batch boundaries over the ordered queries: consecutive runs of ``batch_size // 2`` (at least 1) to
-    ``batch_size`` queries that cost the least by :func:`run_cost`, multiply-adds and weight reads together, none
-    larger than the largest run of the packing that costs the fewest multiply-adds (whose largest batch bounds
-    the working memory: weighing the weight reads merges batches, it never makes a batch hold more). Runs never
-    shrink below half the batch size, so what every batch pays whatever its size (the walk over its steps, the
-    tail) at most doubles.
+def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: int, grow_to: int = 0
+         ) -> list[tuple[int, int]]:
+    """Batch boundaries over the ordered queries: consecutive runs of ``batch_size // 2`` (at least 1) to at most
+    the larger of ``grow_to`` and the largest run of the packing that costs the fewest multiply-adds, that cost the
+    least by :func:`run_cost`, multiply-adds and weight reads together. The caller sets ``grow_to`` from bytes (the
+    most queries whose batch stays within its memory allowance); without it weighing the weight reads only merges
+    batches, it never makes a batch hold more. Runs never shrink below half the batch size, so what every batch
+    pays whatever its size (the walk over its steps, the tail) at most doubles.
 
     Returns:
         ``(first, end)`` positions in ``order`` of each batch, in order.
@@ -47,7 +48,7 @@ def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: in
     ordered = np.stack(costs.extents, axis=1)[order]  # (Q, steps, d)
     smallest = max(1, min(batch_size // 2, q))
     fewest_macs = _cheapest(costs, ordered, smallest, batch_size, 0.0)
-    largest = max(end - first for first, end in fewest_macs)
+    largest = max(max(end - first for first, end in fewest_macs), min(grow_to, q))
     return _cheapest(costs, ordered, min(smallest, largest), largest, MACS_PER_WEIGHT_BYTE)
 
 

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from incrinf.engine import packing
 from incrinf.engine.boxes import step_box
 from incrinf.engine.layout import (
     BoxIndex,
@@ -243,6 +244,12 @@ class Plan:
         return len(self.query_macs)
 
     @property
+    def largest_batch(self) -> int:
+        """Queries in its largest batch (more than :attr:`batch_size` where the bytes allow, see
+        :func:`build_plan`)."""
+        return max((b.n for b in self.batches), default=0)
+
+    @property
     def theoretical_speedup(self) -> float:
         """Full inference of every query over each query alone on its exact boxes (FLOP ratio)."""
         return self.full_macs * self.queries / max(float(self.query_macs.sum()), 1.0)
@@ -399,6 +406,26 @@ def batch_index(program: Program, layout: Layout, batch: BatchPlan, device: torc
     return BatchIndex(tuple(step_indices(program, layout, batch, device)), projections(program, batch, device))
 
 
+def _keeps_index(made: list[tuple], weights: int, store: int) -> bool:
+    """Whether a plan of the batches ``made`` keeps their index tensors: all of them take at most
+    :data:`INDEX_SHARE` of what the run holds anyway (the model's weights, the store, the largest batch)."""
+    return sum(m[7] for m in made) <= INDEX_SHARE * (weights + store + max(m[6] for m in made))
+
+
+def _cost(made: list[tuple], weight_bytes: int) -> float:
+    """What the batches ``made`` cost in multiply-adds: their own (tails included) plus the weights they read,
+    weighed as :func:`~incrinf.engine.packing.run_cost` weighs them."""
+    return sum(m[5] for m in made) + packing.MACS_PER_WEIGHT_BYTE * weight_bytes
+
+
+def _holds(made: list[tuple], weights: int, store: int) -> int:
+    """The most bytes the batches ``made`` hold at once beyond the store: the largest batch's values and index
+    tensors (all batches' index tensors when the plan keeps them)."""
+    if _keeps_index(made, weights, store):
+        return max(m[6] for m in made) + sum(m[7] for m in made)
+    return max(m[6] + m[7] for m in made)
+
+
 def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarray, sizes: np.ndarray) -> Plan:
     """The :class:`Plan` for ``key``: ``starts`` and ``sizes`` (Q, d) are the queries' changed input boxes (inside
     the input) whose digest the key holds.
@@ -406,6 +433,14 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
     The batch size is ``key.batch_size``, or (0) the most queries whose batch stays within ``key.memory`` bytes,
     measured on a batch of the queries with the largest boxes (at most :data:`CPU_BATCH_CAP`, or
     :data:`GPU_BATCH_CAP` on CUDA).
+
+    Exact runs pack batches of half the batch size and more (:func:`~incrinf.engine.packing.pack`). Where the
+    weight reads make larger batches cheaper, a batch may hold more than the batch size as long as what it
+    holds fits the *allowance*: ``key.memory``, or what naive re-inference at the batch size holds beyond the
+    model (:func:`~incrinf.engine.plan_bytes.forward_peak_bytes`) less what this run holds beyond it (the store's
+    tables, the weights the executor made). The bytes per query come from a batch of the largest boxes; a
+    packing whose batches then hold more than the allowance is replaced by one of at most the batch size. So a
+    run's peak stays at naive re-inference's at the same batch size wherever the batch size alone kept it there.
     """
     graph = program.graph
     dims = tuple(graph.input_shape[2:])
@@ -426,34 +461,65 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
         start = _freeze(Boxes(tuple(corner.T), tuple(int(e) for e in extent)))
         return start, _geometry(program, layout, per_axis, queries, start, key.tau, byte_sizes)
 
-    batch_size = key.batch_size
-    if batch_size <= 0:
-        cap = GPU_BATCH_CAP if device.type == "cuda" else CPU_BATCH_CAP
+    cap = GPU_BATCH_CAP if device.type == "cuda" else CPU_BATCH_CAP
+    per_query = 0.0
+    if key.batch_size <= 0 or per_axis is not None:  # bytes per query, on a batch of the largest boxes
         trial = order[-min(cap, q):]
-        _, (*_, peak) = geometry(trial)
-        per_query = max(peak / len(trial), 1.0)
-        batch_size = int(max(1, min(cap, key.memory // per_query)))
+        _, (*_, trial_peak) = geometry(trial)
+        per_query = max(trial_peak / len(trial), 1.0)
+    batch_size = key.batch_size if key.batch_size > 0 else int(max(1, min(cap, key.memory // per_query)))
     batch_size = max(1, min(batch_size, q))
     store = sum(t.rows * byte_sizes.channels(t.source) * element_size for t in layout.tables.values())
-    bounds = pack(program, exact, order, batch_size) if per_axis is not None else \
-        [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
-    made = []
-    for lo, hi in bounds:
-        queries = order[lo:hi]
-        start, (steps, boundary, unchanged, macs, peak) = geometry(queries)
-        estimate = index_estimate(program, steps, len(queries), boundary, device)
-        made.append((queries, start, steps, boundary, unchanged, macs, peak, estimate))
-    peak = max(m[6] for m in made)
-    index_bytes = sum(m[7] for m in made)
     weights = sum(p.numel() * p.element_size() for p in graph.module.parameters())
-    keep = index_bytes <= INDEX_SHARE * (weights + store + peak)
-    # naive re-inference at this batch size (or the caller's budget) bounds what batches and a shared tail hold
-    budget = max(key.memory if key.batch_size <= 0 else forward_peak_bytes(program, batch_size, element_size), peak)
-    tail_queries = min(tail_group(program, batch_size, element_size, peak, budget), q) if q > batch_size else 0
-    if tail_queries:
-        per_query = sum(byte_sizes.whole(name, 1) for name in program.boundary)
-        peak += per_query * tail_queries  # the boundary tensors waiting for the shared tail run
-    batches = []
+    naive = forward_peak_bytes(program, batch_size, element_size)
+    # what the batches may hold: the caller's budget, or what naive re-inference at this batch size holds beyond
+    # the model less what this run holds beyond it (the store's tables, the weights the executor made)
+    allowance = key.memory if key.batch_size <= 0 else naive - store - program.ops.made_bytes
+    grow_to = int(min(cap, allowance // per_query)) if per_axis is not None and allowance > 0 else 0
+
+    def batches(bounds: list[tuple[int, int]]) -> list[tuple]:
+        made = []
+        for lo, hi in bounds:
+            queries = order[lo:hi]
+            start, (steps, boundary, unchanged, macs, peak) = geometry(queries)
+            estimate = index_estimate(program, steps, len(queries), boundary, device)
+            made.append((queries, start, steps, boundary, unchanged, macs, peak, estimate))
+        return made
+
+    def totals(made: list[tuple]) -> tuple[int, int, int, int]:
+        """A packing's shared tail group, peak (the boundary tensors waiting for the shared tail included), budget
+        and the bytes of weights it reads."""
+        peak = max(m[6] for m in made)
+        # naive re-inference at this batch size (or the caller's budget) bounds what batches and a shared tail hold
+        budget = max(key.memory if key.batch_size <= 0 else naive, peak)
+        largest = max(len(m[0]) for m in made)
+        tail_queries = min(tail_group(program, largest, element_size, peak, budget), q) if q > largest else 0
+        if tail_queries:
+            peak += sum(byte_sizes.whole(name, 1) for name in program.boundary) * tail_queries
+        changed = sum(len(m[0]) for m in made if not m[4])
+        tail_runs = -(-changed // tail_queries) if tail_queries else sum(not m[4] for m in made)
+        weight_bytes = sum(program.steps[sp.index].weight_bytes for m in made for sp in m[2]) \
+            + tail_runs * tail_weights
+        return tail_queries, peak, budget, weight_bytes
+
+    tail_weights = sum(p.numel() * p.element_size() for p in program.tail().parameters())
+    if per_axis is None:
+        made = batches([(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)])
+    else:
+        made = batches(pack(program, exact, order, batch_size))
+        if grow_to > max(len(m[0]) for m in made):
+            grown = batches(pack(program, exact, order, batch_size, grow_to))
+            while max(len(m[0]) for m in grown) > batch_size and (holds := _holds(grown, weights, store)) > allowance:
+                # the estimate per query fell short (index tensors, boxes of mixed reach): shrink in proportion
+                grow_to = min(grow_to - 1, int(grow_to * allowance / holds))
+                grown = batches(pack(program, exact, order, batch_size, grow_to))
+            # larger batches and a shared tail both save weight reads from the same memory: the packing whose
+            # multiply-adds and weight reads cost less (packing's measure) wins
+            if _cost(grown, totals(grown)[3]) < _cost(made, totals(made)[3]):
+                made = grown
+    keep = _keeps_index(made, weights, store)
+    tail_queries, peak, budget, weight_bytes = totals(made)
+    planned = []
     for queries, start, steps, boundary, unchanged, macs, batch_peak, estimate in made:
         frozen = np.array(queries)
         frozen.flags.writeable = False
@@ -463,12 +529,7 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
             index = batch_index(program, layout, batch, device)
             batch = BatchPlan(frozen, start, tuple(steps), tuple(boundary), unchanged, macs, batch_peak,
                               index.nbytes, index, budget)
-        batches.append(batch)
-    tail_weights = sum(p.numel() * p.element_size() for p in program.tail().parameters())
-    changed = [b for b in batches if not b.unchanged]
-    tail_runs = -(-sum(b.n for b in changed) // tail_queries) if tail_queries else len(changed)
-    weight_bytes = sum(program.steps[sp.index].weight_bytes for b in batches for sp in b.steps) \
-        + tail_runs * tail_weights
-    return Plan(key, tuple(batches), batch_size, float(program.full_flops), query_macs,
-                float(sum(b.macs for b in batches)), peak, sum(b.index_bytes for b in batches), keep, tail_queries,
+        planned.append(batch)
+    return Plan(key, tuple(planned), batch_size, float(program.full_flops), query_macs,
+                float(sum(b.macs for b in planned)), peak, sum(b.index_bytes for b in planned), keep, tail_queries,
                 budget, weight_bytes)

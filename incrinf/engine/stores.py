@@ -26,7 +26,7 @@ from incrinf.engine.regions import cut
 from incrinf.engine.windows import WindowSpec, pad_map, padded_crop
 from incrinf.geometry import Boxes
 from incrinf.kernels import dispatch
-from incrinf.kernels.gather import box_rows, from_rows, to_rows
+from incrinf.kernels.gather import box_rows, from_rows, overlay_boxes, to_rows
 
 # Every this many positions of a tensor estimate its mean magnitude (the pruning threshold's unit).
 _SCALE_STRIDE = 7
@@ -112,6 +112,10 @@ class BaseStore:
             b = index.box
             rows = dispatch.gather_boxes(self.table(place), b.geometry, b.size, b.dims, values, b.region,
                                          b.batch_stride)
+            return from_rows(rows, n, size, channels)
+        if index.shifts is not None:
+            rows = dispatch.prepare_windows(self.table(place), index.read, None, None)
+            overlay_boxes(rows.view(n, *size, -1), values.reshape(n, *region.size, -1), index.shifts)
             return from_rows(rows, n, size, channels)
         rows = dispatch.prepare_windows(self.table(place), index.read, index.dest, values, index.origin,
                                         index.combined)

@@ -235,7 +235,7 @@ class OcclusionRunner:
                 bar.update(batch.n)
             else:
                 waiting.append((batch.queries, result.output))
-                if sum(len(q) for q, _ in waiting) + plan.batch_size > plan.tail_queries:
+                if sum(len(q) for q, _ in waiting) + plan.largest_batch > plan.tail_queries:
                     finish_tail()  # the next batch would not fit in the group
             result.output = None
             realized += result.flops * batch.n

@@ -51,6 +51,31 @@ def write_overlay(window_rows: torch.Tensor, dest: torch.Tensor, region_rows: to
     return window_rows.index_copy_(0, dest, values)
 
 
+def overlay_boxes(windows: torch.Tensor, region: torch.Tensor, runs) -> torch.Tensor:
+    """Write N regions into N gathered boxes, in place: per run of consecutive boxes whose region starts at one
+    place inside them, one strided copy (the part of a region outside its box is dropped).
+
+    Args:
+        windows: (N, *size, C) gathered boxes.
+        region: (N, *region_size, C) incoming region values.
+        runs: ``(first, end, place)``: boxes ``first:end`` receive their regions at ``place`` (may be negative).
+
+    Returns:
+        ``windows``.
+    """
+    for first, end, place in runs:
+        into, take = [slice(first, end)], [slice(first, end)]
+        for lo, extent, size in zip(place, region.shape[1:-1], windows.shape[1:-1]):
+            a, b = max(lo, 0), min(lo + extent, size)
+            if b <= a:
+                break  # this run's regions miss their boxes
+            into.append(slice(a, b))
+            take.append(slice(a - lo, b - lo))
+        else:
+            windows[tuple(into)] = region[tuple(take)]
+    return windows
+
+
 def project_full(base_rows: torch.Tensor, n: int, dest: torch.Tensor, region_rows: torch.Tensor,
                  source: torch.Tensor | None = None) -> torch.Tensor:
     """Full projection: N copies of the base map with each position's region written in.

@@ -160,3 +160,68 @@ def test_whole_map_operator_needs_zero_padding():
     engine = BatchEngine(capture(model, image.shape[1:]), image)
     ops = {s.head.name: s.whole_op for s in engine.program.steps if s.window is not None}
     assert ops["conv"] is None and ops["plain"] is not None
+
+
+def _grown_plan(engine: BatchEngine, corners: np.ndarray, window: tuple[int, ...], dims: tuple[int, ...],
+                batch_size: int, cap: int, monkeypatch):
+    """The plan at ``batch_size`` with batches allowed to grow to at most ``cap`` queries (cap = batch_size: the
+    packing without growth)."""
+    import incrinf.engine.plans as plans
+
+    monkeypatch.setattr(plans, "CPU_BATCH_CAP", cap)
+    runtime_cache().clear()
+    region = input_boxes(corners, window, dims)
+    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
+    runtime_cache().clear()
+    return plan
+
+
+def test_batches_grow_within_naive_memory_and_stay_exact(funnel, monkeypatch):
+    """Where weight reads make larger batches cheaper, batches hold more than the batch size, but what the run
+    holds beyond the model (made weights, store, index tensors, the largest batch) stays within naive
+    re-inference's memory at that batch size; the grown run costs less by the packing's measure and equals plain
+    inference."""
+    from incrinf.engine.plan_bytes import forward_peak_bytes
+
+    model, _, _ = funnel
+    image = torch.randn(1, 3, 128, 128)  # maps large enough that naive re-inference holds more than the store
+    engine = BatchEngine(capture(model, image.shape[1:]), image)
+    dims, window, batch_size = (128, 128), (6, 6), 8
+    corners = occlusion_grid(dims, window, (12, 12))
+    plain = _grown_plan(engine, corners, window, dims, batch_size, batch_size, monkeypatch)
+    grown = _grown_plan(engine, corners, window, dims, batch_size, 64, monkeypatch)
+    assert plain.largest_batch <= batch_size < grown.largest_batch
+    assert len(grown.batches) < len(plain.batches)
+    held = engine.run_bytes(grown)
+    assert held.held + held.batch <= forward_peak_bytes(engine.program, batch_size, 4)
+    cost = [p.macs + PER_BYTE * p.weight_bytes for p in (plain, grown)]
+    assert cost[1] < cost[0]
+    runtime_cache().clear()
+    got, plan = planned_outputs(engine, image, corners, window, batch_size=batch_size)
+    assert plan.largest_batch > batch_size  # the default cap lets this run grow too
+    with torch.no_grad():
+        want = naive_outputs(model, image, corners, window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_batches_do_not_grow_past_a_small_budget(funnel):
+    """A memory budget below one query's working memory plans batches of one (no growth), and they stay exact."""
+    model, image, engine = funnel
+    dims, window = (32, 32), (6, 6)
+    corners = occlusion_grid(dims, window, (5, 5))
+    region = input_boxes(corners, window, dims)
+    runtime_cache().clear()
+    plan, _ = engine.plan(region.start(), region.sizes(), memory=1)
+    assert plan.batch_size == 1 and plan.largest_batch == 1 and len(plan.batches) == len(corners)
+    outputs = torch.zeros(len(corners), *engine.base_output.shape[1:])
+    for batch in plan.batches:
+        (q,) = batch.queries
+        x = image.clone()
+        x[..., corners[q][0]:corners[q][0] + 6, corners[q][1]:corners[q][1] + 6] = 0.0
+        s = batch.start.start()[0]
+        box = x[0, :, s[0]:s[0] + batch.start.size[0], s[1]:s[1] + batch.start.size[1]]
+        outputs[q] = engine.run_batch(batch, box[None]).output[0]
+    with torch.no_grad():
+        want = naive_outputs(model, image, corners, window)
+    torch.testing.assert_close(outputs, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    runtime_cache().clear()
