@@ -23,7 +23,9 @@
   side). A near tie is first checked that way, by a sample of the frame (a fraction of a frame), and audited in
   full only when the sampled drift leaves its margin at risk. A frame is not trusted on the linear guess from the
   audits' distances alone: when its margin would be at risk had the drift grown quadratically
-  (:meth:`QualityGuard.needs_sample`), a sample measures its drift first. The interval of full
+  (:meth:`QualityGuard.needs_sample`), a sample measures its drift first; once the recent samples say how far
+  off the cache is, a frame without its own is taken to be as far off as the largest of them
+  (:meth:`QualityGuard.expected_drift`). The interval of full
   audits that run whatever sampled audits say starts at ``keyframe_interval`` and adapts
   (:meth:`QualityGuard.long_due`).
 """
@@ -285,7 +287,8 @@ class QualityGuard:
         heavy-tailed losses says little: three audits that lost 0.04, 0.057 and 0.067 one, two and three frames
         after a full one fitted a growth like the square root, and the next frames lost 0.01, 0.069 and 0.136. The
         session then measures the frame's drift with a sample (a fraction of a frame) before trusting it (a check
-        in full when no sample can)."""
+        in full when no sample can). Once the recent samples measured the drift (:meth:`expected_drift`), the
+        margin is checked against the losses scaled by it instead."""
         if self.config.near_tie == 0 or math.isnan(margin) or not self._lead_lost:
             return False
         expected = self.expected_drift(frames_since_full)
