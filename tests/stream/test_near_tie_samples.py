@@ -161,3 +161,22 @@ def test_a_level_change_forgets_the_sampled_drift():
     assert not math.isnan(guard.expected_drift(9))
     guard.record(Comparison(OutputKind.LABEL, 0.0, 0.01, 0.1, 0.9), 9)
     assert guard.level == 1 and math.isnan(guard.expected_drift(9)) and guard.risky(0.9, 9)
+
+
+def test_sample_seed_sets_the_tile_draws():
+    """The same ``sample_seed`` gives the same draws of tiles, another seed other draws (a benchmark quotes several);
+    a negative or fractional seed is refused."""
+    frame = still_camera(1)[0]
+    model = wide_classifier()
+
+    def draws(seed: int) -> list[float]:
+        session = StreamSession(model, sample_seed=seed, sample_budget=0.8, max_backoff=0)
+        session(frame)  # the first frame profiles the engine and picks the sampled audits' probe
+        (sampler,) = session._samplers.values()
+        return sampler.rng.random(4).tolist()
+
+    assert draws(3) == draws(3)
+    assert draws(3) != draws(4)
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(ValueError, match="sample_seed"):
+            StreamConfig(sample_seed=bad)
