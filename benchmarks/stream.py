@@ -106,7 +106,7 @@ class Run:
     """One configuration's passes over a clip."""
 
     seconds: list[float] = field(default_factory=list)  # first frame of every pass excluded
-    outputs: list = field(default_factory=list)  # of the first pass
+    outputs: list = field(default_factory=list)  # of every pass
     stats: list[FrameStats] = field(default_factory=list)  # of every pass, first frames excluded
     full_flops: float = 0.0
 
@@ -151,17 +151,20 @@ def run_clip(model: torch.nn.Module, clip: Clip, configs: dict[str, dict], round
     shared machine falls on all of them alike; ``rounds`` such passes."""
     model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
     plain, plain_cl = _normaliser(mean, std, False), _normaliser(mean, std, True)
-    factories: dict[str, Callable[[], Callable]] = {
-        "full": lambda: lambda frame: model(plain(frame)),
-        "full CL": lambda: lambda frame: model_cl(plain_cl(frame)),
-        **{name: (lambda o=options: StreamSession(model, mean=mean, std=std, keep_stats=None, **o))
+    # pass r's sessions draw their sampled audits' tiles from seed r: which tiles a sample draws decides which
+    # frames are checked in full, so the passes quote several draws, not one
+    factories: dict[str, Callable[[int], Callable]] = {
+        "full": lambda r: lambda frame: model(plain(frame)),
+        "full CL": lambda r: lambda frame: model_cl(plain_cl(frame)),
+        **{name: (lambda r, o=options: StreamSession(model, mean=mean, std=std, keep_stats=None,
+                                                     **{"sample_seed": r, **o}))
            for name, options in configs.items()},
     }
     runs = {name: Run() for name in factories}
     names = list(factories)
     with torch.no_grad():
         for r in range(rounds):
-            streams = {name: factories[name]() for name in names}
+            streams = {name: factories[name](r) for name in names}
             outs: dict[str, list] = {name: [] for name in names}
             for i, frame in enumerate(clip.frames):
                 k = (r + i) % len(names)
@@ -171,8 +174,7 @@ def run_clip(model: torch.nn.Module, clip: Clip, configs: dict[str, dict], round
                     if i:
                         runs[name].seconds.append(time.perf_counter() - start)
             for name, run in streams.items():
-                if not runs[name].outputs:
-                    runs[name].outputs = outs[name]
+                runs[name].outputs.extend(outs[name])
                 if isinstance(run, StreamSession):
                     runs[name].stats.extend(run.stats[1:])
     return runs

@@ -23,7 +23,9 @@
   side). A near tie is first checked that way, by a sample of the frame (a fraction of a frame), and audited in
   full only when the sampled drift leaves its margin at risk. A frame is not trusted on the linear guess from the
   audits' distances alone: when its margin would be at risk had the drift grown quadratically
-  (:meth:`QualityGuard.needs_sample`), a sample measures its drift first. The interval of full
+  (:meth:`QualityGuard.needs_sample`), a sample measures its drift first; once the recent samples say how far
+  off the cache is, a frame without its own is taken to be as far off as the largest of them
+  (:meth:`QualityGuard.expected_drift`). The interval of full
   audits that run whatever sampled audits say starts at ``keyframe_interval`` and adapts
   (:meth:`QualityGuard.long_due`).
 """
@@ -61,6 +63,24 @@ _LOSS_FLOOR = 1e-6
 # the clips: it only decides when a frame's own sample is taken (a twentieth of a frame), and the sample then
 # measures the drift (see QualityGuard.needs_sample).
 CAUTIOUS_GROWTH = 2.0
+# Recent sampled audits whose errors stand in for a cached frame's own sample (QualityGuard.expected_drift): a sample of
+# four tiles varies by a factor of 2-3 from draw to draw, and the largest of eight is above about 9 draws in 10.
+_DRIFT_SAMPLES = 8
+
+
+def _cautious_slope(points: list[tuple[int, float]]) -> float | None:
+    """The exponent ``g`` of ``value ~ frames ** g`` fitted to ``(frames, value)`` points on log scales (least
+    squares), raised by its standard error (the cautious side of a loose fit), not capped; None until three points
+    above :data:`_LOSS_FLOOR` at two or more distances."""
+    points = [(math.log(max(d, 1)), math.log(v)) for d, v in points if v > _LOSS_FLOOR]
+    xs = [x for x, _ in points]
+    if len(points) < 3 or len(set(xs)) < 2:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in points) / (len(points) - 2)
+    return slope + math.sqrt(residual / sxx)
 
 
 @dataclass(frozen=True)
@@ -128,6 +148,7 @@ class QualityGuard:
         self._misses = 0
         self._recent: deque[float] = deque(maxlen=self._window())
         self._lead_lost: deque[LeadLoss] = deque(maxlen=_LEAD_SAMPLES)
+        self._drift: deque[tuple[int, float]] = deque(maxlen=_DRIFT_SAMPLES)  # (frames since full, sampled error)
         self._unsettled = True  # a map whose latest audit missed or held without room: its frames are checked
 
     # --- knobs -------------------------------------------------------------------------------------------------
@@ -188,6 +209,8 @@ class QualityGuard:
             return self._unsettled
         if not self._lead_lost:
             return True
+        if math.isnan(sampled_error):
+            sampled_error = self.expected_drift(frames_since_full)
         losses = self._scaled_losses(frames_since_full, sampled_error)
         return self._within(margin, losses)
 
@@ -264,24 +287,48 @@ class QualityGuard:
         heavy-tailed losses says little: three audits that lost 0.04, 0.057 and 0.067 one, two and three frames
         after a full one fitted a growth like the square root, and the next frames lost 0.01, 0.069 and 0.136. The
         session then measures the frame's drift with a sample (a fraction of a frame) before trusting it (a check
-        in full when no sample can)."""
+        in full when no sample can). Once the recent samples measured the drift (:meth:`expected_drift`), the
+        margin is checked against the losses scaled by it instead."""
         if self.config.near_tie == 0 or math.isnan(margin) or not self._lead_lost:
             return False
+        expected = self.expected_drift(frames_since_full)
+        if not math.isnan(expected):
+            # the recent samples measured the drift at these distances (extrapolated cautiously beyond them)
+            return self._within(margin, self._scaled_losses(frames_since_full, expected))
         losses = [a.lost * max(1.0, frames_since_full / a.frames) ** CAUTIOUS_GROWTH for a in self._lead_lost]
         return self._within(margin, losses)
+
+    def drift_sampled(self, frames_since_full: int, error: float) -> None:
+        """A sampled audit measured the cache's ``error`` on a cached frame ``frames_since_full`` frames after the
+        last full one (see :meth:`expected_drift`)."""
+        if math.isfinite(error):
+            self._drift.append((max(frames_since_full, 1), error))
+
+    def expected_drift(self, frames_since_full: int) -> float:
+        """The sampled error a cached frame without a sample of its own is taken to have: the largest of the last
+        :data:`_DRIFT_SAMPLES` samples (NaN until that many were taken at the current level); when this frame is
+        farther from the last full one than any of them, extrapolated from the farthest at the growth they show
+        (their errors against their distances on log scales, raised by its standard error, within [0,
+        :data:`CAUTIOUS_GROWTH`]; :data:`CAUTIOUS_GROWTH` while they do not span two distances).
+
+        On a still camera the change mask recomputes every cell that moved by the threshold, so the drift is bounded
+        by the thresholds rather than growing with the frames since the full one: a garage clip's samples 2 to 22
+        frames after a full frame measured 0.08-0.21 with no trend, while its one audit's loss, scaled linearly by
+        the frames, asked for a sample on nearly every frame. The samples that keep coming (every
+        ``audit_interval`` frames, at due audits, on the frames still found at risk) keep the window fresh; a level
+        change empties it (other thresholds, other drift)."""
+        if len(self._drift) < _DRIFT_SAMPLES:
+            return math.nan
+        reach = max(d for d, _ in self._drift)
+        largest = max(e for _, e in self._drift)
+        slope = _cautious_slope(list(self._drift))
+        growth = CAUTIOUS_GROWTH if slope is None else min(max(slope, 0.0), CAUTIOUS_GROWTH)
+        return largest * max(1.0, frames_since_full / reach) ** growth
 
     def _fitted_slope(self) -> float | None:
         """The growth exponent fitted to the recent audits (see :meth:`drift_growth`), raised by its standard error
         and not capped; None until three audits at two or more distances measured a loss."""
-        points = [(math.log(max(a.frames, 1)), math.log(a.lost)) for a in self._lead_lost if a.lost > _LOSS_FLOOR]
-        xs = [x for x, _ in points]
-        if len(points) < 3 or len(set(xs)) < 2:
-            return None
-        mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-        residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in points) / (len(points) - 2)
-        return slope + math.sqrt(residual / sxx)
+        return _cautious_slope([(a.frames, a.lost) for a in self._lead_lost])
 
     def drift_growth(self) -> float:
         """How the lead a cached frame loses grows with the frames since the last full one: the exponent ``g`` of
@@ -309,6 +356,7 @@ class QualityGuard:
             self.long_interval = max(self.long_interval // 2, self.min_interval)
             if self.level < LEVELS:
                 self.level += 1
+                self._drift.clear()  # other thresholds, other drift
                 self._holds_needed[self.level - 1] = min(self._holds_needed[self.level - 1] * 2, 8)
             else:
                 self._suspend = min(max(2 * self._suspend, 2), _MAX_SUSPEND)
@@ -319,6 +367,7 @@ class QualityGuard:
             # a map's agreement varies from frame to frame around what the audits see: one that used more than the
             # headroom of the budget leaves the frames between audits on both sides of the target
             self.level += 1
+            self._drift.clear()  # other thresholds, other drift
             self._holds = 0
             self.interval = self.min_interval
             return Verdict.TIGHTEN
@@ -338,6 +387,7 @@ class QualityGuard:
         if self._holds < self._holds_needed[self.level - 1]:
             return Verdict.HOLD
         self.level -= 1
+        self._drift.clear()  # other thresholds, other drift
         self._holds = 0
         self.interval = max(self.max_interval // 2, self.min_interval)  # the looser level proves itself anew
         return Verdict.RELAX

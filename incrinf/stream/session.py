@@ -371,6 +371,7 @@ class StreamSession:
         result = sampler.check(engine.engine, f.x, f.mask)
         f.times.audit += time.perf_counter() - clock
         f.sampled = result.error
+        quality.drift_sampled(since_full, result.error)
         self._last_check = self._index
         if result.flagged:
             return True
@@ -401,7 +402,7 @@ class StreamSession:
                 self._no_reuse[tuple(f.x.shape)] = "the plan of the smallest change saves less than " \
                                                    f"{self.config.min_saving:.0%} of a full frame"
             elif self.config.quality_guard and self.config.sampled_audits:
-                sampler = SampledAudit(self.config, seed=len(self._samplers))
+                sampler = SampledAudit(self.config, seed=self.config.sample_seed + len(self._samplers))
                 sampler.choose(engine.engine)
                 self._samplers[tuple(f.x.shape)] = sampler
         return out

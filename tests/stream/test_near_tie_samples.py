@@ -10,7 +10,7 @@ from stream_scenes import frozen_costs, full_inference, still_camera, wide_class
 
 from incrinf.stream.agreement import Comparison, OutputKind
 from incrinf.stream.config import StreamConfig
-from incrinf.stream.guards import QualityGuard
+from incrinf.stream.guards import CAUTIOUS_GROWTH, QualityGuard
 from incrinf.stream.session import StreamSession
 from incrinf.stream.stats import Cause
 
@@ -108,3 +108,75 @@ def test_the_sampled_scale_is_taken_against_the_audits_pooled_samples():
     assert guard.measured_loss(3, sampled_error=0.15) == pytest.approx(0.4)
     assert not guard.risky(0.6, 3, sampled_error=0.15)
     assert guard.measured_loss(3, sampled_error=0.3) == pytest.approx(0.8)  # twice the pooled drift: twice the loss
+
+
+def _guard_with_one_audit() -> QualityGuard:
+    """An audit lost 0.4 of the lead one frame after a full one; its sample measured 0.1 at the probe."""
+    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02))
+    guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.4), 1)
+    guard.probe_error(0.1)
+    return guard
+
+
+def test_recent_samples_that_show_a_flat_drift_stand_in_for_a_frames_own():
+    """Without samples a frame nine frames after the full one is scaled by the frames (0.4 * 9): a margin of 0.9 is
+    at risk and needs a sample. Once eight samples at 2..9 frames measured 0.08-0.12 (the audit's drift, no trend),
+    the frame is taken to be as far off as the largest of them (0.12: a loss of 0.48), so 0.9 is trusted without a
+    sample and 0.45 is not; seven samples are not enough."""
+    guard = _guard_with_one_audit()
+    assert guard.risky(0.9, 9) and math.isnan(guard.expected_drift(9))
+    errors = (0.09, 0.12, 0.08, 0.1, 0.11, 0.09, 0.1, 0.12)
+    for d, error in zip(range(2, 9), errors):
+        guard.drift_sampled(d, error)
+    assert math.isnan(guard.expected_drift(9)) and guard.risky(0.9, 9)
+    guard.drift_sampled(9, errors[-1])
+    assert guard.expected_drift(9) == pytest.approx(0.12) and guard.expected_drift(5) == pytest.approx(0.12)
+    assert not guard.risky(0.9, 9) and not guard.needs_sample(0.9, 9)
+    assert guard.risky(0.45, 9)
+    assert guard.risky(0.9, 9, sampled_error=0.3)  # a frame's own sample still decides for it
+
+
+def test_samples_whose_drift_grows_extrapolate_beyond_the_farthest():
+    """Samples whose error grows in proportion to the frames since the full one (slope 1) put a frame twice as far
+    as the farthest sample at twice its error: 0.36, a loss of 1.44, so a margin of 0.9 is at risk there although it
+    is safe within the samples' reach; samples all taken at one distance extrapolate at the cautious growth."""
+    guard = _guard_with_one_audit()
+    for d in range(2, 10):
+        guard.drift_sampled(d, 0.02 * d)
+    assert guard.expected_drift(9) == pytest.approx(0.18)
+    assert guard.expected_drift(18) == pytest.approx(0.36, rel=1e-6)
+    assert not guard.risky(0.9, 9) and guard.risky(0.9, 18) and guard.needs_sample(0.9, 18)
+    one_distance = _guard_with_one_audit()
+    for _ in range(8):
+        one_distance.drift_sampled(3, 0.1)
+    assert one_distance.expected_drift(6) == pytest.approx(0.1 * 2 ** CAUTIOUS_GROWTH)
+
+
+def test_a_level_change_forgets_the_sampled_drift():
+    """Other thresholds, other drift: a miss tightens one level and the samples taken at the old one no longer stand
+    in for a frame's own."""
+    guard = _guard_with_one_audit()
+    for d in range(2, 10):
+        guard.drift_sampled(d, 0.1)
+    assert not math.isnan(guard.expected_drift(9))
+    guard.record(Comparison(OutputKind.LABEL, 0.0, 0.01, 0.1, 0.9), 9)
+    assert guard.level == 1 and math.isnan(guard.expected_drift(9)) and guard.risky(0.9, 9)
+
+
+def test_sample_seed_sets_the_tile_draws():
+    """The same ``sample_seed`` gives the same draws of tiles, another seed other draws (a benchmark quotes several);
+    a negative or fractional seed is refused."""
+    frame = still_camera(1)[0]
+    model = wide_classifier()
+
+    def draws(seed: int) -> list[float]:
+        session = StreamSession(model, sample_seed=seed, sample_budget=0.8, max_backoff=0)
+        session(frame)  # the first frame profiles the engine and picks the sampled audits' probe
+        (sampler,) = session._samplers.values()
+        return sampler.rng.random(4).tolist()
+
+    assert draws(3) == draws(3)
+    assert draws(3) != draws(4)
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(ValueError, match="sample_seed"):
+            StreamConfig(sample_seed=bad)
