@@ -299,6 +299,12 @@ def test_real_plan_windows_and_scatters_match_torch(monkeypatch):
             if isinstance(rows, Projection):
                 expected = torch_path.project_full(table, n, rows.dest, region)
                 assert torch.equal(dispatch.project(table, n, rows.dest, region, None, rows.combined), expected)
+            elif rows.shifts is not None:  # a CPU plan's overlay: one strided copy per run of boxes, no overlay rows
+                assert rows.dest is None and rows.origin is None
+                c, d = table.shape[1], len(rows.shifts[0][2])  # the map's axes (a box also has a leading unit one)
+                expected = table.index_select(0, rows.read)
+                torch_path.overlay_boxes(expected.view(n, *b.size[-d:], c), region.view(n, *b.region[-d:], c),
+                                         rows.shifts)
             else:
                 expected = _reference_windows(table, rows.read, rows.dest, region, rows.origin)
                 got = dispatch.prepare_windows(table, rows.read, rows.dest, region, rows.origin, rows.combined)
