@@ -30,41 +30,9 @@ import time
 import warnings
 
 import torch
-import torch.nn as nn
 from _common import PeakRSS, machine, median, mib
 
-
-class RoiSegmenter(nn.Module):
-    """A segmentation network reduced to one score per volume: class ``k``'s logits summed over a region of
-    interest of its output map (the reducer Captum's and MONAI's users wrap dense models in)."""
-
-    def __init__(self, net: nn.Module, size: tuple[int, int, int], k: int = 1) -> None:
-        super().__init__()
-        self.net = net
-        self.k = k
-        roi = torch.zeros(1, *size)
-        roi[(slice(None), *(slice(n // 4, n - n // 4) for n in size))] = 1.0
-        self.register_buffer("roi", roi)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.net(x)[:, self.k] * self.roi).sum((1, 2, 3)).unsqueeze(1)
-
-
-def make_model(name: str, size: tuple[int, int, int]) -> nn.Module:
-    """A MONAI network (random init, one input channel), seeded."""
-    from monai.networks import nets
-
-    torch.manual_seed(0)
-    if name == "resnet10":
-        return nets.resnet10(spatial_dims=3, n_input_channels=1, num_classes=2).eval()
-    if name == "densenet121":
-        return nets.DenseNet121(spatial_dims=3, in_channels=1, out_channels=2).eval()
-    if name == "unet":
-        unet = nets.UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(16, 32, 64, 128),
-                         strides=(2, 2, 2), num_res_units=2, norm="batch")
-        return RoiSegmenter(unet, size).eval()
-    raise ValueError(name)
-
+from incrinf.testing.volumes import monai_network
 
 MODELS = ("resnet10", "densenet121", "unet")
 
@@ -85,7 +53,7 @@ def one_run(method: str, name: str, size: tuple[int, int, int], options: dict, b
     torch.set_grad_enabled(False)
     torch.set_num_threads(threads)
     warnings.simplefilter("ignore")
-    model = make_model(name, size)
+    model = monai_network(name, size)
     x = volume(size)
     if method == "monai":
         from monai.visualize import OcclusionSensitivity

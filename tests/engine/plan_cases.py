@@ -8,7 +8,9 @@ import torch
 import torch.nn as nn
 
 from incrinf.engine import BatchEngine
-from incrinf.geometry import input_boxes
+from incrinf.engine.memory import RunBytes
+from incrinf.geometry import Boxes, input_boxes
+from incrinf.graph import Graph
 
 
 def naive_outputs(model: nn.Module, image: torch.Tensor, corners: np.ndarray, window: tuple[int, ...]) -> torch.Tensor:
@@ -23,7 +25,7 @@ def naive_outputs(model: nn.Module, image: torch.Tensor, corners: np.ndarray, wi
 
 
 def planned_outputs(engine: BatchEngine, image: torch.Tensor, corners: np.ndarray, window: tuple[int, ...],
-             batch_size: int) -> tuple[torch.Tensor, object]:
+                    batch_size: int) -> tuple[torch.Tensor, object]:
     """The same outputs from ``engine``'s plan of those windows at ``batch_size`` (each batch run on the changed
     boxes it reads), and the plan."""
     dims = tuple(image.shape[2:])
@@ -40,3 +42,13 @@ def planned_outputs(engine: BatchEngine, image: torch.Tensor, corners: np.ndarra
         result = engine.run_batch(batch, torch.stack(boxes))
         outputs[torch.tensor(batch.queries)] = result.output
     return outputs, plan
+
+
+def run_zeroed_windows(graph: Graph, image: torch.Tensor, region: Boxes, batch_size: int) -> RunBytes:
+    """A whole planned run, as a memory test measures it: an engine built on ``image`` (1, C, *dims), its plan of
+    ``region``'s windows at ``batch_size`` and every batch run on zeroed boxes; the plan's byte model."""
+    engine = BatchEngine(graph, image)
+    plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
+    for batch in plan.batches:
+        engine.run_batch(batch, torch.zeros(batch.n, image.shape[1], *batch.start.size))
+    return engine.run_bytes(plan)

@@ -15,6 +15,7 @@ from incrinf.engine import BatchEngine
 from incrinf.engine.plans import forward_peak_bytes
 from incrinf.geometry import input_boxes
 from incrinf.graph import capture
+from tests.engine.plan_cases import run_zeroed_windows
 
 
 def test_settle_hands_back_only_past_the_budget(monkeypatch):
@@ -240,15 +241,7 @@ def _growth_of_a_whole_run(n: int, batch_size: int) -> tuple[int, int, int]:
     image = torch.randn(1, 1, n, n, n)
     graph = capture(Dense3d().eval(), image.shape[1:])
     region = input_boxes(occlusion_grid((n,) * 3, (8,) * 3, (8,) * 3), (8,) * 3, (n,) * 3)
-
-    def run():
-        engine = BatchEngine(graph, image)
-        plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
-        for batch in plan.batches:
-            engine.run_batch(batch, torch.zeros(batch.n, 1, *batch.start.size))
-        return engine.run_bytes(plan)
-
-    growth, predicted = _sampled_growth(run)
+    growth, predicted = _sampled_growth(lambda: run_zeroed_windows(graph, image, region, batch_size))
     return growth, predicted.peak, predicted.bound
 
 

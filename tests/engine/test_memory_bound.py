@@ -21,6 +21,8 @@ from incrinf.engine.memory import (
 )
 from incrinf.geometry import input_boxes
 from incrinf.graph import capture
+from incrinf.testing.volumes import monai_network
+from tests.engine.plan_cases import run_zeroed_windows
 
 
 def _exact_peaks() -> bool:
@@ -39,37 +41,6 @@ def _peak_growth(fn) -> tuple[int, object]:
     return resident_peak() - start - max(file_resident() - files, 0), result
 
 
-class _Roi(nn.Module):
-    """A segmenter reduced to one score per volume: class 1's logits summed over the central eighth."""
-
-    def __init__(self, net: nn.Module, n: int) -> None:
-        super().__init__()
-        self.net = net
-        roi = torch.zeros(1, n, n, n)
-        roi[:, n // 4:n - n // 4, n // 4:n - n // 4, n // 4:n - n // 4] = 1.0
-        self.register_buffer("roi", roi)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.net(x)[:, 1] * self.roi).sum((1, 2, 3)).unsqueeze(1)
-
-
-def _network(name: str, n: int) -> nn.Module:
-    from monai.networks import nets
-
-    torch.manual_seed(0)
-    if name == "resnet10":
-        return nets.resnet10(spatial_dims=3, n_input_channels=1, num_classes=2).eval()
-    if name == "densenet121":
-        return nets.DenseNet121(spatial_dims=3, in_channels=1, out_channels=2).eval()
-    if name == "unet":
-        return _Roi(nets.UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(16, 32, 64, 128),
-                              strides=(2, 2, 2), num_res_units=2, norm="batch"), n).eval()
-    if name == "segresnet":
-        return _Roi(nets.SegResNet(spatial_dims=3, in_channels=1, out_channels=2, init_filters=8, norm="batch"),
-                    n).eval()
-    raise ValueError(name)
-
-
 def _growth_and_bound(name: str, n: int, mask: int, stride: int, batch_size: int) -> tuple[int, int, int]:
     """In a fresh process: a 3-D occlusion run's peak anonymous resident growth (executor, base, store, plan and
     batches), its byte model's predicted peak and its bound."""
@@ -77,19 +48,11 @@ def _growth_and_bound(name: str, n: int, mask: int, stride: int, batch_size: int
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     nn.Conv3d(1, 4, 3)(torch.randn(1, 1, 8, 8, 8))  # the runtime's own first-use memory, outside the measurement
-    model = _network(name, n)
+    model = monai_network(name, (n,) * 3)
     image = torch.randn(1, 1, n, n, n)
     graph = capture(model, image.shape[1:])
     region = input_boxes(occlusion_grid((n,) * 3, (mask,) * 3, (stride,) * 3), (mask,) * 3, (n,) * 3)
-
-    def run():
-        engine = BatchEngine(graph, image)
-        plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
-        for batch in plan.batches:
-            engine.run_batch(batch, torch.zeros(batch.n, 1, *batch.start.size))
-        return engine.run_bytes(plan)
-
-    growth, predicted = _peak_growth(run)
+    growth, predicted = _peak_growth(lambda: run_zeroed_windows(graph, image, region, batch_size))
     return growth, predicted.peak, predicted.bound
 
 
