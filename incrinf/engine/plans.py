@@ -406,24 +406,43 @@ def batch_index(program: Program, layout: Layout, batch: BatchPlan, device: torc
     return BatchIndex(tuple(step_indices(program, layout, batch, device)), projections(program, batch, device))
 
 
-def _keeps_index(made: list[tuple], weights: int, store: int) -> bool:
+class _Packed(NamedTuple):
+    """One batch of a packing being weighed by :func:`build_plan`: its queries, geometry, multiply-adds, peak bytes
+    and the estimated bytes of its index tensors."""
+
+    queries: np.ndarray
+    start: Boxes
+    steps: list[StepPlan]
+    boundary: list
+    unchanged: bool
+    macs: float
+    peak: int
+    index_bytes: int
+
+
+def _keeps_index(made: list[_Packed], weights: int, store: int) -> bool:
     """Whether a plan of the batches ``made`` keeps their index tensors: all of them take at most
     :data:`INDEX_SHARE` of what the run holds anyway (the model's weights, the store, the largest batch)."""
-    return sum(m[7] for m in made) <= INDEX_SHARE * (weights + store + max(m[6] for m in made))
+    return sum(m.index_bytes for m in made) <= INDEX_SHARE * (weights + store + max(m.peak for m in made))
 
 
-def _cost(made: list[tuple], weight_bytes: int) -> float:
+def _largest(made: list[_Packed]) -> int:
+    """Queries in the largest of the batches ``made``."""
+    return max(len(m.queries) for m in made)
+
+
+def _cost(made: list[_Packed], weight_bytes: int) -> float:
     """What the batches ``made`` cost in multiply-adds: their own (tails included) plus the weights they read,
     weighed as :func:`~incrinf.engine.packing.run_cost` weighs them."""
-    return sum(m[5] for m in made) + packing.MACS_PER_WEIGHT_BYTE * weight_bytes
+    return sum(m.macs for m in made) + packing.MACS_PER_WEIGHT_BYTE * weight_bytes
 
 
-def _holds(made: list[tuple], weights: int, store: int) -> int:
+def _holds(made: list[_Packed], weights: int, store: int) -> int:
     """The most bytes the batches ``made`` hold at once beyond the store: the largest batch's values and index
     tensors (all batches' index tensors when the plan keeps them)."""
     if _keeps_index(made, weights, store):
-        return max(m[6] for m in made) + sum(m[7] for m in made)
-    return max(m[6] + m[7] for m in made)
+        return max(m.peak for m in made) + sum(m.index_bytes for m in made)
+    return max(m.peak + m.index_bytes for m in made)
 
 
 def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarray, sizes: np.ndarray) -> Plan:
@@ -477,28 +496,28 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
     allowance = key.memory if key.batch_size <= 0 else naive - store - program.ops.made_bytes
     grow_to = int(min(cap, allowance // per_query)) if per_axis is not None and allowance > 0 else 0
 
-    def batches(bounds: list[tuple[int, int]]) -> list[tuple]:
+    def batches(bounds: list[tuple[int, int]]) -> list[_Packed]:
         made = []
         for lo, hi in bounds:
             queries = order[lo:hi]
             start, (steps, boundary, unchanged, macs, peak) = geometry(queries)
             estimate = index_estimate(program, steps, len(queries), boundary, device)
-            made.append((queries, start, steps, boundary, unchanged, macs, peak, estimate))
+            made.append(_Packed(queries, start, steps, boundary, unchanged, macs, peak, estimate))
         return made
 
-    def totals(made: list[tuple]) -> tuple[int, int, int, int]:
+    def totals(made: list[_Packed]) -> tuple[int, int, int, int]:
         """A packing's shared tail group, peak (the boundary tensors waiting for the shared tail included), budget
         and the bytes of weights it reads."""
-        peak = max(m[6] for m in made)
+        peak = max(m.peak for m in made)
         # naive re-inference at this batch size (or the caller's budget) bounds what batches and a shared tail hold
         budget = max(key.memory if key.batch_size <= 0 else naive, peak)
-        largest = max(len(m[0]) for m in made)
+        largest = _largest(made)
         tail_queries = min(tail_group(program, largest, element_size, peak, budget), q) if q > largest else 0
         if tail_queries:
             peak += sum(byte_sizes.whole(name, 1) for name in program.boundary) * tail_queries
-        changed = sum(len(m[0]) for m in made if not m[4])
-        tail_runs = -(-changed // tail_queries) if tail_queries else sum(not m[4] for m in made)
-        weight_bytes = sum(program.steps[sp.index].weight_bytes for m in made for sp in m[2]) \
+        changed = sum(len(m.queries) for m in made if not m.unchanged)
+        tail_runs = -(-changed // tail_queries) if tail_queries else sum(not m.unchanged for m in made)
+        weight_bytes = sum(program.steps[sp.index].weight_bytes for m in made for sp in m.steps) \
             + tail_runs * tail_weights
         return tail_queries, peak, budget, weight_bytes
 
@@ -507,9 +526,9 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
         made = batches([(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)])
     else:
         made = batches(pack(program, exact, order, batch_size))
-        if grow_to > max(len(m[0]) for m in made):
+        if grow_to > _largest(made):
             grown = batches(pack(program, exact, order, batch_size, grow_to))
-            while max(len(m[0]) for m in grown) > batch_size and (holds := _holds(grown, weights, store)) > allowance:
+            while _largest(grown) > batch_size and (holds := _holds(grown, weights, store)) > allowance:
                 # the estimate per query fell short (index tensors, boxes of mixed reach): shrink in proportion
                 grow_to = min(grow_to - 1, int(grow_to * allowance / holds))
                 grown = batches(pack(program, exact, order, batch_size, grow_to))
