@@ -220,7 +220,8 @@ class Plan:
         keeps_index: whether the batches carry their index tensors.
         tail_queries: how many queries of consecutive batches may share one run of the model's tail (their boundary
             tensors kept until then; 0: each batch runs its own), see :func:`tail_group`.
-        budget_bytes: memory the run may hold: naive re-inference's at this batch size (or the caller's budget),
+        budget_bytes: memory the run may hold: naive re-inference's at this batch size, working memory of its
+            operators on channels-first batches included (or the caller's budget),
             at least the batches' peak; freed memory the allocator keeps within it is not handed back.
         weight_bytes: bytes of weights the run reads: each batch reads the weights of every step it runs, each
             run of the tail the tail's (plain batched re-inference reads all of them once per batch).
@@ -456,7 +457,8 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
     Exact runs pack batches of half the batch size and more (:func:`~incrinf.engine.packing.pack`). Where the
     weight reads make larger batches cheaper, a batch may hold more than the batch size as long as what it
     holds fits the *allowance*: ``key.memory``, or what naive re-inference at the batch size holds beyond the
-    model (:func:`~incrinf.engine.plan_bytes.forward_peak_bytes`) less what this run holds beyond it (the store's
+    model (:func:`~incrinf.engine.plan_bytes.forward_peak_bytes` of plain channels-first batches, its operators'
+    working memory included: what the plain method really peaks at) less what this run holds beyond it (the store's
     tables, the weights the executor made). The bytes per query come from a batch of the largest boxes; a
     packing whose batches then hold more than the allowance is replaced by one of at most the batch size. So a
     run's peak stays at naive re-inference's at the same batch size wherever the batch size alone kept it there.
@@ -490,7 +492,9 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
     batch_size = max(1, min(batch_size, q))
     store = sum(t.rows * byte_sizes.channels(t.source) * element_size for t in layout.tables.values())
     weights = sum(p.numel() * p.element_size() for p in graph.module.parameters())
-    naive = forward_peak_bytes(program, batch_size, element_size)
+    # naive re-inference runs the model on plain (channels-first) batches: its operators' working memory (oneDNN's
+    # blocked copies of maps and weights) is part of what it holds (more than its activations on a 3-D UNet)
+    naive = forward_peak_bytes(program, batch_size, element_size, channels_last=False)
     # what the batches may hold: the caller's budget, or what naive re-inference at this batch size holds beyond
     # the model less what this run holds beyond it (the store's tables, the weights the executor made)
     allowance = key.memory if key.batch_size <= 0 else naive - store - program.ops.made_bytes
