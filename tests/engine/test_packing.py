@@ -193,7 +193,7 @@ def test_batches_grow_within_naive_memory_and_stay_exact(funnel, monkeypatch):
     assert plain.largest_batch <= batch_size < grown.largest_batch
     assert len(grown.batches) < len(plain.batches)
     held = engine.run_bytes(grown)
-    assert held.held + held.batch <= forward_peak_bytes(engine.program, batch_size, 4, channels_last=False)
+    assert held.held + held.batch <= forward_peak_bytes(engine.program, batch_size, 4)
     cost = [p.macs + PER_BYTE * p.weight_bytes for p in (plain, grown)]
     assert cost[1] < cost[0]
     runtime_cache().clear()
