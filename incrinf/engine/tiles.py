@@ -157,14 +157,14 @@ def _cones_seconds(program: Program, costs: FrameCosts, step: int, cones: list[d
 
 
 def _batch_seconds(program: Program, costs: FrameCosts, step: int, cones: list[dict[str, Box]]) -> float:
-    """Translated cones run as one batch: each step's fixed cost once, its arithmetic per cone."""
+    """Translated cones run as one batch: each step's fixed cost (cold and one box) once, its arithmetic per cone."""
     one = cones[0]
     call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
     seconds = 0.0
     for index in range(step + 1):
         name = program.steps[index].out
         if name in one:
-            call, compute = costs.box_parts(index, area(one[name]))
+            call, compute = costs.step_parts(index, [area(one[name])])
             seconds += call_ratio * call + len(cones) * compute_ratio * compute
     return seconds
 
