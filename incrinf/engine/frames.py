@@ -391,10 +391,11 @@ class FrameEngine:
 
     @torch.no_grad()
     def profile(self, repeats: int = PROFILE_REPEATS) -> None:
-        """Measure the cost coefficients on the cached frame (call after :meth:`full`; costs about ``2 * repeats``
+        """Measure the cost coefficients on the cached frame (call after :meth:`full`; costs about ``3 * repeats``
         full frames): every step on its whole map (their shares, scaled to the generated full module's time), on
-        one position, and in the block walk on one cell; the fastest of ``repeats`` runs of each counts. The cache
-        keeps the full frame's values (up to float rounding where the runs rewrote them)."""
+        one position, in a walk of one box after a full frame (the cold cost per step,
+        :meth:`_step_calls`), and in the block walk on one cell; the fastest of ``repeats`` runs of each counts.
+        The cache keeps the full frame's values (up to float rounding where the runs rewrote them)."""
         if not self.has_cache:
             raise RuntimeError("no cache: run full() on a frame first")
         program, cache, steps = self.program, self.cache, self.program.steps
@@ -442,7 +443,7 @@ class FrameEngine:
             frame = min(frame, time.perf_counter() - clock)
         move = self._move_seconds(repeats + 1)
         self.costs.set_profile(dense, box_call, block_call, tail, move, frame)
-        self.costs.set_profile(dense, box_call, block_call, tail, move, frame, self._step_calls(repeats + 1))
+        self.costs.set_profile(dense, box_call, block_call, tail, move, frame, self._step_calls(repeats))
         cluster_boxes(np.ones((1, 1), bool), 1, (1, 1))  # its imports, now rather than in the first cached frame
 
     def _step_calls(self, repeats: int) -> list[float]:
