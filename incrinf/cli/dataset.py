@@ -72,7 +72,9 @@ def run_dataset(args: argparse.Namespace) -> int:
 
     The inputs' kind picks the defaults: images get ``efficientnet_lite0``, a 16-pixel window and stride 4 and
     the image options; NIfTI volumes get ``monai_densenet121_3d``, a 16-voxel window and stride 16 and the volume
-    options (``--volume-index``, ``--resize``). An option of the other kind is an error.
+    options (``--volume-index``, ``--resize``). An option of the other kind is an error. ``--feature-mask FILE``
+    applies one mask to every input of its shape (others are error rows); ``--target all`` keeps every class's
+    map per input.
 
     Args:
         args: the parsed ``explain`` arguments (``image`` a list, ``out`` the folder).
@@ -86,11 +88,6 @@ def run_dataset(args: argparse.Namespace) -> int:
         raise ValueError("a dataset run needs inputs: image or NIfTI files, directories or glob patterns")
     if Path(args.out).suffix.lower() in _PICTURE_SUFFIXES and not Path(args.out).is_dir():
         raise ValueError(f"several inputs write a folder: give --out DIR (not the picture name {args.out!r})")
-    if args.feature_mask:
-        raise ValueError("--feature-mask explains one input's features; a dataset run slides windows")
-    if args.target == "all":
-        raise ValueError("--target all makes a map per class of one input; a dataset run explains one class per "
-                         "input (the predicted one, or --target K)")
     volumes = discover_inputs(args.image).kind == KIND_VOLUMES
     options = apply_explain_options(args)  # the single-input options (tau, drill-down, ...) flow through here too
     if args.baseline != 0.0:
@@ -113,7 +110,8 @@ def run_dataset(args: argparse.Namespace) -> int:
     try:
         report = explain_dataset(
             args.model or defaults["model"], args.image, args.out, weights=args.weights, size=args.size,
-            masks=args.masks, mask_threshold=args.mask_threshold, workers=args.workers or 1,
+            masks=args.masks, mask_threshold=args.mask_threshold, feature_mask=args.feature_mask,
+            workers=args.workers or 1,
             ray=(True if args.ray == "local" else args.ray) if args.ray else None,
             cpus_per_worker=args.cpus_per_worker, overwrite=args.overwrite, progress=not args.quiet,
             **volume_options, **options)

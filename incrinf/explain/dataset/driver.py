@@ -59,6 +59,7 @@ def explain_dataset(
     resize: tuple[int, int, int] | None = None,
     masks: str | os.PathLike | None = None,
     mask_threshold: float = 0.5,
+    feature_mask: str | os.PathLike | None = None,
     workers: int = 1,
     ray: bool | str | None = None,
     cpus_per_worker: int = 1,
@@ -92,6 +93,12 @@ def explain_dataset(
         masks: images: a mask image for every input, or a folder of masks matched by relative path or stem; the
             share of positive heat inside each mask goes into the table.
         mask_threshold: inputs with more than this share of their positive heat outside their mask are listed.
+        feature_mask: one file of integer feature ids (anatomical labels, superpixels) applied to every input:
+            a label volume (NIfTI or (D, H, W) ``.npy``) of the scans' shape before ``resize``, or a segment image
+            (or (H, W) ``.npy``) of the images' size before resizing; each input's features are occluded instead
+            of sliding windows, and an input of another shape is an error row (``error_kind`` "mask") with both
+            shapes. Read and validated as ``incrinf explain --feature-mask`` reads it; its content is part of the
+            resume key.
         workers: local processes (1 = in-process); with ``ray``, the number of actors (default: one per
             ``cpus_per_worker`` CPUs of the cluster).
         ray: True or "local" starts Ray on this machine; an address ("auto", "HOST:PORT", "ray://HOST:PORT")
@@ -103,14 +110,16 @@ def explain_dataset(
         progress: progress bars (over inputs; in-process also per input).
         callback: called with each input's table row as soon as its outputs are written.
         **occlusion_options: passed to :func:`incrinf.occlusion` for every image (patch, stride, target,
-            output, tau, drill_down, ...).
+            output, tau, drill_down, ...). ``target="all"`` keeps every class's map per input (``heatmap.npy``
+            of shape (classes, ...)); the overlay, table row and statistics show the predicted class's.
 
     Returns:
         A :class:`DatasetReport` (its ``exit_code`` is what ``incrinf explain`` returns).
 
     Raises:
         FileNotFoundError / ValueError: missing inputs or masks, no inputs, images and volumes mixed, bad
-            options (an image option for volumes or the reverse, ``target="all"``, ``feature_mask``).
+            options (an image option for volumes or the reverse), a feature mask missing, unreadable or not of
+            integer ids.
         RuntimeError: the out folder is in use by another run, or workers cannot load the model.
         DatasetInterrupted: Ctrl-C; its ``report`` describes the folder as left (every finished input kept).
     """
@@ -119,12 +128,14 @@ def explain_dataset(
     if volumes:
         if masks is not None:
             raise ValueError("masks= (the shortcut check) compares heat with image masks; a volume run has none "
-                             "(explain one scan with feature_mask= to score anatomical labels)")
+                             "(give feature_mask= a label volume to score anatomical labels)")
         spec = _volume_spec(model, weights, normalization, size, volume_index, resize, occlusion_options)
     else:
         if volume_index != 0 or resize is not None:
             raise ValueError("volume_index= and resize= are for NIfTI volumes; these inputs are images (use size=)")
         spec = _spec(model, weights, normalization, size, occlusion_options)
+    if feature_mask is not None:
+        spec = _with_feature_mask(spec, feature_mask)
     if not 0.0 <= mask_threshold <= 1.0:
         raise ValueError(f"mask_threshold must be in [0, 1], got {mask_threshold}")
     mask_check = _MaskCheck(find_masks(selection.items, masks), spec.preprocessing, mask_threshold)
@@ -206,6 +217,21 @@ def _volume_spec(model: nn.Module | str, weights: str | None, normalization: str
     return ExplainSpec(source, VolumePreprocessing(volume_index, resize), dict(options))
 
 
+def _with_feature_mask(spec: ExplainSpec, path: str | os.PathLike) -> ExplainSpec:
+    """``spec`` with the feature ids read from ``path`` once for the whole run (each worker fits them to its
+    input's grid), by the readers ``incrinf explain --feature-mask`` uses."""
+    from dataclasses import replace
+
+    from incrinf.explain.feature_masks import read_image_mask, read_label_volume
+
+    name = os.fspath(path)
+    if spec.volumes:
+        labels = read_label_volume(name, spec.preprocessing.volume_index).numpy()
+    else:
+        labels = read_image_mask(name)
+    return replace(spec, feature_mask=labels, feature_mask_name=name)
+
+
 def _source(model: nn.Module | str, weights: str | None) -> ModelSource:
     from incrinf import models
 
@@ -224,11 +250,6 @@ def _check_options(options: dict[str, Any]) -> None:
     """Refuse, before any work, options a dataset run cannot honour per input."""
     if "progress" in options:
         raise TypeError("pass progress= to explain_dataset itself (it controls both progress bars)")
-    if options.get("target") == "all":
-        raise ValueError("target='all' makes a map per class of one input; a dataset run explains one class per "
-                         "input (the predicted one, or target=K)")
-    if options.get("feature_mask") is not None:
-        raise ValueError("feature_mask= explains one input's features; a dataset run slides windows")
     _check_option_names(options)
 
 

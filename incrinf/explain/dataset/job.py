@@ -27,6 +27,7 @@ from incrinf.explain.dataset.volumes import VolumePreprocessing
 ERROR_READ = "read"  # the driver could not read the file
 ERROR_DECODE = "decode"  # not an image, corrupt or truncated
 ERROR_EXPLAIN = "explain"  # the model or the occlusion options rejected it
+ERROR_MASK = "mask"  # the run's feature mask does not fit this input (another shape): skipped, not guessed
 ERROR_WORKER_LOST = "worker-lost"  # the worker died while it held the input, too many times
 
 # Options that change how fast a heat map is computed but not what it is: left out of the settings digest, so
@@ -100,11 +101,19 @@ class Preprocessing:
 
 @dataclass(frozen=True)
 class ExplainSpec:
-    """Everything a worker needs besides the inputs: the model, preprocessing and occlusion options."""
+    """Everything a worker needs besides the inputs: the model, preprocessing and occlusion options.
+
+    Attributes:
+        feature_mask: the run's feature ids on an input's own grid ((H, W) of an image before resizing and
+            cropping, (D, H, W) of a volume before ``resize``), fitted to each input in its worker; None slides
+            windows. ``feature_mask_name``: its file, for messages.
+    """
 
     model: ModelSource
     preprocessing: Preprocessing | VolumePreprocessing
     options: dict[str, Any] = field(default_factory=dict)
+    feature_mask: np.ndarray | None = None
+    feature_mask_name: str = ""
 
     @property
     def volumes(self) -> bool:
@@ -115,6 +124,8 @@ class ExplainSpec:
         """Digest of what determines the outputs (model, preprocessing, occlusion options); see
         ``_HOW_NOT_WHAT`` for the options left out."""
         options = {k: _canonical(v) for k, v in sorted(self.options.items()) if k not in _HOW_NOT_WHAT}
+        if self.feature_mask is not None:  # its content, not its file name: an edited mask is another result
+            options["feature_mask"] = _canonical(self.feature_mask)
         text = json.dumps({"model": self.model.digest(), "pre": self.preprocessing.key(), "options": options},
                           sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -167,6 +178,10 @@ class Outcome:
         display: (H, W, 3) uint8 picture of the model's input (the crop the heat map is aligned with); for a
             volume the (D, H, W) float32 standardised scan the model saw.
         affine: volumes only: (4, 4) voxel -> world affine of ``display``'s grid (the scan's, resampled).
+        features: feature-mask runs: (F,) the mask's feature ids, in ``heatmap``'s order (``heatmap`` is (F,) or,
+            with ``target="all"``, (K, F)).
+        pixel: feature-mask and every-class runs: (*image_shape) attribution per element of ``target``'s map (the
+            map the single-input command draws); None for a plain grid, whose pixel map follows from the heat map.
         seconds: wall time of the job in the worker. ``worker``: ``pid@host``.
     """
 
@@ -187,6 +202,8 @@ class Outcome:
     predicted: int | None = None
     display: np.ndarray | None = None
     affine: np.ndarray | None = None
+    features: np.ndarray | None = None
+    pixel: np.ndarray | None = None
     seconds: float = 0.0
     worker: str = ""
 
@@ -216,44 +233,89 @@ class Explainer:
         if task.data is None:
             return Outcome(task.index, task.id, ERROR_READ, task.read_error)
         preprocessing = self.spec.preprocessing
+        labels, mask = self.spec.feature_mask, None
         try:
             if isinstance(preprocessing, VolumePreprocessing):
-                scan = preprocessing.apply(task.data, task.name)
+                scan = preprocessing.decode(task.data, task.name)
+                shape = scan.voxels.shape
+                scan = preprocessing.resample(scan)
                 x, display, affine = torch.from_numpy(scan.voxels)[None], scan.voxels, scan.affine
             else:
-                x = preprocessing.apply(decode_rgb(task.data, task.name))
+                rgb = decode_rgb(task.data, task.name)
+                shape = rgb.shape[:2]
+                x = preprocessing.apply(rgb)
                 display, affine = preprocessing.display(x), None
         except ValueError as exc:
             return Outcome(task.index, task.id, ERROR_DECODE, str(exc))
+        if labels is not None:
+            try:
+                mask = _fit_mask(labels, shape, tuple(x.shape[1:]), self.spec.feature_mask_name)
+            except ValueError as exc:  # another shape than the mask's: skipped with why, never resampled blindly
+                return Outcome(task.index, task.id, ERROR_MASK, str(exc))
         try:
-            return self._explain(task, x, display, affine)
+            return self._explain(task, x, display, affine, mask)
         except Exception as exc:  # one bad input must not end the run: its error goes in the table
             where = traceback.extract_tb(exc.__traceback__)[-1]
             return Outcome(task.index, task.id, ERROR_EXPLAIN,
                            f"{type(exc).__name__}: {exc} ({Path(where.filename).name}:{where.lineno})")
 
-    def _explain(self, task: Task, x: torch.Tensor, display: np.ndarray, affine: np.ndarray | None) -> Outcome:
-        """Explain the model's input ``x`` ((C, H, W) image or (1, D, H, W) volume)."""
+    def _explain(self, task: Task, x: torch.Tensor, display: np.ndarray, affine: np.ndarray | None,
+                 mask: torch.Tensor | None = None) -> Outcome:
+        """Explain the model's input ``x`` ((C, H, W) image or (1, D, H, W) volume), by sliding windows or, with
+        ``mask`` ((H, W) or (D, H, W) ids on ``x``'s grid), by occluding its features."""
         import incrinf  # the public entry point, looked up per call so options that land later flow through
 
         options = dict(self.spec.options)
         options.setdefault("progress", self.progress)
         if self.spec.volumes:
             options.setdefault("spatial_dims", 3)
+        if mask is not None:
+            options["feature_mask"] = mask
         result = incrinf.occlusion(self.model, x, **options)
         with torch.no_grad():
             logits = self.model(x[None].to(options.get("device") or x.device)).reshape(1, -1).float().cpu()
         probs = torch.softmax(logits, dim=1)[0]
         output = options.get("output", "logit")
-        score = probs[result.target] if output == "prob" else logits[0, result.target]
+        # an every-class run is summarised (score, overlay, table) by the predicted class's map, as the
+        # single-input command draws it; its heat map keeps every class's
+        target = int(probs.argmax()) if result.every_class else int(result.target)
+        score = probs[target] if output == "prob" else logits[0, target]
+        plain = result.features is None and not result.every_class
+        pixel = None if plain else np.asarray(result.pixel_map(), np.float32)
+        if pixel is not None and result.every_class:
+            pixel = pixel[target]
         return Outcome(
             task.index, task.id, heatmap=np.asarray(result.heatmap, np.float32),
             positions=np.asarray(result.positions, np.int64),
-            fine=None if result.fine is None else np.asarray(result.fine, bool), target=int(result.target),
+            fine=None if result.fine is None else np.asarray(result.fine, bool), target=target,
             patch=tuple(int(v) for v in result.patch), stride=tuple(int(v) for v in result.stride),
             image_shape=tuple(int(v) for v in result.image_shape), stats=_plain(result.stats.as_dict()),
-            score=float(score), probability=float(probs[result.target]), predicted=int(probs.argmax()),
-            display=display, affine=affine)
+            score=float(score), probability=float(probs[target]), predicted=int(probs.argmax()),
+            display=display, affine=affine,
+            features=None if result.features is None else np.asarray(result.features, np.int64), pixel=pixel)
+
+
+def _fit_mask(labels: np.ndarray, shape: tuple[int, ...], model_shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """The run's feature ids on one input's model grid, resampled as the input was (nearest labels).
+
+    Args:
+        labels: (H, W) or (D, H, W) ids on an input's own grid.
+        shape: this input's own (H, W) or (D, H, W). model_shape: the model's input grid ``x.shape[1:]``.
+        name: the mask's file, for messages.
+
+    Raises:
+        ValueError: ``labels`` is not of this input's shape (the same messages as ``incrinf explain``'s).
+    """
+    from incrinf.explain.feature_masks import check_volume_mask, fit_image_mask, resize_labels
+
+    tensor = torch.from_numpy(np.ascontiguousarray(labels))
+    if labels.ndim == 3:
+        check_volume_mask(tensor, shape, name)
+        return resize_labels(tensor, model_shape)
+    try:
+        return fit_image_mask(labels, shape, model_shape[-1])
+    except ValueError as exc:
+        raise ValueError(f"feature mask {name}: {exc}") from None
 
 
 def _plain(stats: dict[str, Any]) -> dict[str, Any]:

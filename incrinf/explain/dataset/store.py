@@ -5,7 +5,11 @@ Layout of ``DIR``::
     results.csv            one row per input of the run (derived from the records: never the only copy)
     summary.json           counts, dataset statistics, run info
     index.html             the gallery
-    items/<id>.heatmap.npy (rows, cols) float32 heat map; (depth, rows, cols) for a volume
+    items/<id>.heatmap.npy (rows, cols) float32 heat map; (depth, rows, cols) for a volume; with --target all one
+                           map per class, (classes, ...); with --feature-mask one value per feature, (F,) or
+                           (classes, F), in the order of items/<id>.features.npy (the mask's ids)
+    items/<id>.pixel.npy   feature-mask and every-class runs: the drawn map per pixel or voxel (the predicted
+                           class's for --target all), which the overlay, NIfTI map and statistics use
     items/<id>.heatmap.nii.gz  volumes: the voxel heat map (mean of the windows covering each voxel) as NIfTI, on
                            the scan's grid (resampled with --resize) with the scan's affine
     items/<id>.overlay.png heat map over the input with a colour bar (OcclusionResult.save; a montage of slices
@@ -39,15 +43,16 @@ STATUS_OK, STATUS_ERROR, STATUS_PENDING = "ok", "error", "pending"
 OUTPUT_FILES = ("heatmap", "overlay", "image", "thumb")
 VOLUME_OUTPUT_FILES = (*OUTPUT_FILES, "voxels")
 _SUFFIX = {"heatmap": ".heatmap.npy", "overlay": ".overlay.png", "image": ".image.png", "thumb": ".thumb.png",
-           "positions": ".positions.npy", "voxels": ".heatmap.nii.gz"}
+           "positions": ".positions.npy", "voxels": ".heatmap.nii.gz", "pixel": ".pixel.npy",
+           "features": ".features.npy"}
 KIND_IMAGE, KIND_VOLUME = "image", "volume"  # a record's "kind"
 
 # The results table, in column order.
 COLUMNS = (
     "path", "id", "status", "target", "class_name", "score", "probability", "predicted", "largest_drop", "drop_z",
-    "drop_y", "drop_x", "patch", "stride", "positions", "batches", "seconds", "theoretical_speedup",
-    "realized_flop_ratio", "approximate", "error_estimate", "error_estimate_kind", "mask_inside_share",
-    "mask_outside", "heatmap_file", "overlay_file", "voxels_file", "worker", "error_kind", "error",
+    "drop_y", "drop_x", "patch", "stride", "features", "every_class", "positions", "batches", "seconds",
+    "theoretical_speedup", "realized_flop_ratio", "approximate", "error_estimate", "error_estimate_kind",
+    "mask_inside_share", "mask_outside", "heatmap_file", "overlay_file", "voxels_file", "worker", "error_kind", "error",
 )
 
 
@@ -179,6 +184,7 @@ class RunFolder:
             self.write_record(record)
             return record
         from incrinf.explain.dataset.stats import blend, grid_positions, heat_colours, pixel_map, thumbnail
+        from incrinf.explain.pictures import save_heatmap
         from incrinf.explain.result import OcclusionResult
 
         heat = outcome.heatmap
@@ -189,13 +195,23 @@ class RunFolder:
             files[kind] = {"name": path.name, "bytes": atomic_write(path, write)}
 
         put("heatmap", lambda tmp: np.save(tmp, heat))
-        regular = np.array_equal(outcome.positions, grid_positions(heat.shape, outcome.stride))
-        if not regular:  # kept only when the heat map is not a plain grid, which later statistics assume
-            put("positions", lambda tmp: np.save(tmp, outcome.positions))
-        result = OcclusionResult(heat, outcome.positions, outcome.target, outcome.patch, outcome.stride,
-                                 outcome.image_shape, fine=outcome.fine)
-        put("overlay", lambda tmp: result.save(tmp, image=outcome.display, title=overlay_title))
-        pixel = pixel_map(heat, outcome.positions, outcome.patch, outcome.image_shape)
+        if outcome.pixel is not None:  # features or every class: the heat map is not one grid of windows
+            pixel = outcome.pixel
+            put("pixel", lambda tmp: np.save(tmp, pixel))
+            if outcome.features is not None:
+                put("features", lambda tmp: np.save(tmp, outcome.features))
+            what = "features" if outcome.features is not None else \
+                f"occlusion {'x'.join(map(str, outcome.patch))}, stride {'x'.join(map(str, outcome.stride))}"
+            put("overlay", lambda tmp: save_heatmap(pixel, tmp, outcome.display, overlay_title or what,
+                                                    f"drop in class {outcome.target} score"))
+        else:
+            regular = np.array_equal(outcome.positions, grid_positions(heat.shape, outcome.stride))
+            if not regular:  # kept only when the heat map is not a plain grid, which later statistics assume
+                put("positions", lambda tmp: np.save(tmp, outcome.positions))
+            result = OcclusionResult(heat, outcome.positions, outcome.target, outcome.patch, outcome.stride,
+                                     outcome.image_shape, fine=outcome.fine)
+            put("overlay", lambda tmp: result.save(tmp, image=outcome.display, title=overlay_title))
+            pixel = pixel_map(heat, outcome.positions, outcome.patch, outcome.image_shape)
         volume = outcome.affine is not None
         if volume:
             from incrinf.explain.dataset.volumes import heat_montage, scan_montage, write_nifti
@@ -206,13 +222,19 @@ class RunFolder:
         else:
             put("image", lambda tmp: _save_png(tmp, outcome.display))
             put("thumb", lambda tmp: _save_png(tmp, thumbnail(blend(outcome.display, pixel))))
-        flat = int(np.argmax(heat))
-        corner = [int(v) for v in outcome.positions[flat]]
+        if outcome.pixel is None:
+            flat = int(np.argmax(heat))
+            largest, corner = float(heat.reshape(-1)[flat]), [int(v) for v in outcome.positions[flat]]
+        else:  # the drawn map's largest drop, at its first element (a feature's or a window's)
+            cell = np.unravel_index(int(np.argmax(pixel)), pixel.shape)
+            largest, corner = float(pixel[cell]), [int(v) for v in cell]
         record.update(
             status=STATUS_OK, kind=KIND_VOLUME if volume else KIND_IMAGE, target=outcome.target,
             score=outcome.score, probability=outcome.probability, predicted=outcome.predicted,
-            largest_drop=float(heat.reshape(-1)[flat]), drop_z=corner[0] if volume else None, drop_y=corner[-2],
+            largest_drop=largest, drop_z=corner[0] if volume else None, drop_y=corner[-2],
             drop_x=corner[-1], patch=list(outcome.patch), stride=list(outcome.stride),
+            features=None if outcome.features is None else len(outcome.features),
+            every_class=heat.ndim > (1 if outcome.features is not None else len(outcome.image_shape)),
             image_shape=list(outcome.image_shape), grid=list(heat.shape), stats=outcome.stats, files=files,
             affine=outcome.affine.tolist() if volume else None,
             mask=check_mask(item, pixel) if check_mask is not None else None)
@@ -223,6 +245,8 @@ class RunFolder:
         """(H, W) pixel map ((D, H, W) voxel map of a volume) of a complete input, from its heat map file."""
         from incrinf.explain.dataset.stats import grid_positions, pixel_map
 
+        if "pixel" in record["files"]:  # features or every class: stored as drawn
+            return np.load(self.items / record["files"]["pixel"]["name"])
         heat = np.load(self.items / record["files"]["heatmap"]["name"])
         if "positions" in record["files"]:
             positions = np.load(self.items / record["files"]["positions"]["name"])
@@ -266,7 +290,8 @@ def base_record(item: InputItem, settings: str, source: dict[str, int]) -> dict[
 def table_row(record: dict[str, Any], labels: Sequence[str] | None = None) -> dict[str, Any]:
     """One row of the results table from an input's record."""
     row = {k: record.get(k) for k in ("path", "id", "status", "target", "score", "probability", "predicted",
-                                      "largest_drop", "drop_z", "drop_y", "drop_x", "patch", "stride", "seconds",
+                                      "largest_drop", "drop_z", "drop_y", "drop_x", "patch", "stride", "features",
+                                      "every_class", "seconds",
                                       "worker", "error_kind", "error")}
     stats = record.get("stats") or {}
     row.update(positions=stats.get("positions"), batches=stats.get("batches"),

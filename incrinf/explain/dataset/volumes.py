@@ -134,8 +134,16 @@ class VolumePreprocessing:
         """What the settings digest records of it."""
         return ["volume", self.volume_index, list(self.resize) if self.resize else None]
 
+    def decode(self, data: bytes, name: str) -> Scan:
+        """The scan on its own grid (what a feature mask's shape is checked against)."""
+        return decode_volume(data, name, self.volume_index)
+
+    def resample(self, scan: Scan) -> Scan:
+        """``scan`` on the model's grid (``resize``, if any)."""
+        return resampled(scan, self.resize)
+
     def apply(self, data: bytes, name: str) -> Scan:
-        return resampled(decode_volume(data, name, self.volume_index), self.resize)
+        return self.resample(self.decode(data, name))
 
 
 # --- outputs ----------------------------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def test_mixed_folders_and_options_of_the_other_kind_are_clear_errors(scans, tmp
         (dict(inputs=scans, resize=(8, 8)), r"resize must be three positive ints \(D, H, W\), got \(8, 8\)"),
         (dict(inputs=scans, volume_index=-1), "volume_index must be an int >= 0"),
         (dict(inputs=scans, masks=images), "a volume run has none"),
-        (dict(inputs=scans, target="all"), "target='all' makes a map per class of one input"),
+        (dict(inputs=scans, feature_mask=scans / "p01.nii.gz"), "must hold integer ids"),
         (dict(inputs=scans, spatial_dims=2), "volumes have 3 spatial axes"),
     ]
     for kwargs, message in cases:
@@ -217,8 +217,7 @@ def test_cli_explains_a_folder_of_scans(scans, tmp_path, monkeypatch, capsys) ->
     assert cli.main(args) == 1  # resumed: only the failed scans are tried again
     assert f"this run: {BAD} computed" in (text := capsys.readouterr().out) and f"{GOOD} already complete" in text
     for extra, message in ((["--size", "64"], "--size is for images"),
-                           (["--target", "all"], "--target all makes a map per class of one input"),
-                           (["--feature-mask", str(scans / "p01.nii.gz")], "--feature-mask explains one input")):
+                           (["--feature-mask", str(scans / "p01.nii.gz")], "must hold integer ids")):
         assert cli.main([*args, *extra]) == 2
         assert message in capsys.readouterr().err
 
