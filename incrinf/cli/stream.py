@@ -8,7 +8,7 @@ import statistics
 import time
 from pathlib import Path
 
-from incrinf.cli.common import non_negative, positive_int
+from incrinf.cli.common import non_negative, non_negative_int, positive_int
 from incrinf.stream.config import StreamConfig
 
 _DEFAULTS = StreamConfig()
@@ -71,12 +71,32 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="always try the cache (no choice of cached or full from measured costs)")
     p.add_argument("--no-quality-guard", action="store_true",
                    help="fixed thresholds, a keyframe every --keyframe-interval frames, no audits")
+    p.add_argument("--sample-seed", type=non_negative_int, default=_DEFAULTS.sample_seed,
+                   help="seed of the sampled audits' tile draws: the same seed and video give the same run (default "
+                        f"{_DEFAULTS.sample_seed})")
+    p.add_argument("--opencv-threads", type=positive_int, default=_DEFAULTS.opencv_threads,
+                   help="threads OpenCV may use for matching, masks and warps (process-wide; default: OpenCV's own, "
+                        "one per core; on a shared machine, as many as torch uses)")
     p.add_argument("--size", type=_size, help="resize frames to HxW (default: the video's size)")
     p.add_argument("--max-frames", type=positive_int, help="stop after this many frames")
     p.add_argument("--csv", help="write per-frame statistics to this CSV file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
+
+
+def stream_config(args: argparse.Namespace) -> StreamConfig:
+    """The session's settings from the parsed ``stream`` options.
+
+    Raises:
+        ValueError: settings out of range (the option types check each one; the config checks them together).
+    """
+    return StreamConfig(pixel_threshold=args.pixel_threshold, cell=args.cell, max_ratio=args.max_ratio,
+                        keyframe_interval=args.keyframe_interval, feature_threshold=args.feature_threshold,
+                        target_agreement=args.target_agreement, target_error=args.target_error or None,
+                        audit_interval=args.audit_interval, speed_guard=not args.no_speed_guard,
+                        quality_guard=not args.no_quality_guard, sample_seed=args.sample_seed,
+                        opencv_threads=args.opencv_threads)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,12 +111,7 @@ def run(args: argparse.Namespace) -> int:
     frames = read_frames(path, max_frames=args.max_frames, size=args.size)  # fails here on a bad file
     model = models.load(args.model, args.weights)
     meta = models.info(args.model)
-    config = StreamConfig(pixel_threshold=args.pixel_threshold, cell=args.cell, max_ratio=args.max_ratio,
-                          keyframe_interval=args.keyframe_interval, feature_threshold=args.feature_threshold,
-                          target_agreement=args.target_agreement, target_error=args.target_error or None,
-                          audit_interval=args.audit_interval, speed_guard=not args.no_speed_guard,
-                          quality_guard=not args.no_quality_guard)
-    session = StreamSession(model, config, mean=meta.mean, std=meta.std)
+    session = StreamSession(model, stream_config(args), mean=meta.mean, std=meta.std)
     rows, outputs = [], []
     # the session and the reference run in separate passes over the clip, as each would run on its own (run
     # frame by frame in turn they evict each other's caches, which slows the session by about a third)

@@ -220,7 +220,8 @@ class Plan:
         keeps_index: whether the batches carry their index tensors.
         tail_queries: how many queries of consecutive batches may share one run of the model's tail (their boundary
             tensors kept until then; 0: each batch runs its own), see :func:`tail_group`.
-        budget_bytes: memory the run may hold: naive re-inference's at this batch size (or the caller's budget),
+        budget_bytes: memory the run may hold: naive re-inference's at this batch size, working memory of its
+            operators on channels-first batches included (or the caller's budget),
             at least the batches' peak; freed memory the allocator keeps within it is not handed back.
         weight_bytes: bytes of weights the run reads: each batch reads the weights of every step it runs, each
             run of the tail the tail's (plain batched re-inference reads all of them once per batch).
@@ -456,10 +457,12 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
     Exact runs pack batches of half the batch size and more (:func:`~incrinf.engine.packing.pack`). Where the
     weight reads make larger batches cheaper, a batch may hold more than the batch size as long as what it
     holds fits the *allowance*: ``key.memory``, or what naive re-inference at the batch size holds beyond the
-    model (:func:`~incrinf.engine.plan_bytes.forward_peak_bytes`) less what this run holds beyond it (the store's
-    tables, the weights the executor made). The bytes per query come from a batch of the largest boxes; a
-    packing whose batches then hold more than the allowance is replaced by one of at most the batch size. So a
-    run's peak stays at naive re-inference's at the same batch size wherever the batch size alone kept it there.
+    model (its activations, :func:`~incrinf.engine.plan_bytes.forward_peak_bytes`) less what this run holds beyond
+    it (the store's tables, the weights the executor made). The bytes per query come from a batch of the largest
+    boxes; a packing whose batches then hold more than the allowance is replaced by one of at most the batch size.
+    So a run's peak stays at naive re-inference's at the same batch size wherever the batch size alone kept it
+    there. The run keeps freed memory within the *budget*: naive re-inference's real peak (its operators' working
+    memory on plain channels-first batches included), or ``key.memory``.
     """
     graph = program.graph
     dims = tuple(graph.input_shape[2:])
@@ -491,6 +494,10 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
     store = sum(t.rows * byte_sizes.channels(t.source) * element_size for t in layout.tables.values())
     weights = sum(p.numel() * p.element_size() for p in graph.module.parameters())
     naive = forward_peak_bytes(program, batch_size, element_size)
+    # what naive re-inference really peaks at: it runs the model on plain (channels-first) batches, whose operators'
+    # working memory (oneDNN's blocked copies of maps and weights) comes on top of the activations (on a 3-D UNet
+    # more than doubling them); the run keeps freed memory within it rather than fault it in again
+    naive_peak = forward_peak_bytes(program, batch_size, element_size, channels_last=False)
     # what the batches may hold: the caller's budget, or what naive re-inference at this batch size holds beyond
     # the model less what this run holds beyond it (the store's tables, the weights the executor made)
     allowance = key.memory if key.batch_size <= 0 else naive - store - program.ops.made_bytes
@@ -509,10 +516,12 @@ def build_plan(program: Program, layout: Layout, key: PlanKey, starts: np.ndarra
         """A packing's shared tail group, peak (the boundary tensors waiting for the shared tail included), budget
         and the bytes of weights it reads."""
         peak = max(m.peak for m in made)
-        # naive re-inference at this batch size (or the caller's budget) bounds what batches and a shared tail hold
-        budget = max(key.memory if key.batch_size <= 0 else naive, peak)
+        # naive re-inference's activations at this batch size (or the caller's budget) bound what batches and a
+        # shared tail hold; its real peak, what freed memory the run keeps
+        limit = max(key.memory if key.batch_size <= 0 else naive, peak)
+        budget = max(key.memory if key.batch_size <= 0 else naive_peak, peak)
         largest = _largest(made)
-        tail_queries = min(tail_group(program, largest, element_size, peak, budget), q) if q > largest else 0
+        tail_queries = min(tail_group(program, largest, element_size, peak, limit), q) if q > largest else 0
         if tail_queries:
             peak += sum(byte_sizes.whole(name, 1) for name in program.boundary) * tail_queries
         changed = sum(len(m.queries) for m in made if not m.unchanged)

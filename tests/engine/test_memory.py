@@ -58,14 +58,15 @@ class Small(nn.Module):
 
 
 def test_batches_settle_within_the_plans_budget(monkeypatch):
-    """The plan's budget is naive re-inference's memory at its batch size (or the caller's budget), and every
-    check a run makes compares against it, with the batch's planned peak still to come."""
+    """The plan's budget is naive re-inference's memory at its batch size, its operators' working memory on plain
+    channels-first batches included (or the caller's budget), and every check a run makes compares against it,
+    with the batch's planned peak still to come."""
     torch.manual_seed(0)
     image = torch.randn(1, 3, 32, 32)
     engine = BatchEngine(capture(Small().eval(), image.shape[1:]), image)
     region = input_boxes(occlusion_grid((32, 32), (6, 6), (4, 4)), (6, 6), (32, 32))
     plan, _ = engine.plan(region.start(), region.sizes(), batch_size=8)
-    assert plan.budget_bytes == max(forward_peak_bytes(engine.program, 8, 4), plan.peak_bytes)
+    assert plan.budget_bytes == max(forward_peak_bytes(engine.program, 8, 4, channels_last=False), plan.peak_bytes)
     budgeted, _ = engine.plan(region.start(), region.sizes(), memory=3 * 2**20)
     assert budgeted.budget_bytes == max(3 * 2**20, budgeted.peak_bytes)
     assert all(b.budget_bytes == plan.budget_bytes for b in plan.batches)

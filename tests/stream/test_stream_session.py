@@ -338,6 +338,38 @@ def test_stream_cli_runs_a_video_and_writes_stats(tmp_path, capsys):
         parser.parse_args(["stream", "--max-frames", "0"])
 
 
+def test_stream_cli_passes_the_sample_seed_and_opencv_threads_and_rejects_bad_values(tmp_path, capsys):
+    """``--sample-seed`` and ``--opencv-threads`` reach the session's config (OpenCV's process-wide thread count is
+    set when the session is built); a negative seed, zero threads or a non-integer exit with a usage error."""
+    import argparse
+
+    import cv2
+
+    from incrinf.cli import stream as cli
+
+    parser = argparse.ArgumentParser(prog="incrinf")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    defaults = cli.stream_config(parser.parse_args(["stream"]))
+    assert defaults.sample_seed == StreamConfig().sample_seed and defaults.opencv_threads is None
+    args = parser.parse_args(["stream", "--model", "resnet18", "--max-frames", "2", "--size", "64x80", "--quiet",
+                              "--sample-seed", "7", "--opencv-threads", "1"])
+    config = cli.stream_config(args)
+    assert config.sample_seed == 7 and config.opencv_threads == 1
+    before = cv2.getNumThreads()
+    try:
+        cv2.setNumThreads(2)
+        assert args.func(args) == 0
+        assert cv2.getNumThreads() == 1  # the session set OpenCV's threads
+    finally:
+        cv2.setNumThreads(before)
+    assert "2 frames of carphone_pristine.mp4" in capsys.readouterr().out
+    for bad in (["--sample-seed", "-1"], ["--sample-seed", "1.5"], ["--opencv-threads", "0"],
+                ["--opencv-threads", "two"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["stream", *bad])
+    assert "--sample-seed" in capsys.readouterr().err
+
+
 def test_settings_are_one_validated_config(zoo):
     config = StreamConfig(pixel_threshold=4, keyframe_interval=None)
     session = StreamSession(zoo["mobilenet_v2"], config, max_ratio=0.5)
