@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from incrinf.extras import require
 
 
-def _labels(array: np.ndarray, path: str) -> np.ndarray:
-    """Integer ids of a label array; an RGB(A) array's distinct colours numbered in order."""
-    if array.ndim == 3 and array.shape[2] in (3, 4):
+def _labels(array: np.ndarray, path: str, colours: bool = True) -> np.ndarray:
+    """Integer ids of a label array; with ``colours`` (segment images), an RGB(A) array's distinct colours
+    numbered in order (a label volume's last axis of 3 or 4 slices is not colour)."""
+    if colours and array.ndim == 3 and array.shape[2] in (3, 4):
         colours = array[..., :3].reshape(-1, 3)
         _, ids = np.unique(colours, axis=0, return_inverse=True)
         return ids.reshape(array.shape[:2]).astype(np.int64)
@@ -100,7 +101,7 @@ def read_label_volume(path: str, index: int = 0) -> torch.Tensor:
     data = _read_array(path, lambda nifti: _label_volume(nifti, index))
     if data.ndim != 3:
         raise ValueError(f"feature mask {path} must be a 3-D label volume, got shape {data.shape}")
-    return torch.from_numpy(_labels(np.ascontiguousarray(data), path))
+    return torch.from_numpy(_labels(np.ascontiguousarray(data), path, colours=False))
 
 
 def check_volume_mask(labels: torch.Tensor, shape: tuple[int, ...], path: str) -> None:
