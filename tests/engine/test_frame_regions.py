@@ -261,48 +261,6 @@ def test_a_reused_plan_is_priced_with_the_current_calibration():
     assert engine.last_plan_status.value == "miss"
 
 
-def _known_two_part(engine, plan, per_flop: float, warm: float, cold: float, tail: float, frame: float) -> float:
-    """Seconds of a box plan from injected coefficients: per step up to the switch, its cold cost once and each
-    box's warm cost and arithmetic; the dense rest (or the tail) after it."""
-    steps = engine.program.steps
-    last = len(steps) if plan.switch is None else next(i for i, s in enumerate(steps) if s.out == plan.switch) + 1
-    seconds = frame
-    for step, boxes in zip(steps[:last], plan.steps[:last]):
-        if boxes:
-            seconds += cold + sum(warm + step.flops * per_flop * area(b) / step.positions for b in boxes)
-    return seconds + sum(s.flops for s in steps[last:]) * per_flop + tail
-
-
-def test_several_regions_pay_a_step_s_cold_cost_once_and_merge_by_their_warm_cost():
-    """A step of the box walk pays its cold cost (its weights and maps brought back into the processor's caches)
-    once, however many boxes it runs, and each box its warm cost: a frame with two distant changes is priced at one
-    cold cost per step, not two (as it was when a lone box's cost was charged per box), the walk is priced the same,
-    and only the warm cost is what merging two boxes saves, so a cold cost of a millisecond per step merges nothing.
-    Coefficients injected: this holds at any load."""
-    model = _convs()
-    x0, x1, changed, boxes = _two_walkers()
-    engine = FrameEngine(capture(model, x0.shape[1:]))
-    engine.full(x0)
-    program, costs = engine.program, engine.costs
-    steps, n = program.steps, len(program.steps)
-    per_flop, warm, cold, tail, frame = 1e-10, 1e-6, 1e-3, 2e-4, 1e-4
-    costs.set_profile([s.flops * per_flop for s in steps], [warm] * n, [warm] * n, tail, costs.move, frame,
-                      [cold] * n)
-    plan = engine.plan_boxes(engine.clusters(changed))
-    assert plan.regions == 2
-    assert plan.seconds == pytest.approx(_known_two_part(engine, plan, per_flop, warm, cold, tail, frame))
-    lone = engine.plan_boxes([boxes[0]])
-    both = [i for i, b in enumerate(plan.steps) if len(b) == 2]
-    assert both and all(len(lone.steps[i]) == 1 for i in both)
-    # the second region costs its warm cost and its arithmetic per step: far less than a second cold cost per step
-    assert plan.seconds - lone.seconds < 0.5 * cold * len(both)
-    out = engine.cached(x1, changed, plan=plan)
-    assert engine.last.predicted == pytest.approx(plan.seconds)  # no pruning: the walk ran the plan
-    assert engine.costs.box(0, 1) == pytest.approx(cold + warm + steps[0].flops * per_flop / steps[0].positions)
-    with torch.no_grad():
-        _close(out, model(x1))
-
-
 def test_plans_are_kept_while_the_calibration_moves_by_its_noise_and_stay_exact():
     """The plan cache's key holds the calibration's quarter-octave steps while every ratio stays within a step of
     them: a ratio moving across a rounding boundary by its noise keeps the plan (it missed on every frame before),
