@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
           "operator's working memory counted (reference convolutions' columns, oneDNN's reordered weights and\n"
           "blocked copies, max pools' indices); bound: max(that, budget) + 32 MiB freed between checks, the budget\n"
           "(naive re-inference's peak at n_batch, its operators' working memory on channels-first batches\n"
-          "included) being what its allocator may keep; the bound covers the\n"
-          "work's memory, not the shared-library pages the call touches first (printed apart)\n")
+          "included) being what its allocator may keep; the bound covers the work's memory, not the\n"
+          "shared-library pages the call touches first (printed apart)\n")
     print(f"{'model':<12} {'case':<7} {'windows':>7} {'MONAI s':>8} {'ours s':>8} {'speedup':>8} {'theory':>7} "
           f"{'plan':>7} {'ceiling':>8} {'vs ceil':>6} {'MONAI mem':>9} {'ours mem':>9} {'rel err':>8}")
     for name in args.models:
