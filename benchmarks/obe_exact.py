@@ -21,6 +21,7 @@ import argparse
 import copy
 import os
 import sys
+import time
 
 import torch
 import torch.fx.experimental.optimization as fx_optimization
@@ -39,6 +40,14 @@ KRYPTON_CPU = {"vgg16": 5.4, "resnet18": 2.1, "inception_v3": 1.5}
 
 
 _CACHE: dict = {}
+
+
+def cpu_timed(fn) -> tuple[float, float, object]:
+    """(wall seconds, this thread's CPU seconds, result) of one call: with one torch thread every operator runs on
+    the calling thread, so its CPU time is the work's whatever else the machine runs (the wall time is not)."""
+    cpu = time.thread_time()
+    seconds, _, out = timed(fn)
+    return seconds, time.thread_time() - cpu, out
 
 
 def one_run(method: str, name: str, stride: int, batch: int, patch: int, warm: bool = False) -> None:
@@ -96,16 +105,20 @@ def run_model(name: str, stride: int, batch: int, repeats: int, patch: int) -> d
     cl_folded = folded(model).to(memory_format=torch.channels_last)
     channels_last_full(cl_folded, image, patch, stride, batch, target)  # warm-up
     t_c, t_i, t_l, t_f = [], [], [], []
+    c_i, c_l, c_f = [], [], []  # the same runs' CPU seconds
     err = 0.0
     for _ in range(repeats):
         s, _, want = timed(lambda: captum.attribute(image, window, **kwargs))
         t_c.append(s)
-        s, _, got = timed(lambda: incr.attribute(image, window, **kwargs))
+        s, c, got = cpu_timed(lambda: incr.attribute(image, window, **kwargs))
         t_i.append(s)
-        s, _, _ = timed(lambda: channels_last_full(cl_model, image, patch, stride, batch, target))
+        c_i.append(c)
+        s, c, _ = cpu_timed(lambda: channels_last_full(cl_model, image, patch, stride, batch, target))
         t_l.append(s)
-        s, _, _ = timed(lambda: channels_last_full(cl_folded, image, patch, stride, batch, target))
+        c_l.append(c)
+        s, c, _ = cpu_timed(lambda: channels_last_full(cl_folded, image, patch, stride, batch, target))
         t_f.append(s)
+        c_f.append(c)
         err = max(err, float((got - want).abs().max() / want.abs().max()))
     m_c = [peak_rss_in_child(one_run, "captum", name, stride, batch, patch)]
     m_i = [peak_rss_in_child(one_run, "incrinf", name, stride, batch, patch)]
@@ -113,6 +126,7 @@ def run_model(name: str, stride: int, batch: int, repeats: int, patch: int) -> d
     speedup = median(t_c) / median(t_i)
     return dict(model=name, size=size, positions=stats["positions"], captum=median(t_c), incrinf=median(t_i),
                 speedup=speedup, vs_cl=median(t_l) / median(t_i), vs_folded=median(t_f) / median(t_i),
+                cpu=min(median(c_l), median(c_f)) / median(c_i) if torch.get_num_threads() == 1 else float("nan"),
                 theory=stats["theoretical_speedup"],
                 plan=stats["realized_flop_ratio"],
                 ratio=speedup / stats["theoretical_speedup"], mem_c=median(m_c), mem_i=median(m_i), err=err,
@@ -191,7 +205,8 @@ def run_segmentation(name: str, stride: int, batch: int, repeats: int, patch: in
                 incrinf=median(t_i), speedup=speedup, vs_cl=float("nan"), vs_folded=float("nan"),
                 theory=stats["theoretical_speedup"],
                 plan=stats["realized_flop_ratio"], ratio=speedup / stats["theoretical_speedup"], mem_c=m_c,
-                mem_i=m_i, err=err, w_i=float("nan"), w_l=float("nan"), batches=0, load=os.getloadavg()[0])
+                mem_i=m_i, err=err, w_i=float("nan"), w_l=float("nan"), batches=0, cpu=float("nan"),
+                load=os.getloadavg()[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,14 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exact OBE, patch {args.patch}, stride {args.stride}, batch {args.batch}, median of {args.repeats} "
           "alternating runs; image: skimage chelsea\n")
     header = (f"{'model':<19} {'pos':>5} {'captum s':>9} {'incrinf s':>9} {'speedup':>8} {'theory':>7} {'plan':>6} "
-              f"{'sp/theory':>9} {'vs CL full':>10} {'vs CL fold':>10} {'CL/theory':>9} {'Krypton':>8} "
+              f"{'sp/theory':>9} {'vs CL full':>10} {'vs CL fold':>10} {'CL/theory':>9} {'CPU/theory':>10} "
+              f"{'Krypton':>8} "
               f"{'captum mem':>11} {'incrinf mem':>11} {'max rel err':>11} {'batches':>7} {'W GB':>6} {'CL W GB':>7} "
               f"{'load':>5}")
     print("theory: exact FLOP ratio averaged over the grid's positions; plan: FLOP ratio of the uniform packed\n"
           "batches actually run; sp/theory: measured speedup / theory; vs CL full: speedup over plain batched\n"
           "re-inference with the model in channels-last layout (incrinf's layout; Captum runs the model as given);\n"
           "vs CL fold: the same with batch norms folded into the convolutions (as incrinf folds them);\n"
-          "CL/theory: speedup over the faster of the two / theory; W GB: weights read by incrinf's plan (each batch\n"
+          "CL/theory: speedup over the faster of the two / theory; CPU/theory: the same in CPU seconds of the\n"
+          "calling thread (with --threads 1, where it is the work's however loaded the machine; '-' otherwise);\n"
+          "W GB: weights read by incrinf's plan (each batch\n"
           "the weights of the steps it runs, each tail run the tail's), CL W GB: by plain batched re-inference\n"
           "(all, once per batch); load: 1-minute load average after the row's runs\n")
     print(header)
@@ -230,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         slower = min(r["vs_cl"], r["vs_folded"])  # incrinf's speedup over the faster baseline
         vs_cl = f"{r['vs_cl']:>9.2f}x {r['vs_folded']:>9.2f}x {slower / r['theory']:>9.2f}" if measured \
             else f"{'-':>10} {'-':>10} {'-':>9}"
+        vs_cl += f" {r['cpu'] / r['theory']:>10.2f}" if r["cpu"] == r["cpu"] else f" {'-':>10}"
         print(f"{r['model']:<19} {r['positions']:>5} {r['captum']:>9.2f} {r['incrinf']:>9.2f} {r['speedup']:>7.2f}x "
               f"{r['theory']:>6.2f}x {r['plan']:>5.2f}x {r['ratio']:>9.2f} {vs_cl} "
               f"{KRYPTON_CPU.get(name, ''):>8} "

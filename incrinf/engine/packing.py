@@ -41,42 +41,103 @@ def pack(program: Program, exact: Propagation, order: np.ndarray, batch_size: in
     Returns:
         ``(first, end)`` positions in ``order`` of each batch, in order.
     """
+    return _pack(_StepCosts(program, exact, len(order)), order, batch_size, grow_to)[0]
+
+
+def cheapest_order(program: Program, exact: Propagation, orders: list[np.ndarray], batch_size: int,
+                   grow_to: int = 0) -> np.ndarray:
+    """Of several orders of the same queries, the one whose packing (:func:`pack`) costs the least by
+    :func:`run_cost` (ties: the first)."""
+    costs = _StepCosts(program, exact, len(orders[0]))
+    if len(orders) == 1 or not costs.extents:
+        return orders[0]
+    return min(orders, key=lambda order: _pack(costs, order, batch_size, grow_to)[1])
+
+
+def _pack(costs: _StepCosts, order: np.ndarray, batch_size: int, grow_to: int) -> tuple[list[tuple[int, int]], float]:
+    """:func:`pack`'s boundaries and what its batches cost by :func:`run_cost` (weights at their default price)."""
     q = len(order)
-    costs = _StepCosts(program, exact, q)
     if not costs.extents:
-        return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)]
+        return [(lo, min(lo + batch_size, q)) for lo in range(0, q, batch_size)], 0.0
     ordered = np.stack(costs.extents, axis=1)[order]  # (Q, steps, d)
     smallest = max(1, min(batch_size // 2, q))
-    fewest_macs = _cheapest(costs, ordered, smallest, batch_size, 0.0)
+    fewest_macs, _ = _cheapest(costs, ordered, smallest, batch_size, 0.0)
     largest = max(max(end - first for first, end in fewest_macs), min(grow_to, q))
     return _cheapest(costs, ordered, min(smallest, largest), largest, MACS_PER_WEIGHT_BYTE)
 
 
 def _cheapest(costs: _StepCosts, ordered: np.ndarray, smallest: int, largest: int, per_byte: float
-              ) -> list[tuple[int, int]]:
+              ) -> tuple[list[tuple[int, int]], float]:
     """The cheapest cuts of the ordered queries' (Q, steps, d) extents into runs of ``smallest`` to ``largest``
     queries (shorter runs only first or last), weight bytes read costing ``per_byte`` multiply-adds each (dynamic
     programming; an exact batch computes each step on the per-axis largest of its queries' boxes, so queries of
-    different reach waste work when packed together; ties go to fewer batches)."""
+    different reach waste work when packed together; ties go to fewer batches), and their cost.
+
+    Every run ending at one query is weighed at once: the per-axis largest boxes of the runs ``first..end`` are a
+    running maximum backwards from ``end``."""
     q = len(ordered)
     best = np.full(q + 1, np.inf)
     best[0] = 0.0
     cut = np.zeros(q + 1, np.int64)
     for end in range(1, q + 1):
-        boxes = None
-        for first in range(end - 1, max(end - largest, 0) - 1, -1):
-            boxes = ordered[first] if boxes is None else np.maximum(boxes, ordered[first])
-            n = end - first
-            if n < smallest and first > 0 and end < q:
-                continue
-            cost = best[first] + costs.run(n, boxes, per_byte) * (1 + 1e-9) + 1e-6
-            if cost < best[end]:
-                best[end], cut[end] = cost, first
+        low = max(end - largest, 0)
+        boxes = np.maximum.accumulate(ordered[low:end][::-1], axis=0)  # (runs, steps, d): first = end-1, end-2...
+        n = np.arange(1, end - low + 1)
+        first = end - n
+        allowed = (n >= smallest) | (first == 0) | (end == q)
+        cost = best[first] + costs.runs(n, boxes, per_byte) * (1 + 1e-9) + 1e-6
+        cost[~allowed] = np.inf
+        k = int(np.argmin(cost))  # the first of equal costs: the shortest run, as a walk from end-1 down keeps
+        if cost[k] < best[end]:
+            best[end], cut[end] = cost[k], first[k]
     bounds, end = [], q
     while end > 0:
         bounds.append((int(cut[end]), end))
         end = int(cut[end])
-    return bounds[::-1]
+    return bounds[::-1], float(best[q])
+
+
+def reach_classes(program: Program, exact: Propagation, q: int) -> np.ndarray:
+    """(Q, d) per query (of ``q``) and axis, the rank of its extents along that axis over every step with a change (the
+    query's *reach profile* there: queries of one class along every axis need boxes of one size at every step),
+    classes ranked by their total extent, then by profile."""
+    costs = _StepCosts(program, exact, q)
+    extents = np.stack(costs.extents, axis=1)  # (Q, steps, d)
+    classes = np.zeros((extents.shape[0], extents.shape[2]), np.int64)
+    for a in range(extents.shape[2]):
+        profiles, inverse = np.unique(extents[:, :, a], axis=0, return_inverse=True)
+        rank = np.lexsort([*profiles.T[::-1], profiles.sum(axis=1)])  # by total extent, then profile
+        place = np.empty_like(rank)
+        place[rank] = np.arange(len(rank))
+        classes[:, a] = place[inverse.reshape(-1)]
+    return classes
+
+
+# Widths, in reach classes of the last axis, of the bands that banded orders cut the queries into.
+BAND_WIDTHS = (1, 2, 3, 5)
+
+
+def candidate_orders(program: Program, exact: Propagation, sizes: np.ndarray) -> list[np.ndarray]:
+    """Orders worth packing the queries in (:func:`cheapest_order` picks one): :func:`order_queries`, and banded
+    orders. A banded order cuts the queries into bands of :data:`BAND_WIDTHS` reach classes along the last axis
+    (:func:`reach_classes`) and walks each band by its classes along the other axes (back and forth), so that a
+    batch's queries differ little in reach along every axis, not only along the one it was sorted by last (on a
+    2-D grid, sorting by rows packs whole rows: the per-axis largest box then spans every column's reach)."""
+    orders = [order_queries(program, exact, sizes)]
+    if sizes.shape[1] < 2 or not _StepCosts(program, exact, len(sizes)).extents:
+        return orders
+    classes = reach_classes(program, exact, len(sizes))
+    area = sizes.prod(axis=1)
+    last, others = classes[:, -1], classes[:, :-1]
+    seen = {orders[0].tobytes()}
+    for width in BAND_WIDTHS:
+        band = last // width
+        walk = np.where(band % 2 == 0, others[:, 0], -others[:, 0])
+        order = np.lexsort([last, *others[:, 1:].T[::-1], walk, band, area])
+        if order.tobytes() not in seen:
+            seen.add(order.tobytes())
+            orders.append(order)
+    return orders
 
 
 class _StepCosts:
@@ -97,9 +158,12 @@ class _StepCosts:
         self.per_position = np.asarray(per_position, np.float64)
         self.weight_bytes = np.asarray(weight_bytes, np.float64)
 
-    def run(self, n: int, boxes: np.ndarray, per_byte: float) -> float:
-        """:func:`run_cost` of a batch of ``n`` queries whose per-step boxes are ``boxes`` (steps, d)."""
-        return run_cost(n, boxes.prod(axis=1), self.per_position, self.weight_bytes, per_byte)
+    def runs(self, n: np.ndarray, boxes: np.ndarray, per_byte: float) -> np.ndarray:
+        """:func:`run_cost` of R batches of ``n`` (R,) queries whose per-step boxes are ``boxes`` (R, steps, d)."""
+        positions = boxes.prod(axis=2)  # (R, steps)
+        macs = n[:, None] * positions * self.per_position
+        reads = np.where(positions > 0, self.weight_bytes * per_byte, 0.0)
+        return (macs + reads).sum(axis=1)
 
 
 def run_cost(n: int, positions: np.ndarray, per_position: np.ndarray, weight_bytes: np.ndarray,

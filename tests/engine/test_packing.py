@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import incrinf.engine.packing as packing
 from incrinf.analysis import occlusion_grid
@@ -224,4 +226,95 @@ def test_batches_do_not_grow_past_a_small_budget(funnel):
     with torch.no_grad():
         want = naive_outputs(model, image, corners, window)
     torch.testing.assert_close(outputs, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    runtime_cache().clear()
+
+
+def _loop_cheapest(costs, ordered: np.ndarray, smallest: int, largest: int, per_byte: float) -> float:
+    """The packing's dynamic program written as its plain definition (every run weighed on its own), for the
+    vectorised one to be checked against: the cheapest total cost of cutting ``ordered`` into runs."""
+    q = len(ordered)
+    best = np.full(q + 1, np.inf)
+    best[0] = 0.0
+    for end in range(1, q + 1):
+        for first in range(max(end - largest, 0), end):
+            n = end - first
+            if n < smallest and first > 0 and end < q:
+                continue
+            boxes = ordered[first:end].max(axis=0)
+            cost = run_cost(n, boxes.prod(axis=1), costs.per_position, costs.weight_bytes, per_byte)
+            best[end] = min(best[end], best[first] + cost * (1 + 1e-9) + 1e-6)
+    return float(best[q])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 14), st.integers(1, 4), st.integers(1, 9), st.integers(0, 2**31 - 1),
+       st.sampled_from([0.0, 1.0, 16.0]))
+def test_cheapest_cuts_match_the_plain_dynamic_program(q, steps, largest, seed, per_byte):
+    """Weighing every run that ends at one query at once (a running maximum of the boxes) finds cuts of the same
+    cost as weighing each run on its own, and the cuts it returns cost what it says, with runs in bounds."""
+    rng = np.random.default_rng(seed)
+    costs = packing._StepCosts.__new__(packing._StepCosts)
+    costs.per_position = rng.uniform(1, 50, steps)
+    costs.weight_bytes = rng.uniform(0, 1000, steps)
+    ordered = rng.integers(0, 6, (q, steps, 2))
+    smallest = max(1, min(largest // 2, q))
+    bounds, cost = packing._cheapest(costs, ordered, smallest, largest, per_byte)
+    assert cost == pytest.approx(_loop_cheapest(costs, ordered, smallest, largest, per_byte), rel=1e-9)
+    assert bounds[0][0] == 0 and bounds[-1][1] == q and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(0 < end - first <= largest for first, end in bounds)
+    again = sum(run_cost(end - first, ordered[first:end].max(axis=0).prod(axis=1), costs.per_position,
+                         costs.weight_bytes, per_byte) * (1 + 1e-9) + 1e-6 for first, end in bounds)
+    assert again == pytest.approx(cost, rel=1e-9)
+
+
+def _exact(engine: BatchEngine, corners: np.ndarray, window: tuple[int, ...], dims: tuple[int, ...]):
+    return propagate(engine.graph, input_boxes(corners, window, dims), uniform=False)
+
+
+def test_reach_classes_group_equal_profiles(funnel):
+    _, _, engine = funnel
+    dims, window = (32, 32), (6, 6)
+    corners = occlusion_grid(dims, window, (2, 2))
+    exact = _exact(engine, corners, window, dims)
+    classes = packing.reach_classes(engine.program, exact, len(corners))
+    extents = np.stack(packing._StepCosts(engine.program, exact, len(corners)).extents, axis=1)
+    for a in range(2):
+        for c in np.unique(classes[:, a]):  # one profile per class, one class per profile
+            profiles = np.unique(extents[classes[:, a] == c, :, a], axis=0)
+            assert len(profiles) == 1
+        totals = [extents[classes[:, a] == c, :, a].sum(axis=1)[0] for c in np.unique(classes[:, a])]
+        assert totals == sorted(totals)
+    # a grid's rows and columns reach alike: the same classes along both axes, edge rows in their own classes
+    np.testing.assert_array_equal(np.sort(np.unique(classes[:, 0])), np.sort(np.unique(classes[:, 1])))
+    assert len(np.unique(classes[:, 0])) > 1
+
+
+def test_banded_orders_waste_less_on_a_grid_and_stay_exact(monkeypatch):
+    """On an occlusion grid over a downsampling network, packing in bands of columns of similar reach (walked
+    row by row) wastes fewer multiply-adds than packing whole rows sorted by reach: the plan picks the cheaper
+    packing by its own measure, computes fewer multiply-adds, and its run equals plain inference."""
+    import incrinf.engine.plans as plans
+    from tests.conftest import zoo_model
+
+    model, image, window = zoo_model("resnet18"), torch.randn(1, 3, 96, 96), (8, 8)
+    engine = BatchEngine(capture(model, image.shape[1:]), image)
+    dims = (96, 96)
+    corners = occlusion_grid(dims, window, (8, 8))
+    region = input_boxes(corners, window, dims)
+    runtime_cache().clear()
+    chosen, _ = engine.plan(region.start(), region.sizes(), batch_size=16)
+    runtime_cache().clear()
+    monkeypatch.setattr(plans, "candidate_orders", lambda program, exact, sizes: [
+        packing.order_queries(program, exact, sizes)])
+    by_reach, _ = engine.plan(region.start(), region.sizes(), batch_size=16)
+    runtime_cache().clear()
+    monkeypatch.undo()
+    assert chosen.macs < 0.98 * by_reach.macs
+    assert chosen.macs + PER_BYTE * chosen.weight_bytes < by_reach.macs + PER_BYTE * by_reach.weight_bytes
+    assert chosen.peak_bytes <= max(chosen.budget_bytes, by_reach.peak_bytes)
+    got, plan = planned_outputs(engine, image, corners, window, batch_size=16)
+    assert plan.macs == chosen.macs
+    with torch.no_grad():
+        want = naive_outputs(model, image, corners, window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     runtime_cache().clear()
