@@ -62,9 +62,6 @@ PRIOR_CALL = 20e-6
 # A box plan's choices (merges, the switch to the dense rest) are reused while the calibration's ratios and the
 # pruning's share stay within the same 1/PLAN_STEPS of an octave (about 19%): FrameCosts.plan_state.
 PLAN_STEPS = 4
-# ... and a state's steps are held while every ratio stays within this many steps of them (hysteresis: a median that
-# moves by its noise across a rounding boundary would otherwise make every frame miss the kept plans).
-PLAN_HOLD = 1.0
 
 
 class RegionKind(str, Enum):
@@ -135,7 +132,6 @@ class FrameCosts:
         self._share_median: dict[tuple[int, bool], float] = {}
         self._frame_median: dict[RegionKind, float] = {}
         self._suffix: dict[str, float] = {}
-        self._held_steps: tuple[int, ...] | None = None  # plan_state's ratio steps, held (hysteresis)
         self._reindex()
 
     def _reindex(self) -> None:
@@ -194,22 +190,17 @@ class FrameCosts:
     def plan_state(self) -> tuple:
         """What a box plan's choices (merges, the switch to the dense rest) rest on, as a hashable key: the
         coefficients as measured, and the calibration's ratios and the pruning's mean shares over the steps, in
-        steps of a quarter octave, held while every ratio stays within :data:`PLAN_HOLD` steps of them (the medians
-        move by their noise: without the hold, a ratio near a rounding boundary hops between two steps and every
-        frame misses). A reused plan is priced with the exact calibration
-        (:func:`~incrinf.engine.frame_regions.plan_seconds`), so only choices within about a step of a tie can differ
-        from a fresh plan's. The frame's fixed cost is left out: it is the same whatever the plan chooses."""
+        steps of a quarter octave. Finer steps would miss on every frame (the medians move by their noise); a
+        reused plan is priced with the exact calibration (:func:`~incrinf.engine.frame_regions.plan_seconds`), so
+        only choices within a step of a tie can differ from a fresh plan's. The frame's fixed cost is left out: it
+        is the same whatever the plan chooses."""
         n = len(self.steps)
-        shares = [self.survival(i) for i in range(n)]
-        area = sum(s[0] for s in shares) / max(n, 1)
-        boxes = sum(s[1] for s in shares) / max(n, 1)
+        area = sum(self.survival(i)[0] for i in range(n)) / max(n, 1)
+        boxes = sum(self.survival(i)[1] for i in range(n)) / max(n, 1)
         ratios = (self.call_ratio(RegionKind.BOXES), self.compute_ratio(RegionKind.BOXES), self.dense_ratio, area,
                   boxes)
-        raw = [math.log2(max(r, 1e-9)) * PLAN_STEPS for r in ratios]
-        held = self._held_steps
-        if held is None or any(abs(v - h) > PLAN_HOLD for v, h in zip(raw, held)):
-            held = self._held_steps = tuple(round(v) for v in raw)
-        return (held, tuple((c.dense, c.box_call) for c in self.steps), self.tail)
+        return (tuple(round(math.log2(max(r, 1e-9)) * PLAN_STEPS) for r in ratios),
+                tuple((c.dense, c.box_call) for c in self.steps), self.tail)
 
     def tail_seconds(self) -> float:
         return self.tail * self.dense_ratio

@@ -259,36 +259,3 @@ def test_a_reused_plan_is_priced_with_the_current_calibration():
         engine.costs.record_steps(RegionKind.BOXES, [(0.0, 1.0, 2.0)] * 3)
     engine.plan_boxes(boxes)
     assert engine.last_plan_status.value == "miss"
-
-
-def test_plans_are_kept_while_the_calibration_moves_by_its_noise_and_stay_exact():
-    """The plan cache's key holds the calibration's quarter-octave steps while every ratio stays within a step of
-    them: a ratio moving across a rounding boundary by its noise keeps the plan (it missed on every frame before),
-    the kept plan is priced with the current calibration and its output equals full inference (thresholds zero);
-    a ratio that moves further makes a new key."""
-    from incrinf.engine.costs import PLAN_STEPS, SAMPLES, RegionKind
-    from incrinf.engine.frame_regions import plan_regions
-
-    model = _convs()
-    x0, x1, changed, _ = _two_walkers()
-    engine = FrameEngine(capture(model, x0.shape[1:]))
-    engine.full(x0)
-    boxes = engine.clusters(changed)
-
-    def calibrate(steps: float) -> None:
-        """Frames whose compute steps took ``2 ** (steps / PLAN_STEPS)`` times their coefficients."""
-        for _ in range(SAMPLES):
-            engine.costs.record_steps(RegionKind.BOXES, [(0.0, 1.0, 2.0 ** (steps / PLAN_STEPS))])
-
-    calibrate(0.45)
-    first = engine.plan_boxes(boxes)
-    calibrate(0.55)  # across the rounding boundary at half a step
-    again = engine.plan_boxes(boxes)
-    assert engine.last_plan_status.value == "hit" and again.steps == first.steps
-    assert again.seconds == pytest.approx(plan_regions(engine.geometry, boxes).seconds, rel=1e-9)
-    out = engine.cached(x1, changed, plan=again)
-    with torch.no_grad():
-        _close(out, model(x1))
-    calibrate(1.6)  # more than a step away from the held one
-    engine.plan_boxes(boxes)
-    assert engine.last_plan_status.value == "miss"
