@@ -5,9 +5,10 @@ Run: ``python benchmarks/stream.py [--frames 48] [--threads 1] [--rounds 2] [--c
 (leave-one-out choice of the defaults).
 
 Clips: the set of :mod:`incrinf.testing.clips` (shipped videos at their own size and 224 px high, a synthetic
-pan+zoom, three composed still-camera scenes). Every configuration runs its own stream over the whole clip, the
-configurations in lockstep (frame by frame in turn, the order rotated per frame, so a load change on the shared
-machine falls on all alike; ``--rounds`` passes): plain inference of the model as given, the same with the model
+pan+zoom, three composed still-camera scenes). Every configuration runs its own stream over the whole clip alone,
+as a camera would, the configurations taking turns pass by pass (the order rotated per round, ``--rounds`` passes;
+``--lockstep``: frame by frame in turn instead, which puts other models' full frames between a session's frames and
+evicts its stored maps from the processor caches): plain inference of the model as given, the same with the model
 in channels-last layout ("full CL", the layout the session uses, the baseline), and the session. Reported per
 configuration: median and mean ms per frame (the first frame of every pass excluded: it captures the model and
 profiles its steps), speedups over full CL beside the multiply-add ratio the session's plans give (the noise-free
@@ -145,10 +146,16 @@ def _normaliser(mean: tuple[float, ...], std: tuple[float, ...], channels_last: 
 
 
 def run_clip(model: torch.nn.Module, clip: Clip, configs: dict[str, dict], rounds: int,
-             mean: tuple[float, ...], std: tuple[float, ...]) -> dict[str, Run]:
-    """Plain inference (as given, channels-last) and each session configuration, in lockstep: every configuration
-    runs its own stream over the clip, frame by frame in turn (the order rotated per frame), so a load change on a
-    shared machine falls on all of them alike; ``rounds`` such passes."""
+             mean: tuple[float, ...], std: tuple[float, ...], lockstep: bool = False) -> dict[str, Run]:
+    """Plain inference (as given, channels-last) and each session configuration, each running its own stream over
+    the clip, ``rounds`` passes.
+
+    By default every configuration runs a whole pass alone, as a camera would run it, the configurations taking
+    turns pass by pass (the order rotated per round), so a slow load change on a shared machine falls on all alike.
+    With ``lockstep`` they advance frame by frame in turn (the order rotated per frame): robust to fast load
+    changes, but every session frame then follows two full frames of other models, which evict its stored maps from
+    the processor caches (a one-box hall frame: 8.4 ms back to back, 12-22 ms after a full frame), a cost a camera
+    running the session alone does not pay."""
     model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
     plain, plain_cl = _normaliser(mean, std, False), _normaliser(mean, std, True)
     # pass r's sessions draw their sampled audits' tiles from seed r: which tiles a sample draws decides which
@@ -162,17 +169,25 @@ def run_clip(model: torch.nn.Module, clip: Clip, configs: dict[str, dict], round
     }
     runs = {name: Run() for name in factories}
     names = list(factories)
+
+    def rotated(k: int) -> list[str]:
+        return names[k % len(names):] + names[:k % len(names)]
+
     with torch.no_grad():
         for r in range(rounds):
             streams = {name: factories[name](r) for name in names}
             outs: dict[str, list] = {name: [] for name in names}
-            for i, frame in enumerate(clip.frames):
-                k = (r + i) % len(names)
-                for name in names[k:] + names[:k]:
-                    start = time.perf_counter()
-                    outs[name].append(streams[name](frame))
-                    if i:
-                        runs[name].seconds.append(time.perf_counter() - start)
+            # lockstep: frame i's configurations in the order rotated by r + i; alone: a whole pass per configuration
+            turns = ([name for i in range(len(clip.frames)) for name in rotated(r + i)] if lockstep else
+                     [name for name in rotated(r) for _ in clip.frames])
+            index = dict.fromkeys(names, 0)
+            for name in turns:
+                i = index[name]
+                index[name] += 1
+                start = time.perf_counter()
+                outs[name].append(streams[name](clip.frames[i]))
+                if i:
+                    runs[name].seconds.append(time.perf_counter() - start)
             for name, run in streams.items():
                 runs[name].outputs.extend(outs[name])
                 if isinstance(run, StreamSession):
@@ -272,7 +287,7 @@ def classifier(args: argparse.Namespace) -> None:
     for name in args.clips:
         clip = load_clip(name, args.frames)
         print(f"\n{clip.name}: {clip.description}; load {_load()}")
-        rows = summarise(run_clip(model, clip, {"session": {}}, args.rounds, meta.mean, meta.std))
+        rows = summarise(run_clip(model, clip, {"session": {}}, args.rounds, meta.mean, meta.std, args.lockstep))
         print_rows(rows, OutputKind.LABEL)
         lost = regret(model, clip, {}, meta.mean, meta.std) if args.regret else (math.nan, 0, 0, math.nan)
         print_costs(rows, lost)
@@ -302,7 +317,7 @@ def _grid_results(args: argparse.Namespace, configs: dict[str, dict]) -> dict[st
     results: dict[str, dict[str, Row]] = {}
     for name in args.clips:
         clip = load_clip(name, args.frames)
-        rows = summarise(run_clip(model, clip, configs, args.rounds, meta.mean, meta.std))
+        rows = summarise(run_clip(model, clip, configs, args.rounds, meta.mean, meta.std, args.lockstep))
         results[name] = rows
         print(f"\n{name} (load {_load()})")
         print_rows(rows, OutputKind.LABEL)
@@ -370,7 +385,7 @@ def _choose(results: dict[str, dict[str, Row]]) -> str:
 
 
 def _dense_case(title: str, model: torch.nn.Module, mean: tuple, std: tuple, clip: Clip, args) -> None:
-    runs = run_clip(model, clip, {"session": {}}, args.rounds, mean, std)
+    runs = run_clip(model, clip, {"session": {}}, args.rounds, mean, std, args.lockstep)
     rows = summarise(runs)
     ref = primary_tensor(runs["full"].outputs[0])
     labels = ref.argmax(1) if ref.shape[1] > 1 else ref[:, 0] > 0
@@ -466,7 +481,7 @@ def saving_loo(args: argparse.Namespace) -> None:
         model, mean, std = loaded
         clip = load_clip(clip_name, args.frames)
         rows = summarise(run_clip(model, clip, {"cache": {"min_saving": 0.0}, "no cache": {"min_saving": 0.999}},
-                                  args.rounds, mean, std))
+                                  args.rounds, mean, std, args.lockstep))
         session = StreamSession(model, mean=mean, std=std, min_saving=0.0)
         session(clip.frames[0])  # the first frame profiles the engine's costs
         engine = next(iter(session._engines.values())).engine
@@ -526,6 +541,8 @@ def main() -> None:
                         help=f"comma-separated clip names (default: all of {', '.join(CLIP_NAMES)})")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op and OpenCV threads (default 1)")
     parser.add_argument("--rounds", type=int, default=2, help="passes over each clip per configuration")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="configurations advance frame by frame in turn instead of pass by pass")
     parser.add_argument("--loo", action="store_true", help="leave-one-out choice of the defaults")
     parser.add_argument("--near-tie", action="store_true", help="with --loo: the leave-one-out choice of near_tie")
     parser.add_argument("--candidates", type=lambda s: s.split(","), default=list(GRID),

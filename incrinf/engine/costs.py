@@ -7,18 +7,12 @@ blocks. Its time is predicted from that with three coefficients per step:
 
 - ``dense``: the step over its whole map (what a full frame spends on it; the dense suffix after a switch);
 - ``per_position``: ``dense`` over the map's positions (a region's arithmetic);
-- ``box_call`` / ``block_call``: the fixed cost of running the step on one more box (a crop, an operator call, a
-  commit with its pruning test) or on a set of blocks (the masks, the index gather), whatever the region's size;
-- ``step_call``: what the box walk pays once per step that computes anything, however many boxes it has (its
-  weights and the maps it reads brought back into the caches after the other steps ran, the walk's bookkeeping).
-  A frame whose change is in several places (several people) pays it once per step and ``box_call`` per box, so
-  its boxes are priced at their warm cost, not at a lone box's, and only the warm cost is what merging two boxes
-  saves.
+- ``box_call`` / ``block_call``: the fixed cost of running the step on one box (a crop, an operator call, a
+  commit with its pruning test) or on a set of blocks (the masks, the index gather), whatever the region's size.
 
 They are measured once, by a profile after the first full frame (the step ops on the whole map, scaled to the
-generated full module's time; on one position, repeated, for the warm per-box cost; in a walk of one box over the
-whole program for the cold per-step cost; in the block walk on one cell; each repeated and the fastest taken, so a
-load spike does not stick), and until then estimated from multiply-adds and bytes.
+generated full module's time; on one position; in the block walk on one cell; each repeated and the fastest taken,
+so a load spike does not stick), and until then estimated from multiply-adds and bytes.
 
 The frames run then calibrate them, with medians of ratios (a load spike on a shared machine moves no decision,
 and no decision rests on a curve fitted to a few timings):
@@ -68,9 +62,6 @@ PRIOR_CALL = 20e-6
 # A box plan's choices (merges, the switch to the dense rest) are reused while the calibration's ratios and the
 # pruning's share stay within the same 1/PLAN_STEPS of an octave (about 19%): FrameCosts.plan_state.
 PLAN_STEPS = 4
-# ... and a state's steps are held while every ratio stays within this many steps of them (hysteresis: a median that
-# moves by its noise across a rounding boundary would otherwise make every frame miss the kept plans).
-PLAN_HOLD = 1.0
 
 
 class RegionKind(str, Enum):
@@ -87,16 +78,14 @@ class StepCost:
     Attributes:
         dense: the step over its whole map.
         per_position: ``dense`` per output position.
-        box_call: fixed cost of the step on one more box (warm).
+        box_call: fixed cost of the step on one box.
         block_call: fixed cost of the step in the block walk.
-        step_call: fixed cost of the step in the box walk once, whatever its number of boxes (cold).
     """
 
     dense: float
     per_position: float
     box_call: float
     block_call: float
-    step_call: float = 0.0
 
 
 def _median(samples: deque[float]) -> float:
@@ -143,7 +132,6 @@ class FrameCosts:
         self._share_median: dict[tuple[int, bool], float] = {}
         self._frame_median: dict[RegionKind, float] = {}
         self._suffix: dict[str, float] = {}
-        self._held_steps: tuple[int, ...] | None = None  # plan_state's ratio steps, held (hysteresis)
         self._reindex()
 
     def _reindex(self) -> None:
@@ -158,12 +146,11 @@ class FrameCosts:
         self._dense_total = after
 
     def set_profile(self, dense: list[float], box_call: list[float], block_call: list[float], tail: float,
-                    move: float, frame: float, step_call: list[float] | None = None) -> None:
+                    move: float, frame: float) -> None:
         """Take measured coefficients (seconds per step, in program order; ``move`` seconds per byte; ``frame``
-        seconds per cached frame; ``step_call`` the box walk's cold cost per step, default none)."""
-        step_call = step_call if step_call is not None else [0.0] * len(dense)
-        self.steps = [StepCost(d, d / s.positions, max(b, 0.0), max(k, 0.0), max(c, 0.0))
-                      for d, b, k, c, s in zip(dense, box_call, block_call, step_call, self.program.steps)]
+        seconds per cached frame)."""
+        self.steps = [StepCost(d, d / s.positions, max(b, 0.0), max(k, 0.0))
+                      for d, b, k, s in zip(dense, box_call, block_call, self.program.steps)]
         self.tail = tail
         self.move = move
         self.frame = frame
@@ -173,26 +160,13 @@ class FrameCosts:
     # --- predictions (calibrated) ------------------------------------------------------------------------
 
     def box_parts(self, index: int, area: int) -> tuple[float, float]:
-        """``(fixed, arithmetic)`` seconds of one more box of ``area`` output positions of step ``index`` (its warm
-        cost: the step's cold cost, :meth:`step_fixed`, is paid once per step), as measured."""
+        """``(fixed, arithmetic)`` seconds of one box of ``area`` output positions of step ``index``, as measured."""
         cost = self.steps[index]
         return cost.box_call, cost.per_position * area
 
-    def step_fixed(self, index: int) -> float:
-        """Seconds step ``index`` of the box walk pays once, whatever its number of boxes, as measured."""
-        return self.steps[index].step_call
-
-    def step_parts(self, index: int, areas: list[int]) -> tuple[float, float]:
-        """``(fixed, arithmetic)`` seconds of step ``index`` on boxes of these ``areas`` (none: nothing), as
-        measured: its cold cost once, each box's warm cost and arithmetic."""
-        if not areas:
-            return 0.0, 0.0
-        cost = self.steps[index]
-        return cost.step_call + cost.box_call * len(areas), cost.per_position * sum(areas)
-
     def box(self, index: int, area: int) -> float:
-        """One box of ``area`` output positions of step ``index``, alone on its step (its cold cost included)."""
-        call, compute = self.step_parts(index, [area])
+        """One box of ``area`` output positions of step ``index``."""
+        call, compute = self.box_parts(index, area)
         return self.call_ratio(RegionKind.BOXES) * call + self.compute_ratio(RegionKind.BOXES) * compute
 
     def blocks_parts(self, index: int, positions: int, dense: bool) -> tuple[float, float]:
@@ -216,29 +190,23 @@ class FrameCosts:
     def plan_state(self) -> tuple:
         """What a box plan's choices (merges, the switch to the dense rest) rest on, as a hashable key: the
         coefficients as measured, and the calibration's ratios and the pruning's mean shares over the steps, in
-        steps of a quarter octave, held while every ratio stays within :data:`PLAN_HOLD` steps of them (the medians
-        move by their noise: without the hold, a ratio near a rounding boundary hops between two steps and every
-        frame misses). A reused plan is priced with the exact calibration
-        (:func:`~incrinf.engine.frame_regions.plan_seconds`), so only choices within about a step of a tie can differ
-        from a fresh plan's. The frame's fixed cost is left out: it is the same whatever the plan chooses."""
+        steps of a quarter octave. Finer steps would miss on every frame (the medians move by their noise); a
+        reused plan is priced with the exact calibration (:func:`~incrinf.engine.frame_regions.plan_seconds`), so
+        only choices within a step of a tie can differ from a fresh plan's. The frame's fixed cost is left out: it
+        is the same whatever the plan chooses."""
         n = len(self.steps)
-        shares = [self.survival(i) for i in range(n)]
-        area = sum(s[0] for s in shares) / max(n, 1)
-        boxes = sum(s[1] for s in shares) / max(n, 1)
+        area = sum(self.survival(i)[0] for i in range(n)) / max(n, 1)
+        boxes = sum(self.survival(i)[1] for i in range(n)) / max(n, 1)
         ratios = (self.call_ratio(RegionKind.BOXES), self.compute_ratio(RegionKind.BOXES), self.dense_ratio, area,
                   boxes)
-        raw = [math.log2(max(r, 1e-9)) * PLAN_STEPS for r in ratios]
-        held = self._held_steps
-        if held is None or any(abs(v - h) > PLAN_HOLD for v, h in zip(raw, held)):
-            held = self._held_steps = tuple(round(v) for v in raw)
-        return (held, tuple((c.dense, c.box_call, c.step_call) for c in self.steps), self.tail)
+        return (tuple(round(math.log2(max(r, 1e-9)) * PLAN_STEPS) for r in ratios),
+                tuple((c.dense, c.box_call) for c in self.steps), self.tail)
 
     def tail_seconds(self) -> float:
         return self.tail * self.dense_ratio
 
     def break_even(self, index: int) -> float:
-        """Positions one more box costs at step ``index`` (its warm fixed cost over the cost of a position: merging
-        two boxes saves a box, not the step's cold cost)."""
+        """Positions one more box costs at step ``index`` (its fixed cost over the cost of a position)."""
         call, compute = self.box_parts(index, 1)
         scaled = self.compute_ratio(RegionKind.BOXES) * compute
         return self.call_ratio(RegionKind.BOXES) * call / scaled if scaled > 0 else math.inf
@@ -339,12 +307,6 @@ class FrameCosts:
             if predicted > 0:
                 (self._call if name == "call" else self._compute)[kind].append(measured / predicted)
         self._ratios = {}
-
-    def forget_survival(self) -> None:
-        """Drop the pruning shares seen so far (a profile's walks are no frames: they prune nothing)."""
-        self._area_share.clear()
-        self._box_share.clear()
-        self._share_median.clear()
 
     def record_survival(self, index: int, planned: tuple[int, int], computed: tuple[int, int]) -> None:
         """A cached frame computed ``computed`` ``(positions, boxes)`` at step ``index`` where its plan's geometry

@@ -90,7 +90,6 @@ class RegionResult:
         seconds: what the (calibrated) coefficients give for the work done.
         step_samples: per step run regionally, ``(fixed, arithmetic, measured)`` seconds (when timed): the
             coefficients' parts as measured by the profile, and the step's measured time.
-        step_seconds: measured seconds per step index that computed anything (when timed).
         timed_seconds: measured seconds of the steps and the dense rest (the suffix after a switch, or the tail)
             when timed: what the coefficients price, so the frame's time beyond it is its fixed cost.
     """
@@ -102,7 +101,6 @@ class RegionResult:
     suffix: str | None = None
     seconds: float = 0.0
     step_samples: list[tuple[float, float, float]] = field(default_factory=list)
-    step_seconds: dict[int, float] = field(default_factory=dict)
     timed_seconds: float = 0.0
 
 
@@ -225,10 +223,14 @@ class Geometry:
         return self.price(index, self.parts(index, boxes), since)
 
     def parts(self, index: int, boxes: list[Box]) -> tuple[float, float]:
-        """``(fixed, arithmetic)`` seconds of step ``index`` on ``boxes`` as profiled: the step's cold cost once,
-        each box's warm call and arithmetic (:meth:`~incrinf.engine.costs.FrameCosts.step_parts`), before the
-        calibration and pruning."""
-        return self.costs.step_parts(index, [area(b) for b in boxes])
+        """``(fixed, arithmetic)`` seconds of step ``index`` on ``boxes`` as profiled: each box's call and
+        arithmetic, summed, before the calibration and pruning."""
+        costs = self.costs
+        fixed = arithmetic = 0.0
+        for b in boxes:
+            call, compute = costs.box_parts(index, area(b))
+            fixed, arithmetic = fixed + call, arithmetic + compute
+        return fixed, arithmetic
 
     def price(self, index: int, parts: tuple[float, float], since: int | None = None,
               ratios: tuple[float, float] | None = None) -> float:
@@ -375,11 +377,14 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
             out = [run_box(program, cache, step, regions, b) for b in bounds]
         if index < len(planned):
             _record_share(costs, index, planned[index], out)
-        areas = [box.area for box in out]
-        call, compute = costs.step_parts(index, areas)
-        result.seconds += call_ratio * call + compute_ratio * compute
-        result.flops += step.flops * sum(areas) / step.positions
-        result.positions += sum(areas)
+        call = compute = 0.0
+        for box in out:
+            box_area = box.area
+            parts = costs.box_parts(index, box_area)
+            result.seconds += call_ratio * parts[0] + compute_ratio * parts[1]
+            result.flops += step.flops * box_area / step.positions
+            result.positions += box_area
+            call, compute = call + parts[0], compute + parts[1]
         if out and step.out in cached_set:
             kept = []
             for box in out:
@@ -400,7 +405,6 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
             result.timed_seconds += spent
             if out:
                 result.step_samples.append((call, compute, spent))
-                result.step_seconds[index] = spent
         if step.out in program.cuts and out:
             if pruned and index >= switch_index:  # the regions are no longer the plan's: decide from what is left
                 live = {k: [v.bounds for v in r] for k, r in regions.items()}

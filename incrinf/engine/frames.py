@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -30,7 +29,6 @@ from incrinf.engine.costs import FrameCosts, RegionKind
 from incrinf.engine.frame_regions import (
     Geometry,
     RegionPlan,
-    area,
     cluster_boxes,
     plan_regions,
     plan_seconds,
@@ -391,11 +389,10 @@ class FrameEngine:
 
     @torch.no_grad()
     def profile(self, repeats: int = PROFILE_REPEATS) -> None:
-        """Measure the cost coefficients on the cached frame (call after :meth:`full`; costs about ``3 * repeats``
+        """Measure the cost coefficients on the cached frame (call after :meth:`full`; costs about ``2 * repeats``
         full frames): every step on its whole map (their shares, scaled to the generated full module's time), on
-        one position, in a walk of one box after a full frame (the cold cost per step,
-        :meth:`_step_calls`), and in the block walk on one cell; the fastest of ``repeats`` runs of each counts.
-        The cache keeps the full frame's values (up to float rounding where the runs rewrote them)."""
+        one position, and in the block walk on one cell; the fastest of ``repeats`` runs of each counts. The cache
+        keeps the full frame's values (up to float rounding where the runs rewrote them)."""
         if not self.has_cache:
             raise RuntimeError("no cache: run full() on a frame first")
         program, cache, steps = self.program, self.cache, self.program.steps
@@ -441,43 +438,8 @@ class FrameEngine:
             clock = time.perf_counter()
             clone_output(cache.last_output)
             frame = min(frame, time.perf_counter() - clock)
-        move = self._move_seconds(repeats + 1)
-        self.costs.set_profile(dense, box_call, block_call, tail, move, frame)
-        self.costs.set_profile(dense, box_call, block_call, tail, move, frame, self._step_calls(repeats))
+        self.costs.set_profile(dense, box_call, block_call, tail, self._move_seconds(repeats + 1), frame)
         cluster_boxes(np.ones((1, 1), bool), 1, (1, 1))  # its imports, now rather than in the first cached frame
-
-    def _step_calls(self, repeats: int) -> list[float]:
-        """Per step, the box walk's cold cost (:attr:`~incrinf.engine.costs.StepCost.step_call`): what the step
-        takes in a walk of one box through the whole program beyond that box's warm call and arithmetic. A one-box
-        step in isolation, repeated, runs on warm processor caches, while in a stream every step of a cached frame
-        finds its weights and maps evicted by the work since the last frame (a full frame, matching, the other
-        steps), so each walk here follows a full frame too. Steps the walk does not reach (after its switch to the
-        dense rest) take the median share of their warm call that the others measured; none counts for more than
-        the step over its whole map. The cache keeps the full frame's values (the walk recomputes them from the same
-        frame)."""
-        program, cache, costs = self.program, self.cache, self.costs
-        h, w = self.dims
-        q = self.box_quantum
-        plan = plan_regions(self.geometry, [(h // 2, min(h // 2 + q, h), w // 2, min(w // 2 + q, w))])
-        saved = dict(cache.buffers)
-        measured: dict[int, float] = {}
-        for _ in range(repeats):
-            program.full(cache.frame)  # what a stream runs between cached frames, at most
-            result = walk_regions(self.geometry, cache, cache.frame, plan, 0.0, timed=True)
-            cache.buffers = dict(saved)  # a switch to the dense rest replaced whole tensors
-            for index, spent in result.step_seconds.items():
-                measured[index] = min(spent, measured.get(index, math.inf))
-        costs.forget_survival()  # the walks pruned nothing: they are no frames
-        cold = {}
-        for index, spent in measured.items():
-            call, compute = costs.step_parts(index, [area(b) for b in plan.steps[index]])
-            # at most the step over its whole map (which reads all of its weights and maps): a load spike in every
-            # repeat of one step does not make a cached frame look dearer than a full one
-            cold[index] = min(max(spent - call - compute, 0.0), costs.steps[index].dense)
-        shares = [cold[i] / costs.steps[i].box_call for i in cold if costs.steps[i].box_call > 0]
-        share = statistics.median(shares) if shares else 0.0
-        return [cold.get(i, min(share * costs.steps[i].box_call, costs.steps[i].dense))
-                for i in range(len(program.steps))]
 
     def _one_position(self, step, repeats: int) -> float:
         """Seconds of one step on a one-position box at the map's centre (its fixed cost per box)."""

@@ -76,18 +76,14 @@ def _read_window(step, box: Box, dims: tuple[int, ...]) -> Box:
 
 
 def cone_cost(program: Program, costs: FrameCosts, step: int, tile: Box) -> tuple[float, float]:
-    """``(seconds, multiply-adds)`` of recomputing ``tile`` of step ``step``'s output from the frame: each step's
-    box at its warm cost (a sample's tiles run as one batch where they can, :func:`exact_tiles`, and share the
-    steps' cold costs)."""
+    """``(seconds, multiply-adds)`` of recomputing ``tile`` of step ``step``'s output from the frame."""
     needed = cone(program, step, tile)
-    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
     seconds = flops = 0.0
     for index in range(step + 1):
         s = program.steps[index]
         box = needed.get(s.out)
         if box is not None:
-            call, compute = costs.box_parts(index, area(box))
-            seconds += call_ratio * call + compute_ratio * compute
+            seconds += costs.box(index, area(box))
             flops += s.flops * area(box) / s.positions
     return seconds, flops
 
@@ -161,14 +157,14 @@ def _cones_seconds(program: Program, costs: FrameCosts, step: int, cones: list[d
 
 
 def _batch_seconds(program: Program, costs: FrameCosts, step: int, cones: list[dict[str, Box]]) -> float:
-    """Translated cones run as one batch: each step's fixed cost (cold and one box) once, its arithmetic per cone."""
+    """Translated cones run as one batch: each step's fixed cost once, its arithmetic per cone."""
     one = cones[0]
     call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
     seconds = 0.0
     for index in range(step + 1):
         name = program.steps[index].out
         if name in one:
-            call, compute = costs.step_parts(index, [area(one[name])])
+            call, compute = costs.box_parts(index, area(one[name]))
             seconds += call_ratio * call + len(cones) * compute_ratio * compute
     return seconds
 
