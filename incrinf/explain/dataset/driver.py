@@ -225,6 +225,9 @@ def _with_feature_mask(spec: ExplainSpec, path: str | os.PathLike) -> ExplainSpe
     from incrinf.explain.feature_masks import read_image_mask, read_label_volume
 
     name = os.fspath(path)
+    if Path(name).is_dir():  # a folder of per-input masks would need per-input resume keys: not offered
+        raise ValueError(f"feature mask {name} is a folder; a dataset run takes one mask file for every input "
+                         "of its shape (explain inputs with their own masks one at a time)")
     if spec.volumes:
         labels = read_label_volume(name, spec.preprocessing.volume_index).numpy()
     else:

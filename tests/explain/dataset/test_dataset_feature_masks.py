@@ -195,6 +195,7 @@ def test_cli_feature_mask_and_target_all_with_a_folder(folder, tmp_path, monkeyp
     np.save(tmp_path / "float.npy", np.full((10, 12, 16), 0.5))
     for bad, message in ((tmp_path / "gone.nii.gz", "feature mask not found"),
                          (tmp_path / "float.npy", "must hold integer ids"),
-                         (folder / "p01.nii.gz", "must hold integer ids")):
+                         (folder / "p01.nii.gz", "must hold integer ids"),
+                         (folder, "is a folder; a dataset run takes one mask file")):
         assert cli.main([*args[:4], "--feature-mask", str(bad), "--quiet"]) == 2
         assert message in capsys.readouterr().err
