@@ -41,15 +41,20 @@ def _peak_growth(fn) -> tuple[int, object]:
     return resident_peak() - start - max(file_resident() - files, 0), result
 
 
-def _growth_and_bound(name: str, n: int, mask: int, stride: int, batch_size: int) -> tuple[int, int, int]:
-    """In a fresh process: a 3-D occlusion run's peak anonymous resident growth (executor, base, store, plan and
-    batches), its byte model's predicted peak and its bound."""
+def _fresh_network(name: str, n: int) -> tuple[nn.Module, torch.Tensor]:
+    """In a fresh process: one thread, no autograd, the runtime's own first-use memory spent outside the
+    measurement; MONAI's 3-D network ``name`` and a (1, 1, n, n, n) volume, both seeded."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
-    nn.Conv3d(1, 4, 3)(torch.randn(1, 1, 8, 8, 8))  # the runtime's own first-use memory, outside the measurement
-    model = monai_network(name, (n,) * 3)
-    image = torch.randn(1, 1, n, n, n)
+    nn.Conv3d(1, 4, 3)(torch.randn(1, 1, 8, 8, 8))
+    return monai_network(name, (n,) * 3), torch.randn(1, 1, n, n, n)
+
+
+def _growth_and_bound(name: str, n: int, mask: int, stride: int, batch_size: int) -> tuple[int, int, int]:
+    """In a fresh process: a 3-D occlusion run's peak anonymous resident growth (executor, base, store, plan and
+    batches), its byte model's predicted peak and its bound."""
+    model, image = _fresh_network(name, n)
     graph = capture(model, image.shape[1:])
     region = input_boxes(occlusion_grid((n,) * 3, (mask,) * 3, (stride,) * 3), (mask,) * 3, (n,) * 3)
     growth, predicted = _peak_growth(lambda: run_zeroed_windows(graph, image, region, batch_size))
@@ -122,12 +127,7 @@ def _naive_and_budget(name: str, n: int, batch_size: int) -> tuple[int, int, int
     """In a fresh process: naive batched re-inference's measured peak (a plain forward pass of ``batch_size``
     copies of a volume, the batch itself counted), the budget a plan of that batch size gets, and the activations
     alone (what the budget was without operators' working memory)."""
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
-    nn.Conv3d(1, 4, 3)(torch.randn(1, 1, 8, 8, 8))  # the runtime's own first-use memory, outside the measurement
-    model = monai_network(name, (n,) * 3)
-    image = torch.randn(1, 1, n, n, n)
+    model, image = _fresh_network(name, n)
     engine = BatchEngine(capture(model, image.shape[1:]), image)
     region = input_boxes(occlusion_grid((n,) * 3, (8,) * 3, (8,) * 3), (8,) * 3, (n,) * 3)
     plan, _ = engine.plan(region.start(), region.sizes(), batch_size=batch_size)
