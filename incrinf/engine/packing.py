@@ -101,7 +101,11 @@ def reach_classes(program: Program, exact: Propagation, q: int) -> np.ndarray:
     """(Q, d) per query (of ``q``) and axis, the rank of its extents along that axis over every step with a change (the
     query's *reach profile* there: queries of one class along every axis need boxes of one size at every step),
     classes ranked by their total extent, then by profile."""
-    costs = _StepCosts(program, exact, q)
+    return _reach_classes(_StepCosts(program, exact, q))
+
+
+def _reach_classes(costs: _StepCosts) -> np.ndarray:
+    """:func:`reach_classes` from the queries' step extents (at least one step with a change)."""
     extents = np.stack(costs.extents, axis=1)  # (Q, steps, d)
     classes = np.zeros((extents.shape[0], extents.shape[2]), np.int64)
     for a in range(extents.shape[2]):
@@ -124,9 +128,12 @@ def candidate_orders(program: Program, exact: Propagation, sizes: np.ndarray) ->
     batch's queries differ little in reach along every axis, not only along the one it was sorted by last (on a
     2-D grid, sorting by rows packs whole rows: the per-axis largest box then spans every column's reach)."""
     orders = [order_queries(program, exact, sizes)]
-    if sizes.shape[1] < 2 or not _StepCosts(program, exact, len(sizes)).extents:
+    if sizes.shape[1] < 2:
         return orders
-    classes = reach_classes(program, exact, len(sizes))
+    costs = _StepCosts(program, exact, len(sizes))
+    if not costs.extents:
+        return orders
+    classes = _reach_classes(costs)
     area = sizes.prod(axis=1)
     last, others = classes[:, -1], classes[:, :-1]
     seen = {orders[0].tobytes()}
