@@ -18,6 +18,13 @@ MONTAGE_SLICES = 6
 DEFAULT_CMAP = "RdBu_r"
 
 
+def map_title(patch: tuple[int, ...], stride: tuple[int, ...], features: bool) -> str:
+    """The default title of a heat-map picture: what was occluded ("features", or the window and stride)."""
+    if features:
+        return "features"
+    return f"occlusion {'x'.join(map(str, patch))}, stride {'x'.join(map(str, stride))}"
+
+
 def save_heatmap(pixel: np.ndarray, path: str | Path, image: np.ndarray | torch.Tensor | None, title: str,
                  label: str, cmap: str = DEFAULT_CMAP, centre: float | None = 0.0) -> Path:
     """Write a PNG of an attribution map over its input (the figure of :func:`heatmap_figure`).

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from incrinf.explain.drilldown import DrillDown
-from incrinf.explain.pictures import DEFAULT_CMAP, save_heatmap
+from incrinf.explain.pictures import DEFAULT_CMAP, map_title, save_heatmap
 from incrinf.explain.runner import RunStats
 
 SettingSource = Literal["argument", "profile"]
@@ -278,8 +278,7 @@ class OcclusionResult:
             pixel, label = pixel[k or 0], f"drop in class {k or 0} score"
         if pixel.ndim == len(self.image_shape) + 1:  # a channel-wise feature mask: average the channels
             pixel = pixel.mean(axis=0)
-        what = "features" if self.features is not None else \
-            f"occlusion {'x'.join(map(str, self.patch))}, stride {'x'.join(map(str, self.stride))}"
+        what = map_title(self.patch, self.stride, self.features is not None)
         return save_heatmap(pixel, path, image, title or what, label, cmap=cmap, centre=centre)
 
 

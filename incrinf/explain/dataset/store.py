@@ -184,7 +184,7 @@ class RunFolder:
             self.write_record(record)
             return record
         from incrinf.explain.dataset.stats import blend, grid_positions, heat_colours, pixel_map, thumbnail
-        from incrinf.explain.pictures import save_heatmap
+        from incrinf.explain.pictures import map_title, save_heatmap
         from incrinf.explain.result import OcclusionResult
 
         heat = outcome.heatmap
@@ -200,8 +200,7 @@ class RunFolder:
             put("pixel", lambda tmp: np.save(tmp, pixel))
             if outcome.features is not None:
                 put("features", lambda tmp: np.save(tmp, outcome.features))
-            what = "features" if outcome.features is not None else \
-                f"occlusion {'x'.join(map(str, outcome.patch))}, stride {'x'.join(map(str, outcome.stride))}"
+            what = map_title(outcome.patch, outcome.stride, outcome.features is not None)
             put("overlay", lambda tmp: save_heatmap(pixel, tmp, outcome.display, overlay_title or what,
                                                     f"drop in class {outcome.target} score"))
         else:
