@@ -238,8 +238,6 @@ class Explainer:
 
         if task.data is None:
             return Outcome(task.index, task.id, ERROR_READ, task.read_error)
-        if task.mask_error is not None:
-            return Outcome(task.index, task.id, ERROR_MASK, task.mask_error)
         preprocessing = self.spec.preprocessing
         labels, mask_name = self.spec.feature_mask, self.spec.feature_mask_name
         if task.feature_mask is not None:  # the input's own mask (a folder of masks)
@@ -258,6 +256,8 @@ class Explainer:
                 display, affine = preprocessing.display(x), None
         except ValueError as exc:
             return Outcome(task.index, task.id, ERROR_DECODE, str(exc))
+        if task.mask_error is not None:  # after decoding: a corrupt input says so, whether or not it has a mask
+            return Outcome(task.index, task.id, ERROR_MASK, task.mask_error)
         if labels is not None:
             try:
                 mask = _fit_mask(labels, shape, tuple(x.shape[1:]), mask_name)
