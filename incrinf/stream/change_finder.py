@@ -87,6 +87,18 @@ class ChangeFinder:
                 f.fallback = Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by a clear "
                                                             f"{math.hypot(dx, dy):.1f} px shift")
                 return
+            # a shift the cache could follow, but a zoom or rotation may misalign it: the quarters' own shifts,
+            # when they are clear and one affine motion explains each within the misalignment the cache tolerates,
+            # say so whatever the exact translation (which keypoints would refine)
+            local = self.stillness.local_motion(f.pixels, self.reference)
+            if local.response >= self.stillness.min_response and \
+                    local.residual <= config.max_misalignment * engine.position_pixels:
+                unusable = engine.unusable_at_any_shift(local.matrix)
+                if unusable > engine.dense_cut:
+                    times.match += time.perf_counter() - clock
+                    f.fallback = Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by the "
+                                                                "zoom or rotation of the frame's quarters' shifts")
+                    return
         if matrix_given is not None:
             f.matrix = matrix_given
         else:
