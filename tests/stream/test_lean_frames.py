@@ -246,3 +246,25 @@ def test_a_zoom_that_misaligns_the_cache_at_any_shift_is_told_by_the_quarters(mo
     panned = _zoomed_view(photo, 1.0, 4.0)
     session(panned)
     assert session.stats[-1].cause == Cause.CACHED and detections, session.stats[-1].reason
+
+
+def test_a_probe_after_a_zoom_asks_the_pixels_before_the_cache_is_filled(monkeypatch):
+    """A camera that keeps zooming: every probe after a back-off stretch is ruled out by the pixels (the quarters'
+    shifts), so the stretch's last frame runs plain instead of filling the cache for it; after the first frame no
+    frame writes the cache, and every output is full inference's."""
+    model = models.load("mobilenet_v2")
+    photo = cv2.resize(skimage.data.chelsea(), (320, 240), interpolation=cv2.INTER_AREA)
+    frames = [_zoomed_view(photo, 1.02 ** k, 4.0 * k) for k in range(16)]
+    # stretches of 2, then 4 frames (without the speed guard they double; not sized by timings)
+    session = StreamSession(model, quality_guard=False, speed_guard=False, max_backoff=4)
+    filled = []
+    full = CameraEngine.full
+    monkeypatch.setattr(CameraEngine, "full", lambda self, x: filled.append(1) or full(self, x))
+    for frame in frames:
+        torch.testing.assert_close(session(frame), full_inference(model, frame), rtol=1e-4, atol=1e-4)
+    causes = [s.cause for s in session.stats]
+    probes = [s for s in session.stats[1:] if s.cause == Cause.CACHE_UNUSABLE]
+    assert Cause.BACKING_OFF in causes and len(probes) >= 3, causes
+    # told by the pixels: a translation that alone misaligns the cache, or the quarters' zoom
+    assert all("zoom or rotation" in s.reason or "clear" in s.reason for s in probes), [s.reason for s in probes]
+    assert len(filled) == 1, causes  # the first frame's
