@@ -64,23 +64,45 @@ def one_run(method: str, name: str, stride: int, batch: int, patch: int, warm: b
                          perturbations_per_eval=batch)
 
 
-# the operators that run a convolution's arithmetic (oneDNN's, with its weight reorder inside, and PyTorch's own)
+# the operators that run a convolution's arithmetic (oneDNN's, its weight reorder inside, and PyTorch's own)
 _CONVOLUTION_OPS = ("aten::mkldnn_convolution", "mkldnn::_convolution_pointwise", "aten::_slow_conv2d_forward",
                     "aten::thnn_conv2d", "aten::_nnpack_spatial_convolution")
 
 
-def convolution_seconds(fn) -> tuple[float, float]:
-    """(seconds inside convolutions, seconds of the whole call) of one profiled call of ``fn``: the profiler's
-    self time of the operators that do a convolution's arithmetic, against its whole span (profiling slows the
-    many small operators more than the convolutions, so the share is an upper bound on what is not convolution)."""
+def convolution_profile(fn) -> tuple[dict, float]:
+    """Where one call of ``fn`` spends its convolution time: ``({weight shape: (multiply-adds, seconds)}, seconds
+    of the whole call)``, the multiply-adds from the profiler's shape formulas (noise-free), the seconds its self
+    time of the operators doing the arithmetic (profiling slows the many small operators more than the
+    convolutions: the share outside them is an upper bound)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
         start = time.perf_counter()
         fn()
         whole = time.perf_counter() - start
-    conv = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in _CONVOLUTION_OPS) / 1e6
-    return conv, whole
+    layers: dict[tuple, list[float]] = {}
+    for event in prof.key_averages(group_by_input_shape=True):
+        if len(event.input_shapes) < 2 or len(event.input_shapes[1]) < 3:
+            continue
+        layer = layers.setdefault(tuple(event.input_shapes[1]), [0.0, 0.0])
+        if event.key == "aten::conv2d":
+            layer[0] += event.flops / 2
+        elif event.key in _CONVOLUTION_OPS:
+            layer[1] += event.self_cpu_time_total / 1e6
+    return {k: (macs, seconds) for k, (macs, seconds) in layers.items() if seconds > 0}, whole
+
+
+def convolution_speed(ours: dict, baseline: dict) -> float:
+    """How fast ``ours``'s convolutions run against ``baseline``'s, layer by layer (both
+    :func:`convolution_profile`'s): the seconds the baseline's convolutions would take for our multiply-adds at
+    their own speed per weight shape, over the seconds ours took (below 1: our boxes run slower than its whole
+    maps; shapes the baseline never runs are left out)."""
+    would = took = 0.0
+    for shape, (macs, seconds) in ours.items():
+        if shape in baseline and baseline[shape][0] > 0 and macs > 0:
+            would += macs * baseline[shape][1] / baseline[shape][0]
+            took += seconds
+    return would / took if took else float("nan")
 
 
 def channels_last_full(model: torch.nn.Module, image: torch.Tensor, patch: int, stride: int, batch: int,
@@ -128,14 +150,10 @@ def run_model(name: str, stride: int, batch: int, repeats: int, patch: int) -> d
         t_f.append(s)
         c_f.append(c)
         err = max(err, float((got - want).abs().max() / want.abs().max()))
-    # where incrinf's time goes: the share in convolutions and their speed (multiply-adds a second) against the
-    # baseline's convolutions (multiply-adds from the plan and the graph, noise-free; one profiled run each).
-    # incrinf's run computes its plan's batches and one full forward pass of the unchanged image (its base)
-    conv_i, whole_i = convolution_seconds(lambda: incr.attribute(image, window, **kwargs))
-    conv_f, _ = convolution_seconds(lambda: channels_last_full(cl_folded, image, patch, stride, batch, target))
-    plan = _last_plan()
-    incr_macs = plan.macs + plan.full_macs
-    full_macs = plan.full_macs * incr.last_stats[0]["positions"]
+    # where incrinf's time goes: the share in convolutions and their speed against the baseline's, layer by layer
+    # (one profiled run each)
+    conv_i, whole_i = convolution_profile(lambda: incr.attribute(image, window, **kwargs))
+    conv_f, _ = convolution_profile(lambda: channels_last_full(cl_folded, image, patch, stride, batch, target))
     m_c = [peak_rss_in_child(one_run, "captum", name, stride, batch, patch)]
     m_i = [peak_rss_in_child(one_run, "incrinf", name, stride, batch, patch)]
     stats = incr.last_stats[0]
@@ -146,7 +164,7 @@ def run_model(name: str, stride: int, batch: int, repeats: int, patch: int) -> d
                 theory=stats["theoretical_speedup"],
                 plan=stats["realized_flop_ratio"],
                 ratio=speedup / stats["theoretical_speedup"], mem_c=median(m_c), mem_i=median(m_i), err=err,
-                conv_share=conv_i / whole_i, conv_speed=(incr_macs / conv_i) / (full_macs / conv_f),
+                conv_share=sum(v[1] for v in conv_i.values()) / whole_i, conv_speed=convolution_speed(conv_i, conv_f),
                 **weight_traffic(model, stats["positions"], batch), load=os.getloadavg()[0])
 
 
@@ -263,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
           "W GB: weights read by incrinf's plan (each batch\n"
           "the weights of the steps it runs, each tail run the tail's), CL W GB: by plain batched re-inference\n"
           "(all, once per batch); conv %: share of incrinf's run inside convolutions (one profiled run);\n"
-          "conv speed: incrinf's convolution multiply-adds a second over the CL fold baseline's (MACs of the plan\n"
-          "and the base's forward pass over profiled convolution seconds; below 1: boxes run slower than maps);\n"
+          "conv speed: the CL fold baseline's convolution seconds for incrinf's multiply-adds, layer by layer at\n"
+          "the baseline's own speed, over incrinf's convolution seconds (below 1: boxes run slower than maps);\n"
           "load: 1-minute load average after the row's runs\n")
     print(header)
     runs = [(run_model, name) for name in args.models] + [(run_segmentation, name) for name in args.segmentation]
