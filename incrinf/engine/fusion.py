@@ -15,12 +15,14 @@ a padding done by its convolution is an identity module under its own name. Run 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from incrinf.engine.program import Program
-from incrinf.graph import Graph, Operator
+from incrinf.graph import Graph, Node, Operator
 
 _CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -77,7 +79,7 @@ def fuse_generated(program: Program) -> int:
     return fused
 
 
-def _conv_arguments(graph: Graph, node) -> tuple | None:
+def _conv_arguments(graph: Graph, node: Node) -> tuple | None:
     """``(input node, weight, bias, stride, padding, dilation, groups)`` of a plain zero-padded convolution
     (a module or a function whose weight is a constant), with every setting as a tuple per axis; else None."""
     fx_node = node.fx_node
@@ -112,7 +114,7 @@ def _conv_arguments(graph: Graph, node) -> tuple | None:
             int(values.get("groups", 1)))
 
 
-def _attribute(module: nn.Module):
+def _attribute(module: nn.Module) -> Callable[[str], torch.Tensor]:
     """A function reading a ``get_attr`` target (a dotted path) of ``module``."""
 
     def fetch(target: str) -> torch.Tensor:
@@ -123,7 +125,8 @@ def _attribute(module: nn.Module):
     return fetch
 
 
-def _symmetric_zero_pad(graph: Graph, source, kept: set[str], targets: list) -> tuple[int, ...] | None:
+def _symmetric_zero_pad(graph: Graph, source: object, kept: set[str], targets: list
+                        ) -> tuple[int, ...] | None:
     """The per-axis padding of ``source`` when it is a zero-padding module read only by the convolution, the same on
     both sides of every axis, and not a kept tensor; else None."""
     if not isinstance(source, torch.fx.Node) or source.op != "call_module" or len(source.users) != 1 \
