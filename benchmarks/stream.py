@@ -93,6 +93,8 @@ GRID = {
     "audits 8..64": {"audit_interval": 8, "keyframe_interval": 64},
     "backoff after 1": {"backoff_after": 1},
     "backoff after 2": {"backoff_after": 2},
+    "trust after 1": {"trust_after": 1},
+    "trust after 3": {"trust_after": 3},
 }
 # Candidates for near_tie (--loo --near-tie): the near-tie check's reference is the quantile of the audits' lead
 # changes that 1 - target_agreement of the frames exceed; these scale it.
@@ -527,7 +529,8 @@ def _settings(config: StreamConfig) -> str:
     return (f"pixel threshold {config.pixel_threshold:g}, feature threshold {config.still_feature_threshold:g} "
             f"(still), target agreement {config.target_agreement:g}, audits every "
             f"{config.audit_interval}..{config.keyframe_interval} frames (sampled: {config.sampled_audits}), "
-            f"near_tie {config.near_tie:g}, speed guard {config.speed_guard}, quality guard {config.quality_guard}")
+            f"near_tie {config.near_tie:g}, trust after {config.trust_after} audits, speed guard {config.speed_guard}, "
+            f"quality guard {config.quality_guard}")
 
 
 def _load() -> str:

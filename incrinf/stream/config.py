@@ -145,6 +145,12 @@ class StreamConfig:
             the audits two frames and more before it had measured lead losses of 0.042 and 0.067 (a reference of
             0.43: 0.15 would check margins up to 0.065 on their account, not 0.127). The default stays at 0.02 until
             a run of several passes settles it.
+        trust_after: label audits (a cached classifier frame compared with full inference) the quality guard
+            records before it trusts a cached classifier output unchecked; until then every cached label output is
+            checked. One audit's lead loss is one draw of a heavy-tailed error, and the guard's bound is the largest
+            of the audits' losses: on a moving clip the one audit before three cached frames lost 0.083 of the lead,
+            the three frames 0.30, 1.16 and 1.07 (the third flipped). The default is the leave-one-out choice over
+            the clip set (``benchmarks/stream.py --loo --candidates defaults,trust after 1,trust after 3``).
         opencv_threads: worker threads OpenCV may use for the session's image work (the still-camera test,
             keypoint matching, warps, resizes), set with ``cv2.setNumThreads`` when the session is built; OpenCV's
             setting is process-wide, like ``torch.set_num_threads``. None leaves it as it is (OpenCV's default: one
@@ -186,6 +192,7 @@ class StreamConfig:
     sample_tolerance: float = 1.5
     sample_seed: int = 0
     near_tie: float = 0.02
+    trust_after: int = 2
     keep_stats: int | None = 1000
     oracle_sample: float = 0.0
     opencv_threads: int | None = None
@@ -222,6 +229,8 @@ class StreamConfig:
         _check(self.target_error is None or self.target_error > 0, "target_error must be > 0 or None",
                self.target_error)
         _check(self.near_tie >= 0, "near_tie must be >= 0", self.near_tie)
+        _check(_is_int(self.trust_after) and self.trust_after >= 1, "trust_after must be a positive integer",
+               self.trust_after)
         _check(_is_int(self.audit_interval) and self.audit_interval >= 1, "audit_interval must be a positive integer",
                self.audit_interval)
         _check(0.0 <= self.min_saving < 1.0, "min_saving must be in [0, 1)", self.min_saving)
@@ -239,7 +248,8 @@ class StreamConfig:
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.target_error is not None:
             object.__setattr__(self, "target_error", float(self.target_error))
-        for name in ("cell", "keyframe_interval", "backoff_after", "max_backoff", "audit_interval", "sample_seed"):
+        for name in ("cell", "keyframe_interval", "backoff_after", "max_backoff", "audit_interval", "sample_seed",
+                     "trust_after"):
             object.__setattr__(self, name, int(getattr(self, name)))
         if self.keep_stats is not None:
             object.__setattr__(self, "keep_stats", int(self.keep_stats))
