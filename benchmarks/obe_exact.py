@@ -24,9 +24,8 @@ import sys
 import time
 
 import torch
-import torch.fx.experimental.optimization as fx_optimization
 import torchvision
-from _common import machine, median, mib, peak_rss_in_child, timed
+from _common import folded, machine, median, mib, peak_rss_in_child, timed
 from captum.attr import Occlusion as CaptumOcclusion
 
 from incrinf import models
@@ -78,16 +77,6 @@ def channels_last_full(model: torch.nn.Module, image: torch.Tensor, patch: int, 
             x[k, :, y:y + patch, xx:xx + patch] = 0.0  # windows past the edge are cropped, as in Captum
         out.append(model(x.contiguous(memory_format=torch.channels_last))[:, target])
     return torch.cat(out)
-
-
-def folded(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` with its batch norms folded into the convolutions before them (what a user of plain
-    inference would run; the model as given where torch.fx cannot trace it)."""
-    try:
-        return fx_optimization.fuse(copy.deepcopy(model))
-    except Exception as error:  # noqa: BLE001 - any tracing failure leaves the baseline unfolded
-        print(f"  (batch norms not folded for the baseline: {type(error).__name__})")
-        return copy.deepcopy(model)
 
 
 def run_model(name: str, stride: int, batch: int, repeats: int, patch: int) -> dict:
