@@ -95,7 +95,7 @@ GRID = {
     "audits 8..64": {"audit_interval": 8, "keyframe_interval": 64},
     "backoff after 1": {"backoff_after": 1},
     "backoff after 2": {"backoff_after": 2},
-    "trust after 1": {"trust_after": 1},
+    "trust after 2": {"trust_after": 2},
     "trust after 3": {"trust_after": 3},
 }
 # Candidates for near_tie (--loo --near-tie): the near-tie check's reference is the quantile of the audits' lead

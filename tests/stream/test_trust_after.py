@@ -19,8 +19,7 @@ def _label(lost: float) -> Comparison:
 
 
 def test_one_audits_loss_is_no_bound_until_trust_after_audits_measured_the_cache():
-    guard = QualityGuard(StreamConfig(target_agreement=0.99))
-    assert guard.config.trust_after == 2
+    guard = QualityGuard(StreamConfig(target_agreement=0.99, trust_after=2))
     guard.record(_label(0.05), 1)
     # one audit lost 0.05: a margin 200 times that is still checked
     assert not guard.trusting and guard.risky(10.0, 1) and guard.risky(10.0, 1, sampled_error=1e-9)
@@ -32,7 +31,7 @@ def test_one_audits_loss_is_no_bound_until_trust_after_audits_measured_the_cache
         three.record(_label(lost), 1)
     assert not three.trusting and three.risky(10.0, 1)
     # a map's audits are counted by its own rule (the share of agreeing positions): one that held is enough
-    dense = QualityGuard(StreamConfig())
+    dense = QualityGuard(StreamConfig(trust_after=2))
     dense.record(Comparison(OutputKind.MAP, 1.0, 0.0, 0.0), 1)
     assert dense.trusting
 
