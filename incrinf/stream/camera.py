@@ -28,6 +28,11 @@ from incrinf.stream.warp import scale_homography
 
 # Positions of the first cached map on which a motion's unusable share is estimated before the full index maps.
 ESTIMATE_POSITIONS = 2048
+# Offsets (in positions of the first cached map, per axis) added to a motion's translation by
+# :meth:`CameraEngine.unusable_at_any_shift` (steps of a quarter position: any translation lies within an eighth of
+# one), and the positions it samples per offset (25 offsets x 256 positions: under a millisecond).
+_SHIFT_OFFSETS = np.arange(-2, 3) / 4.0
+ANY_SHIFT_POSITIONS = 256
 
 
 @dataclass
@@ -269,6 +274,35 @@ class CameraEngine:
         ``ESTIMATE_POSITIONS`` positions): a moving camera's attempt that the motion makes unusable is told so
         without the full map's index arithmetic (3-5 ms on a 272 x 640 frame's stride-2 map)."""
         return self._estimate(np.asarray(matrix, dtype=np.float64))
+
+    @property
+    def position_pixels(self) -> float:
+        """Input pixels per position of the first cached map (its stride; 1 without a cached map)."""
+        res = self.engine.first_resolution
+        if res is None:
+            return 1.0
+        return max(self.input_dims[0] / res[0], self.input_dims[1] / res[1])
+
+    def unusable_at_any_shift(self, matrix: np.ndarray) -> float:
+        """The smallest :meth:`estimate_unusable` of the motion ``matrix`` (3, 3, previous -> current, input pixel
+        coords) over translations within half a position of its own (quarter-position steps, on a coarser subgrid):
+        what its zoom, rotation or shear alone leave misaligned, whatever the translation. A motion estimated only
+        roughly (its translation a fraction of a position off, which alone decides whether a pure shift keeps the
+        cache aligned) says the cache is unusable when this is above ``dense_cut``."""
+        res = self.engine.first_resolution
+        if res is None or res not in self.engine.cached_resolutions:
+            return 0.0
+        h, w = res
+        drift = self._drift.get(res)
+        if drift is None:
+            drift = np.zeros((2, h, w))
+        step = max(int(math.sqrt(h * w / ANY_SHIFT_POSITIONS)), 1)
+        ys, xs = (np.ascontiguousarray(g[::step, ::step]).reshape(1, -1) for g in self._grids[res])
+        dy, dx = (d.reshape(-1, 1) for d in np.meshgrid(_SHIFT_OFFSETS, _SHIFT_OFFSETS, indexing="ij"))
+        m = scale_homography(np.asarray(matrix, dtype=np.float64), self.input_dims, res)
+        # moving the current positions by -offset is reading the motion moved by +offset (offsets x positions)
+        _, _, valid, _ = self._read(m, np.linalg.inv(m), ys - dy, xs - dx, drift)
+        return 1.0 - float(valid.mean(axis=1).max())
 
     def _estimate(self, matrix: np.ndarray) -> float:
         """:meth:`estimate_unusable` of a float64 ``matrix``."""
