@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import statistics
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx.experimental.optimization as fx_optimization
 
 from incrinf.engine.memory import file_resident, reset_resident_peak, resident_memory, resident_peak
 
@@ -25,6 +27,16 @@ def machine() -> str:
         pass
     return (f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), python {platform.python_version()}")
+
+
+def folded(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with its batch norms folded into the convolutions before them (what a user of plain
+    inference would run, as incrinf folds them; the model as given where torch.fx cannot trace it)."""
+    try:
+        return fx_optimization.fuse(copy.deepcopy(model))
+    except Exception as error:  # noqa: BLE001 - any tracing failure leaves the baseline unfolded
+        print(f"  (batch norms not folded for the baseline: {type(error).__name__})")
+        return copy.deepcopy(model)
 
 
 def _rss() -> int:

@@ -24,9 +24,8 @@ import sys
 import time
 
 import torch
-import torch.fx.experimental.optimization as fx_optimization
 import torchvision
-from _common import machine, median, mib, peak_rss_in_child, timed
+from _common import folded, machine, median, mib, peak_rss_in_child, timed
 from captum.attr import Occlusion as CaptumOcclusion
 
 from incrinf import models
@@ -65,6 +64,47 @@ def one_run(method: str, name: str, stride: int, batch: int, patch: int, warm: b
                          perturbations_per_eval=batch)
 
 
+# the operators that run a convolution's arithmetic (oneDNN's, its weight reorder inside, and PyTorch's own)
+_CONVOLUTION_OPS = ("aten::mkldnn_convolution", "mkldnn::_convolution_pointwise", "aten::_slow_conv2d_forward",
+                    "aten::thnn_conv2d", "aten::_nnpack_spatial_convolution")
+
+
+def convolution_profile(fn) -> tuple[dict, float]:
+    """Where one call of ``fn`` spends its convolution time: ``({weight shape: (multiply-adds, seconds)}, seconds
+    of the whole call)``, the multiply-adds from the profiler's shape formulas (noise-free), the seconds its self
+    time of the operators doing the arithmetic (profiling slows the many small operators more than the
+    convolutions: the share outside them is an upper bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
+        start = time.perf_counter()
+        fn()
+        whole = time.perf_counter() - start
+    layers: dict[tuple, list[float]] = {}
+    for event in prof.key_averages(group_by_input_shape=True):
+        if len(event.input_shapes) < 2 or len(event.input_shapes[1]) < 3:
+            continue
+        layer = layers.setdefault(tuple(event.input_shapes[1]), [0.0, 0.0])
+        if event.key == "aten::conv2d":
+            layer[0] += event.flops / 2
+        elif event.key in _CONVOLUTION_OPS:
+            layer[1] += event.self_cpu_time_total / 1e6
+    return {k: (macs, seconds) for k, (macs, seconds) in layers.items() if seconds > 0}, whole
+
+
+def convolution_speed(ours: dict, baseline: dict) -> float:
+    """How fast ``ours``'s convolutions run against ``baseline``'s, layer by layer (both
+    :func:`convolution_profile`'s): the seconds the baseline's convolutions would take for our multiply-adds at
+    their own speed per weight shape, over the seconds ours took (below 1: our boxes run slower than its whole
+    maps; shapes the baseline never runs are left out)."""
+    would = took = 0.0
+    for shape, (macs, seconds) in ours.items():
+        if shape in baseline and baseline[shape][0] > 0 and macs > 0:
+            would += macs * baseline[shape][1] / baseline[shape][0]
+            took += seconds
+    return would / took if took else float("nan")
+
+
 def channels_last_full(model: torch.nn.Module, image: torch.Tensor, patch: int, stride: int, batch: int,
                        target: int) -> torch.Tensor:
     """Plain batched re-inference of every occluded copy, with the model in channels-last layout (incrinf's
@@ -78,16 +118,6 @@ def channels_last_full(model: torch.nn.Module, image: torch.Tensor, patch: int, 
             x[k, :, y:y + patch, xx:xx + patch] = 0.0  # windows past the edge are cropped, as in Captum
         out.append(model(x.contiguous(memory_format=torch.channels_last))[:, target])
     return torch.cat(out)
-
-
-def folded(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` with its batch norms folded into the convolutions before them (what a user of plain
-    inference would run; the model as given where torch.fx cannot trace it)."""
-    try:
-        return fx_optimization.fuse(copy.deepcopy(model))
-    except Exception as error:  # noqa: BLE001 - any tracing failure leaves the baseline unfolded
-        print(f"  (batch norms not folded for the baseline: {type(error).__name__})")
-        return copy.deepcopy(model)
 
 
 def run_model(name: str, stride: int, batch: int, repeats: int, patch: int) -> dict:
@@ -120,6 +150,10 @@ def run_model(name: str, stride: int, batch: int, repeats: int, patch: int) -> d
         t_f.append(s)
         c_f.append(c)
         err = max(err, float((got - want).abs().max() / want.abs().max()))
+    # where incrinf's time goes: the share in convolutions and their speed against the baseline's, layer by layer
+    # (one profiled run each)
+    conv_i, whole_i = convolution_profile(lambda: incr.attribute(image, window, **kwargs))
+    conv_f, _ = convolution_profile(lambda: channels_last_full(cl_folded, image, patch, stride, batch, target))
     m_c = [peak_rss_in_child(one_run, "captum", name, stride, batch, patch)]
     m_i = [peak_rss_in_child(one_run, "incrinf", name, stride, batch, patch)]
     stats = incr.last_stats[0]
@@ -130,14 +164,20 @@ def run_model(name: str, stride: int, batch: int, repeats: int, patch: int) -> d
                 theory=stats["theoretical_speedup"],
                 plan=stats["realized_flop_ratio"],
                 ratio=speedup / stats["theoretical_speedup"], mem_c=median(m_c), mem_i=median(m_i), err=err,
+                conv_share=sum(v[1] for v in conv_i.values()) / whole_i, conv_speed=convolution_speed(conv_i, conv_f),
                 **weight_traffic(model, stats["positions"], batch), load=os.getloadavg()[0])
+
+
+def _last_plan():
+    """The plan of the last incrinf run (None before any)."""
+    keys = runtime_cache().keys(PlanKey)
+    return runtime_cache().get(keys[-1]) if keys else None
 
 
 def weight_traffic(model: torch.nn.Module, positions: int, batch: int) -> dict:
     """Bytes of weights read: by the last plan run (each batch the weights of the steps it runs, each tail run
     the tail's) and by plain batched re-inference (every weight once per batch)."""
-    keys = runtime_cache().keys(PlanKey)
-    plan = runtime_cache().get(keys[-1]) if keys else None
+    plan = _last_plan()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return dict(w_i=plan.weight_bytes if plan is not None else float("nan"), w_l=-(-positions // batch) * weights,
                 batches=len(plan.batches) if plan is not None else 0)
@@ -206,6 +246,7 @@ def run_segmentation(name: str, stride: int, batch: int, repeats: int, patch: in
                 theory=stats["theoretical_speedup"],
                 plan=stats["realized_flop_ratio"], ratio=speedup / stats["theoretical_speedup"], mem_c=m_c,
                 mem_i=m_i, err=err, w_i=float("nan"), w_l=float("nan"), batches=0, cpu=float("nan"),
+                conv_share=float("nan"), conv_speed=float("nan"),
                 load=os.getloadavg()[0])
 
 
@@ -230,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'sp/theory':>9} {'vs CL full':>10} {'vs CL fold':>10} {'CL/theory':>9} {'CPU/theory':>10} "
               f"{'Krypton':>8} "
               f"{'captum mem':>11} {'incrinf mem':>11} {'max rel err':>11} {'batches':>7} {'W GB':>6} {'CL W GB':>7} "
-              f"{'load':>5}")
+              f"{'conv %':>6} {'conv speed':>10} {'load':>5}")
     print("theory: exact FLOP ratio averaged over the grid's positions; plan: FLOP ratio of the uniform packed\n"
           "batches actually run; sp/theory: measured speedup / theory; vs CL full: speedup over plain batched\n"
           "re-inference with the model in channels-last layout (incrinf's layout; Captum runs the model as given);\n"
@@ -239,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
           "calling thread (with --threads 1, where it is the work's however loaded the machine; '-' otherwise);\n"
           "W GB: weights read by incrinf's plan (each batch\n"
           "the weights of the steps it runs, each tail run the tail's), CL W GB: by plain batched re-inference\n"
-          "(all, once per batch); load: 1-minute load average after the row's runs\n")
+          "(all, once per batch); conv %: share of incrinf's run inside convolutions (one profiled run);\n"
+          "conv speed: the CL fold baseline's convolution seconds for incrinf's multiply-adds, layer by layer at\n"
+          "the baseline's own speed, over incrinf's convolution seconds (below 1: boxes run slower than maps);\n"
+          "load: 1-minute load average after the row's runs\n")
     print(header)
     runs = [(run_model, name) for name in args.models] + [(run_segmentation, name) for name in args.segmentation]
     for run, name in runs:
@@ -253,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['theory']:>6.2f}x {r['plan']:>5.2f}x {r['ratio']:>9.2f} {vs_cl} "
               f"{KRYPTON_CPU.get(name, ''):>8} "
               f"{mib(r['mem_c']):>11} {mib(r['mem_i']):>11} {r['err']:>11.1e} {r['batches']:>7} "
-              f"{r['w_i'] / 1e9:>6.2f} {r['w_l'] / 1e9:>7.2f} {r['load']:>5.1f}", flush=True)
+              f"{r['w_i'] / 1e9:>6.2f} {r['w_l'] / 1e9:>7.2f} {100 * r['conv_share']:>5.0f}% "
+              f"{r['conv_speed']:>10.2f} {r['load']:>5.1f}", flush=True)
     return 0
 
 

@@ -43,6 +43,8 @@ from incrinf.engine.windows import WindowSpec, padded_crop
 from incrinf.geometry import Box, Boxes
 
 _EIGHT_NEIGHBOURS = np.ones((3, 3), bool)
+# Up to this many boxes, merge_by_cost tries every pair in Python (cheaper than setting up arrays; same result).
+_FEW_BOXES = 8
 
 
 @dataclass
@@ -129,8 +131,11 @@ def area(b: Box) -> int:
 
 def merge_by_cost(boxes: list[Box], break_even: float) -> list[Box]:
     """Merge boxes while one box over a pair costs less than the pair: while the merged box adds at most
-    ``break_even`` positions (a box's fixed cost over the cost of a position) to the two."""
+    ``break_even`` positions (a box's fixed cost over the cost of a position) to the two. Greedy: the pair that
+    saves most first (the first such pair in list order on a tie), the merged box last in the list."""
     boxes = list(dict.fromkeys(boxes))  # the same box twice is computed once
+    if len(boxes) > _FEW_BOXES:
+        return _merge_many(boxes, break_even)
     while len(boxes) > 1:
         best, pair = -math.inf, None
         for i in range(len(boxes)):
@@ -143,6 +148,41 @@ def merge_by_cost(boxes: list[Box], break_even: float) -> list[Box]:
         i, j = pair
         merged = bounding(boxes[i], boxes[j])
         boxes = [b for k, b in enumerate(boxes) if k not in pair] + [merged]
+    return boxes
+
+
+def _merge_many(boxes: list[Box], break_even: float) -> list[Box]:
+    """:func:`merge_by_cost` of many boxes with the pairs' gains as one array, updated per merge (the pairwise loop
+    recomputes every pair per merge: a frame of a high-resolution clip with 40 clusters spent 0.2 s planning).
+    The same arithmetic in the same order and the same tie-break (the first pair in row-major order), so the same
+    boxes."""
+    corners = np.array(boxes, np.int64).reshape(len(boxes), 4)
+    areas = (corners[:, 1] - corners[:, 0]) * (corners[:, 3] - corners[:, 2])
+    lo = np.minimum(corners[:, None, 0::2], corners[None, :, 0::2])
+    hi = np.maximum(corners[:, None, 1::2], corners[None, :, 1::2])
+    gains = (break_even + areas[:, None] + areas[None, :] - (hi - lo).prod(axis=-1)).astype(np.float64)
+    gains[np.tril_indices(len(boxes))] = -math.inf  # pairs (i, j) with i < j only
+    gains[gains < 0] = -math.inf
+    while len(boxes) > 1:
+        flat = int(np.argmax(gains))
+        i, j = divmod(flat, len(boxes))
+        if gains[i, j] == -math.inf:
+            break
+        merged = bounding(boxes[i], boxes[j])
+        keep = [k for k in range(len(boxes)) if k not in (i, j)]
+        boxes = [boxes[k] for k in keep] + [merged]
+        corners = np.concatenate([corners[keep], np.array([merged], np.int64)])
+        areas = np.concatenate([areas[keep], [area(merged)]])
+        # the kept pairs' gains stand; the merged box (last) pairs with every kept box before it
+        lo = np.minimum(corners[:-1, 0::2], corners[-1, 0::2])
+        hi = np.maximum(corners[:-1, 1::2], corners[-1, 1::2])
+        column = (break_even + areas[:-1] + areas[-1] - (hi - lo).prod(axis=-1)).astype(np.float64)
+        column[column < 0] = -math.inf
+        n = len(boxes)
+        grown = np.full((n, n), -math.inf)
+        grown[:n - 1, :n - 1] = gains[np.ix_(keep, keep)]
+        grown[:n - 1, n - 1] = column
+        gains = grown
     return boxes
 
 

@@ -35,6 +35,7 @@ from incrinf.engine.frame_regions import (
     run_box,
     walk_regions,
 )
+from incrinf.engine.fusion import fuse_generated
 from incrinf.engine.program import Program
 from incrinf.engine.stores import FrameCache, clone_output, take
 from incrinf.geometry import Box, Boxes
@@ -159,6 +160,7 @@ class FrameEngine:
                              "there is nothing to reuse across frames")
         self.graph = graph
         self.cache = FrameCache(self.program, self.device)
+        fuse_generated(self.program)  # the generated modules without batch norms and pads of their own
         self.program.prepare(with_cached=True)  # generating a module costs about a frame's inference
         self.costs = FrameCosts(self.program)
         self.dense_cut = DENSE_CUT

@@ -11,6 +11,11 @@ attempt's net saving, not the sum, so that one frame caught by a load spike (a c
 frames measured at 36 ms before the spike; a full frame then took 90 ms) does not outweigh the frames around it that
 saved; and lasts just long enough for the attempt ending it to cost at most 2% of the stretch's time: doubling would
 only delay noticing that the cache pays again.
+
+A stretch started by a miss that the pixels told (the still-camera test and the frame quarters' shifts,
+:meth:`~incrinf.stream.change_finder.ChangeFinder.rule_out`, measured a motion that misaligns the cache) ends on a
+plain frame too: the probe after it asks the pixels again first, and the cache is refilled only when they cannot
+tell; filling it for a probe that the pixels then rule out would cost the maps' writes for nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class BackOff:
         misses: misses in a row.
         stretch: length of the current (or last) stretch, in frames.
         skip: frames of the current stretch still to run plain.
+        pixel_probe: the previous frame ended a stretch that a miss told by the pixels started, without filling the
+            cache: this frame's probe asks the pixels first.
     """
 
     def __init__(self, config: StreamConfig) -> None:
@@ -50,12 +57,19 @@ class BackOff:
 
     def reset(self) -> None:
         self.misses = self.stretch = self.skip = 0
+        self.pixel_probe = self._told_by_pixels = False
         self._savings: deque[float] = deque(maxlen=SAVINGS_WINDOW)
 
     @property
     def active(self) -> bool:
         """This frame belongs to a stretch: run it plain, without trying the cache."""
         return self.skip > 0
+
+    def keeps_plain(self, pixels_first: bool = True) -> bool:
+        """Whether this stretch frame need not fill the cache: more stretch frames follow, or it ends a stretch that a
+        miss told by the pixels started and the probe after it asks the pixels first (``pixels_first``: the stream
+        gives no homographies, which the probe would use with the cache instead)."""
+        return self.skip > 1 or (self.skip == 1 and self._told_by_pixels and pixels_first)
 
     def paid(self, cause: Cause | None, attempt: bool, flops_saving: float, predicted_full: float, seconds: float,
              overhead: float, missed_audit: bool = False) -> bool | None:
@@ -85,13 +99,15 @@ class BackOff:
             return not seconds >= predicted_full  # NaN (no prediction yet): paid
         return flops_saving >= MIN_SAVING
 
-    def count(self, cause: Cause | None, paid: bool | None, full_seconds: float) -> None:
+    def count(self, cause: Cause | None, paid: bool | None, full_seconds: float, told_by_pixels: bool = False) -> None:
         """Take one frame's outcome (``paid`` from :meth:`paid`; ``full_seconds``: a full frame's time, which sizes
-        a stretch with the speed guard)."""
+        a stretch with the speed guard; ``told_by_pixels``: a miss that the pixels alone ruled out)."""
+        self.pixel_probe = False
         if paid:
             self.misses = self.stretch = self.skip = 0
         elif cause == Cause.BACKING_OFF:
             self.skip -= 1
+            self.pixel_probe = self.skip == 0 and self._told_by_pixels
         elif paid is not None:
             self.misses += 1
             if not self._starts(self.misses, self._savings):
@@ -101,6 +117,7 @@ class BackOff:
             else:
                 self.stretch = min(max(2, self._budgeted(full_seconds)), self.config.max_backoff)
             self.skip = self.stretch
+            self._told_by_pixels = told_by_pixels
 
     def starts_with_miss(self, overhead: float) -> bool:
         """Whether one more miss, an attempt that ended in a full frame after ``overhead`` seconds of decision,

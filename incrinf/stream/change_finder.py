@@ -23,7 +23,7 @@ from incrinf.stream.config import StreamConfig
 from incrinf.stream.frame_state import Fallback, FrameState
 from incrinf.stream.matching import FrameFeatures, HomographyEstimator, corner_distance
 from incrinf.stream.stats import Cause
-from incrinf.stream.stillness import StillnessTest, align
+from incrinf.stream.stillness import Stillness, StillnessTest, align
 from incrinf.stream.warp import warp_image, warp_valid_mask
 
 
@@ -62,30 +62,19 @@ class ChangeFinder:
         leaves the cache unusable, matching failed, too much changed); times the matching and the mask. Keypoints
         are detected only when a homography is estimated (the previous frame's lazily, when it had none)."""
         config, times = self.config, f.times
+        stillness = self.rule_out(f, engine) if matrix_given is None else None  # timed into times.match
+        if f.fallback is not None:
+            return
         clock = time.perf_counter()
-        stillness = None
-        if matrix_given is None and config.still_fraction > 0:
-            stillness = self.stillness(f.pixels, self.reference)
         if stillness is not None and stillness.still:
             # a still camera: keypoint matching (about half a small frame's inference) would find the identity. The
             # mask is taken against the reference moved by the camera's sub-pixel jitter; the reference itself keeps
             # the alignment of the features the cache holds (moving it would let a slow pan drift away unseen)
-            clock, times.match = time.perf_counter(), time.perf_counter() - clock
             aligned = align(self.reference, stillness.shift)
             f.mask = change_mask(f.pixels, aligned, config.cell, pixel_threshold, None)
             clock, times.mask = time.perf_counter(), time.perf_counter() - clock
             if f.mask.recompute_fraction <= config.still_fraction:
                 f.matrix, f.warped = np.eye(3), self.reference
-                return
-        if stillness is not None and not stillness.still and stillness.response >= self.stillness.min_response:
-            # a clear global shift: when that translation alone leaves the cache misaligned, the frame runs full
-            # without a keypoint fit (which would refine the motion, rarely into one the cache can use)
-            dx, dy = stillness.shift
-            unusable = engine.estimate_unusable(np.array([[1.0, 0.0, dx], [0.0, 1.0, dy], [0.0, 0.0, 1.0]]))
-            if unusable > engine.dense_cut:
-                times.match += time.perf_counter() - clock
-                f.fallback = Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by a clear "
-                                                            f"{math.hypot(dx, dy):.1f} px shift")
                 return
         if matrix_given is not None:
             f.matrix = matrix_given
@@ -122,6 +111,40 @@ class ChangeFinder:
         if fraction > config.max_ratio:
             f.fallback = Fallback(Cause.CHANGED_FRACTION, f"{fraction:.2f} > max_ratio {config.max_ratio:g}")
             f.warped = None
+
+    def rule_out(self, f: FrameState, engine: CameraEngine) -> Stillness | None:
+        """The still-camera test of the frame against the reference, and for a frame that moved by a clear shift,
+        whether that motion leaves the cache misaligned (then ``f.fallback`` is ``CACHE_UNUSABLE``): from the pixels
+        alone, before any keypoint is detected, so a probe can ask before the cache is filled. Times itself into
+        ``f.times.match``; returns the test's verdict (None: the test is off, ``still_fraction`` 0)."""
+        config, clock = self.config, time.perf_counter()
+        if config.still_fraction <= 0:
+            return None
+        stillness = self.stillness(f.pixels, self.reference)
+        if not stillness.still and stillness.response >= self.stillness.min_response:
+            f.fallback = self._misaligned(f, engine, stillness)
+            f.told_by_pixels = f.fallback is not None
+        f.times.match += time.perf_counter() - clock
+        return stillness
+
+    def _misaligned(self, f: FrameState, engine: CameraEngine, stillness: Stillness) -> Fallback | None:
+        """Why a frame whose clear shift ``stillness`` measured leaves the cache unusable, or None: that translation
+        alone misaligns it (a keypoint fit would refine the motion, rarely into one the cache can use), or the
+        quarters' shifts, when they are clear and one affine motion explains each within the misalignment the cache
+        tolerates, show a zoom or rotation that misaligns it whatever the exact translation."""
+        dx, dy = stillness.shift
+        unusable = engine.estimate_unusable(np.array([[1.0, 0.0, dx], [0.0, 1.0, dy], [0.0, 0.0, 1.0]]))
+        if unusable > engine.dense_cut:
+            return Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by a clear "
+                                                  f"{math.hypot(dx, dy):.1f} px shift")
+        local = self.stillness.local_motion(f.pixels, self.reference)
+        if local.response >= self.stillness.min_response and \
+                local.residual <= self.config.max_misalignment * engine.position_pixels:
+            unusable = engine.unusable_at_any_shift(local.matrix)
+            if unusable > engine.dense_cut:
+                return Fallback(Cause.CACHE_UNUSABLE, f"{unusable:.0%} of the cache misaligned by the zoom or rotation "
+                                                      "of the frame quarters' shifts")
+        return None
 
     def commit(self, f: FrameState, kept_cache: bool, refreshed: list[Box] | None) -> None:
         """The frame succeeded: it becomes the previous frame. ``kept_cache``: it ran cached (the reference then

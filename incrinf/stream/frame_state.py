@@ -50,6 +50,8 @@ class FrameState:
     overhead: float = 0.0  # seconds of the decision (stillness test, matching, mask, plan) before the engine ran
     probes: tuple[torch.Tensor, torch.Tensor] | None = None  # the probe, cached and full, at a full audit
     near_tie: bool = False  # the previous output was a near tie: a cached frame now would be checked
+    homography_given: bool = False  # the caller gave the frame's homography (no keypoint matching)
+    told_by_pixels: bool = False  # the still-camera test or the quarters' shifts ruled the cache out, no keypoints
 
     @property
     def still(self) -> bool:

@@ -178,7 +178,7 @@ class StreamSession:
         x, pixels, raw_size = self.inputs(frame)
         matrix_given = check_homography(homography)
         self._join()
-        f = FrameState(x, pixels, raw_size, FrameTimes())
+        f = FrameState(x, pixels, raw_size, FrameTimes(), homography_given=matrix_given is not None)
         f.times.prepare = time.perf_counter() - start
         engine = self._engine(tuple(x.shape))
         quality = self._quality
@@ -193,7 +193,7 @@ class StreamSession:
         since_full = self._index - self._last_full
         audit = f.fallback is None and quality is not None and quality.due(since_full)
         oracle = f.plan is not None and self._oracle_due()
-        audited = quality is not None and quality.audited  # before this frame: near-tie checks are no longer the rule
+        audited = quality is not None and quality.trusting  # before this frame: checks no longer the rule
         try:
             out, comparison, verify, engine_seconds = self._run(f, engine, audit, oracle)
         except BaseException:
@@ -412,8 +412,8 @@ class StreamSession:
         cause = f.fallback.cause
         if cause in (Cause.NO_REUSE, Cause.KEYFRAME) and (cause == Cause.NO_REUSE or self.config.every_frame_full):
             return False
-        if cause == Cause.BACKING_OFF and self._backoff.skip > 1:
-            return False  # this frame's stretch goes on
+        if cause == Cause.BACKING_OFF and self._backoff.keeps_plain(pixels_first=not f.homography_given):
+            return False  # this frame's stretch goes on, or its probe asks the pixels first
         if cause == Cause.SLOWER and f.plan is None:
             return self._speed.probe_due  # no plan can pay: only a probe's frame uses the cache
         if cause == Cause.NO_CACHE and self._refill_wasted and self.config.speed_guard:
@@ -431,10 +431,11 @@ class StreamSession:
         what a cached frame may lose (a near tie lasts over frames). Where a sampled audit could check the frame for
         a fraction of a frame first, only a lead within what the audits measured unscaled counts (no sample can
         clear it: :meth:`~incrinf.stream.guards.QualityGuard.surely_risky`); such a frame would otherwise pay its
-        cached run, its sample and a full frame. Before the first audit every cached label output is checked, and
-        that check is the guard's first measurement: not counted."""
+        cached run, its sample and a full frame. Until the guard trusts cached outputs
+        (:attr:`~incrinf.stream.guards.QualityGuard.trusting`) every cached label output is checked by rule, and
+        those checks are the guard's measurements: not counted."""
         quality, sampler = self._quality, self._samplers.get(self._shape)
-        if quality is None or not quality.audited:
+        if quality is None or not quality.trusting:
             return False
         if sampler is not None and sampler.ready:
             return quality.surely_risky(self._margin)
@@ -489,6 +490,10 @@ class StreamSession:
             f.fallback = Fallback(Cause.SLOWER, hopeless)
             return
         if not engine.has_cache:  # the last full frame ran plain: it was not expected to be followed by a cached one
+            if self._backoff.pixel_probe and matrix_given is None:  # a motion's stretch ended: do the pixels tell?
+                self._change.rule_out(f, engine)
+                if f.fallback is not None:
+                    return
             f.fallback = Fallback(Cause.NO_CACHE, "the last full frame kept no maps")
             return
         self._change.find(f, engine, matrix_given, self.pixel_threshold)
@@ -503,7 +508,7 @@ class StreamSession:
             for other_shape, engine in self._engines.items():
                 if other_shape != shape:
                     engine.reset()  # another frame size: free its cache
-        self._backoff.count(f.fallback.cause if f.fallback is not None else None, paid, full_seconds)
+        self._backoff.count(f.fallback.cause if f.fallback is not None else None, paid, full_seconds, f.told_by_pixels)
         self._raw_size = f.raw_size
         self._shape = shape
         self._failed = False

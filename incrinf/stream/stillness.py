@@ -5,6 +5,10 @@ Phase correlation of the grey levels finds a global shift in about a millisecond
 ``min_motion`` (a homography moving no corner further counts as the identity) says the camera did not move. A weak
 peak, from a pan over repetitive texture, a zoom or a scene cut, is not taken as stillness: a low change fraction
 alone is not enough, since smooth regions hide real motion.
+
+A zoom or a rotation gives a clear peak too (the shift of the frame's middle) but no global shift explains it:
+:meth:`StillnessTest.local_motion` correlates the four quarters of the frame separately and fits the affine motion
+their shifts imply, which tells a probe that the cache is misaligned before any keypoint is detected.
 """
 
 from __future__ import annotations
@@ -18,6 +22,21 @@ from incrinf.extras import require
 from incrinf.geometry import Box
 
 cv2 = require("cv2", "stream", "camera streams")
+
+
+@dataclass(frozen=True)
+class LocalMotion:
+    """The affine motion implied by the shifts of a frame's four quarters (:meth:`StillnessTest.local_motion`).
+
+    Attributes:
+        matrix: (3, 3) affine homography reference -> frame, input pixel coords (least squares over the quarters).
+        residual: largest distance in pixels (per axis) between a quarter's shift and the fit's shift at its centre.
+        response: the weakest quarter's phase-correlation peak.
+    """
+
+    matrix: np.ndarray
+    residual: float
+    response: float
 
 
 @dataclass(frozen=True)
@@ -48,6 +67,7 @@ class StillnessTest:
         self.min_response = min_response
         self.max_shift = max_shift
         self._window: np.ndarray | None = None
+        self._quarter_window: np.ndarray | None = None
         # (image, its grey levels) of the latest frame tested and of the latest reference whose grey levels are
         # known: a session's next reference is one of its frames, or a frame's refreshed boxes pasted over the last
         # reference (:meth:`derive`), so its grey levels need not be computed again
@@ -66,6 +86,30 @@ class StillnessTest:
         dx, dy = dx * scale, dy * scale
         still = response >= self.min_response and math.hypot(dx, dy) < self.max_shift
         return Stillness(bool(still), (float(dx), float(dy)), float(response))
+
+    def local_motion(self, pixels: np.ndarray, reference: np.ndarray) -> LocalMotion:
+        """The affine motion ``reference`` -> ``pixels`` (both (H, W, 3) uint8) that the shifts of their four
+        quarters imply (each quarter correlated alone, on the grey levels the test already has); four shifts give
+        eight equations for the affine's six unknowns, the residual says whether one motion explains them."""
+        gray, ref = self.gray(pixels), self.gray(reference)
+        h, w = gray.shape[0] // 2, gray.shape[1] // 2
+        if self._quarter_window is None or self._quarter_window.shape != (h, w):
+            self._quarter_window = cv2.createHanningWindow((w, h), cv2.CV_32F)
+        scale = pixels.shape[1] / gray.shape[1]
+        centres, shifts, responses = [], [], []
+        for y0 in (0, h):
+            for x0 in (0, w):
+                # copies: phaseCorrelate writes into its inputs
+                (dx, dy), response = cv2.phaseCorrelate(ref[y0:y0 + h, x0:x0 + w].copy(),
+                                                        gray[y0:y0 + h, x0:x0 + w].copy(), self._quarter_window)
+                centres.append(((x0 + (w - 1) / 2) * scale, (y0 + (h - 1) / 2) * scale, 1.0))
+                shifts.append((dx * scale, dy * scale))
+                responses.append(response)
+        points, moves = np.array(centres), np.array(shifts)
+        fit = np.linalg.lstsq(points, moves, rcond=None)[0]  # (3, 2): displacement = (x, y, 1) @ fit
+        matrix = np.eye(3)
+        matrix[:2] += fit.T
+        return LocalMotion(matrix, float(np.abs(points @ fit - moves).max()), float(min(responses)))
 
     def gray(self, image: np.ndarray) -> np.ndarray:
         """The test's grey levels of ``image`` (H, W, 3) uint8 (float32, at half size above ``_HALVE_ABOVE``

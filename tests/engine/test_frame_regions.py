@@ -118,6 +118,34 @@ def test_clusters_and_merging_by_cost():
         assert all(area(bounding(m, n)) - area(m) - area(n) > 30 for n in merged[i + 1:])
 
 
+
+def _greedy_merges(boxes: list, break_even: float) -> list:
+    """The merge rule written out pair by pair: while some pair's bounding box adds at most ``break_even``
+    positions, merge the pair that saves most (the first in list order on a tie) and put the merged box last."""
+    boxes = list(dict.fromkeys(boxes))
+    while len(boxes) > 1:
+        pairs = [(break_even + area(boxes[i]) + area(boxes[j]) - area(bounding(boxes[i], boxes[j])), i, j)
+                 for i in range(len(boxes)) for j in range(i + 1, len(boxes))]
+        best = max((p for p in pairs if p[0] >= 0), key=lambda p: p[0], default=None)
+        if best is None:
+            break
+        _, i, j = next(p for p in pairs if p[0] == best[0])
+        boxes = [b for k, b in enumerate(boxes) if k not in (i, j)] + [bounding(boxes[i], boxes[j])]
+    return boxes
+
+
+_corner = st.tuples(st.integers(0, 120), st.integers(1, 24), st.integers(0, 120), st.integers(1, 24))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_corner, min_size=0, max_size=40),
+       st.one_of(st.integers(0, 300), st.floats(0, 1e4), st.just(float("inf"))))
+def test_merging_many_boxes_makes_the_greedy_choices(corners, break_even):
+    """Many boxes (a high-resolution frame's clusters) are merged with array arithmetic: the same boxes, in the
+    same order, as the pair-by-pair rule."""
+    boxes = [(y, y + h, x, x + w) for y, h, x, w in corners]
+    assert merge_by_cost(boxes, break_even) == _greedy_merges(boxes, break_even)
+
 def test_grow_box_matches_the_batched_geometry():
     from incrinf.engine.regions import grow
     from incrinf.geometry import Boxes

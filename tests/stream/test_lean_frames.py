@@ -41,7 +41,7 @@ def test_no_frame_is_planned_while_a_near_tie_check_is_certain(frames, monkeypat
     model = wide_classifier()
     # backoff_after=64: no back-off stretch (whether a checked frame paid is measured in wall time)
     session = StreamSession(model, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
-                            sampled_audits=False, input_size=(H, W), backoff_after=64)
+                            sampled_audits=False, input_size=(H, W), backoff_after=64, trust_after=1)
     costs = frozen_costs(session, monkeypatch)
     session._quality.risky = lambda margin, *_: True  # every output's top-1 is a near tie
     n = 2 + 3 * PROBE_EVERY + 2
@@ -184,7 +184,7 @@ def test_a_dropped_cache_is_refilled_only_for_a_probe_after_a_refill_went_unused
     ones run plain and count towards the speed guard's probe, and the frame before the probe refills."""
     model = wide_classifier()
     session = StreamSession(model, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
-                            sampled_audits=False, input_size=(H, W), backoff_after=64)
+                            sampled_audits=False, input_size=(H, W), backoff_after=64, trust_after=1)
     frozen_costs(session, monkeypatch)
     engine = next(iter(session._engines.values())).engine
     # after the first frames, every other output is a near tie whose check no cached frame can pay for
@@ -207,3 +207,64 @@ def test_a_dropped_cache_is_refilled_only_for_a_probe_after_a_refill_went_unused
         assert before + 1 in planned or after + 1 in planned, (refills, planned)
         assert all(before + 1 not in planned for i in plain if before < i < after), (refills, plain, planned)
     assert all(i > first for i in plain) and len(plain) >= 2, (refills, plain, planned)
+
+
+def _zoomed_view(photo: np.ndarray, zoom: float, shift: float) -> np.ndarray:
+    """A 112 x 112 view of the middle of ``photo`` zoomed by ``zoom`` about it and moved ``shift`` px to the right."""
+    h, w = photo.shape[:2]
+    cx, cy = (w - 1) / 2, (h - 1) / 2
+    matrix = np.float32([[zoom, 0, cx - zoom * cx + shift], [0, zoom, cy - zoom * cy]])
+    moved = cv2.warpAffine(photo, matrix, (w, h), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REFLECT_101)
+    return np.ascontiguousarray(moved[cy.__floor__() - 56:cy.__floor__() + 56, cx.__floor__() - 56:cx.__floor__() + 56])
+
+
+def test_a_zoom_that_misaligns_the_cache_at_any_shift_is_told_by_the_quarters(monkeypatch):
+    """A camera that zooms by 2% while it pans 4 px (two positions of the first, stride-2, map: the translation
+    alone keeps the cache aligned): the quarters' shifts show the zoom, which leaves the cache misaligned whatever
+    the exact translation, and the frame runs full without detecting a keypoint. The pan alone is matched and
+    cached."""
+    model = models.load("mobilenet_v2")
+    photo = cv2.resize(skimage.data.chelsea(), (320, 240), interpolation=cv2.INTER_AREA)
+    session = StreamSession(model, speed_guard=False, quality_guard=False, max_backoff=0)
+    engine_shape = (1, 3, 112, 112)
+    detections = []
+    detect = session._change.estimator.detect
+    monkeypatch.setattr(session._change.estimator, "detect", lambda frame: detections.append(1) or detect(frame))
+    first = _zoomed_view(photo, 1.0, 0.0)
+    session(first)
+    zoomed = _zoomed_view(photo, 1.02, 4.0)
+    torch.testing.assert_close(session(zoomed), full_inference(model, zoomed), rtol=1e-4, atol=1e-4)
+    stats = session.stats[-1]
+    assert stats.cause == Cause.CACHE_UNUSABLE and "zoom or rotation" in stats.reason, stats.reason
+    assert detections == [] and stats.times.mask == 0
+    engine = session._engines[engine_shape]
+    for dx in (0.0, 0.7, 1.3, 2.5):  # a pure pan: only the uncovered border is lost at the best nearby translation
+        pan = np.array([[1.0, 0, dx], [0, 1, 0], [0, 0, 1]])
+        assert engine.unusable_at_any_shift(pan) < 0.1
+    assert engine.estimate_unusable(np.array([[1.0, 0, 1.3], [0, 1, 0], [0, 0, 1]])) > engine.dense_cut  # that one
+    session(first)
+    panned = _zoomed_view(photo, 1.0, 4.0)
+    session(panned)
+    assert session.stats[-1].cause == Cause.CACHED and detections, session.stats[-1].reason
+
+
+def test_a_probe_after_a_zoom_asks_the_pixels_before_the_cache_is_filled(monkeypatch):
+    """A camera that keeps zooming: every probe after a back-off stretch is ruled out by the pixels (the quarters'
+    shifts), so the stretch's last frame runs plain instead of filling the cache for it; after the first frame no
+    frame writes the cache, and every output is full inference's."""
+    model = models.load("mobilenet_v2")
+    photo = cv2.resize(skimage.data.chelsea(), (320, 240), interpolation=cv2.INTER_AREA)
+    frames = [_zoomed_view(photo, 1.02 ** k, 4.0 * k) for k in range(16)]
+    # stretches of 2, then 4 frames (without the speed guard they double; not sized by timings)
+    session = StreamSession(model, quality_guard=False, speed_guard=False, max_backoff=4)
+    filled = []
+    full = CameraEngine.full
+    monkeypatch.setattr(CameraEngine, "full", lambda self, x: filled.append(1) or full(self, x))
+    for frame in frames:
+        torch.testing.assert_close(session(frame), full_inference(model, frame), rtol=1e-4, atol=1e-4)
+    causes = [s.cause for s in session.stats]
+    probes = [s for s in session.stats[1:] if s.cause == Cause.CACHE_UNUSABLE]
+    assert Cause.BACKING_OFF in causes and len(probes) >= 3, causes
+    # told by the pixels: a translation that alone misaligns the cache, or the quarters' zoom
+    assert all("zoom or rotation" in s.reason or "clear" in s.reason for s in probes), [s.reason for s in probes]
+    assert len(filled) == 1, causes  # the first frame's

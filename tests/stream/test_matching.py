@@ -10,8 +10,10 @@ from incrinf.stream.matching import (
     corner_distance,
     degeneracy_reason,
     estimate_homography,
+    ratio_matches,
 )
 from incrinf.stream.warp import scale_homography, warp_image, warp_valid_mask
+from incrinf.testing.clips import load_clip
 from incrinf.testing.synthetic import synthetic_camera, synthetic_scene
 
 SIZE = (160, 160)
@@ -185,3 +187,24 @@ def test_settings_object_and_keyword_overrides_agree(photo):
         estimate_homography(prev, curr, ratio=1.5)
     with pytest.raises(TypeError, match="unexpected keyword argument 'threshold'"):
         estimate_homography(prev, curr, threshold=3.0)
+
+
+def _knn_ratio_reference(desc_prev: np.ndarray, desc_curr: np.ndarray, ratio: float) -> np.ndarray:
+    """Lowe's ratio test on BFMatcher.knnMatch's DMatch objects (what ratio_matches computes from arrays)."""
+    norm = cv2.NORM_HAMMING if desc_prev.dtype == np.uint8 else cv2.NORM_L2
+    knn = cv2.BFMatcher(norm).knnMatch(desc_prev, desc_curr, k=2)
+    pairs = [(m[0].queryIdx, m[0].trainIdx) for m in knn if len(m) == 2 and m[0].distance < ratio * m[1].distance]
+    return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+
+
+@pytest.mark.parametrize("matcher", ["orb", "sift"])
+@pytest.mark.parametrize("ratio", [0.75, 0.8, 1.0])
+def test_ratio_matches_equal_brute_force_knn_matching(matcher, ratio):
+    """The array form of the ratio test keeps exactly the pairs that BFMatcher's kNN matches keep, on real frames
+    (ties in distance included: ORB's Hamming distances are integers)."""
+    frames = load_clip("bikes@224", 3).frames
+    estimator = HomographyEstimator(matcher=matcher)
+    prev, curr = estimator.detect(frames[0]), estimator.detect(frames[2])
+    np.testing.assert_array_equal(ratio_matches(prev.descriptors, curr.descriptors, ratio),
+                                  _knn_ratio_reference(prev.descriptors, curr.descriptors, ratio))
+    assert len(ratio_matches(prev.descriptors, curr.descriptors, ratio)) >= 20
