@@ -95,6 +95,8 @@ GRID = {
     "audits 8..64": {"audit_interval": 8, "keyframe_interval": 64},
     "backoff after 1": {"backoff_after": 1},
     "backoff after 2": {"backoff_after": 2},
+    "trust after 2": {"trust_after": 2},
+    "trust after 3": {"trust_after": 3},
 }
 # Candidates for near_tie (--loo --near-tie): the near-tie check's reference is the quantile of the audits' lead
 # changes that 1 - target_agreement of the frames exceed; these scale it.
@@ -341,12 +343,14 @@ def leave_one_out(args: argparse.Namespace) -> None:
           f"EfficientNet-Lite0, {args.rounds} pass(es)")
     results = _grid_results(args, grid)
     print("\nheld-out clip: candidate chosen on the other clips -> its figures on the held-out clip")
-    print("| held-out clip | chosen on the others | median x | mean x | top-1 | audits |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    # the multiply-add ratio (audits and checks count a full frame) is the noise-free side of the wall-time ratios
+    print("| held-out clip | chosen on the others | median x | mean x | MACs x | top-1 | audits |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.clips:
         chosen = _choose({k: v for k, v in results.items() if k != name})
         row = results[name][chosen]
-        print(f"| {name} | {chosen} | {row.median_x:.2f} | {row.mean_x:.2f} | {row.agreement:.1%} | {row.audits:.0%} |")
+        print(f"| {name} | {chosen} | {row.median_x:.2f} | {row.mean_x:.2f} | {row.macs:.1f} | {row.agreement:.1%} | "
+              f"{row.audits:.0%} |")
     print(f"\nchosen on all clips (the defaults): {_choose(results)}; load at the end {_load()}")
 
 
@@ -538,7 +542,8 @@ def _settings(config: StreamConfig) -> str:
     return (f"pixel threshold {config.pixel_threshold:g}, feature threshold {config.still_feature_threshold:g} "
             f"(still), target agreement {config.target_agreement:g}, audits every "
             f"{config.audit_interval}..{config.keyframe_interval} frames (sampled: {config.sampled_audits}), "
-            f"near_tie {config.near_tie:g}, speed guard {config.speed_guard}, quality guard {config.quality_guard}")
+            f"near_tie {config.near_tie:g}, trust after {config.trust_after} audits, speed guard {config.speed_guard}, "
+            f"quality guard {config.quality_guard}")
 
 
 def _load() -> str:

@@ -148,6 +148,7 @@ class QualityGuard:
         self._misses = 0
         self._recent: deque[float] = deque(maxlen=self._window())
         self._lead_lost: deque[LeadLoss] = deque(maxlen=_LEAD_SAMPLES)
+        self._label_audits = 0
         self._drift: deque[tuple[int, float]] = deque(maxlen=_DRIFT_SAMPLES)  # (frames since full, sampled error)
         self._unsettled = True  # a map whose latest audit missed or held without room: its frames are checked
 
@@ -174,6 +175,15 @@ class QualityGuard:
     def audited(self) -> bool:
         """Whether any audit has been recorded (before the first, every cached label output is checked)."""
         return bool(self._comparisons)
+
+    @property
+    def trusting(self) -> bool:
+        """Whether cached outputs may be trusted unchecked: an audit has been recorded and, for a label output,
+        ``trust_after`` of them (until then every cached label output is checked by rule; such checks say nothing
+        of how often near ties come)."""
+        if not self._comparisons:
+            return False
+        return self._comparisons[-1].kind == OutputKind.MAP or self._label_audits >= self.config.trust_after
 
     def due(self, frames_since_full: int) -> bool:
         """Whether a frame this many frames after the last full one is audited."""
@@ -207,8 +217,8 @@ class QualityGuard:
             return True  # nothing measured yet: a map's first cached frame is checked too
         if math.isnan(margin):
             return self._unsettled
-        if not self._lead_lost:
-            return True
+        if not self._lead_lost or self._label_audits < self.config.trust_after:
+            return True  # too few audits measured what the cache loses (see trusting)
         if math.isnan(sampled_error):
             sampled_error = self.expected_drift(frames_since_full)
         losses = self._scaled_losses(frames_since_full, sampled_error)
@@ -345,6 +355,7 @@ class QualityGuard:
         self._comparisons.append(comparison)
         self._recent.append(comparison.agreement)
         if not math.isnan(comparison.lead_lost):
+            self._label_audits += 1
             self._lead_lost.append(LeadLoss(comparison.lead_lost, max(frames_since_full, 1)))
         long_audit = frames_since_full >= self.long_interval
         self._unsettled = comparison.kind == OutputKind.MAP and (

@@ -193,7 +193,7 @@ class StreamSession:
         since_full = self._index - self._last_full
         audit = f.fallback is None and quality is not None and quality.due(since_full)
         oracle = f.plan is not None and self._oracle_due()
-        audited = quality is not None and quality.audited  # before this frame: near-tie checks are no longer the rule
+        audited = quality is not None and quality.trusting  # before this frame: checks no longer the rule
         try:
             out, comparison, verify, engine_seconds = self._run(f, engine, audit, oracle)
         except BaseException:
@@ -431,10 +431,11 @@ class StreamSession:
         what a cached frame may lose (a near tie lasts over frames). Where a sampled audit could check the frame for
         a fraction of a frame first, only a lead within what the audits measured unscaled counts (no sample can
         clear it: :meth:`~incrinf.stream.guards.QualityGuard.surely_risky`); such a frame would otherwise pay its
-        cached run, its sample and a full frame. Before the first audit every cached label output is checked, and
-        that check is the guard's first measurement: not counted."""
+        cached run, its sample and a full frame. Until the guard trusts cached outputs
+        (:attr:`~incrinf.stream.guards.QualityGuard.trusting`) every cached label output is checked by rule, and
+        those checks are the guard's measurements: not counted."""
         quality, sampler = self._quality, self._samplers.get(self._shape)
-        if quality is None or not quality.audited:
+        if quality is None or not quality.trusting:
             return False
         if sampler is not None and sampler.ready:
             return quality.surely_risky(self._margin)

@@ -35,7 +35,7 @@ def test_after_a_sure_near_tie_the_next_frame_is_not_planned_even_with_samples(n
     model = wide_classifier()
     frames = still_camera(8)
     session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0, sample_budget=0.8,
-                            max_backoff=0)
+                            max_backoff=0, trust_after=1)
     session(frames[0])
     frozen_costs(session, monkeypatch)
     session(frames[1])  # the first cached frame: checked in full (the first audit), after which samples stand in

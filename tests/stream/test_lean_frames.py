@@ -41,7 +41,7 @@ def test_no_frame_is_planned_while_a_near_tie_check_is_certain(frames, monkeypat
     model = wide_classifier()
     # backoff_after=64: no back-off stretch (whether a checked frame paid is measured in wall time)
     session = StreamSession(model, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
-                            sampled_audits=False, input_size=(H, W), backoff_after=64)
+                            sampled_audits=False, input_size=(H, W), backoff_after=64, trust_after=1)
     costs = frozen_costs(session, monkeypatch)
     session._quality.risky = lambda margin, *_: True  # every output's top-1 is a near tie
     n = 2 + 3 * PROBE_EVERY + 2
@@ -184,7 +184,7 @@ def test_a_dropped_cache_is_refilled_only_for_a_probe_after_a_refill_went_unused
     ones run plain and count towards the speed guard's probe, and the frame before the probe refills."""
     model = wide_classifier()
     session = StreamSession(model, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
-                            sampled_audits=False, input_size=(H, W), backoff_after=64)
+                            sampled_audits=False, input_size=(H, W), backoff_after=64, trust_after=1)
     frozen_costs(session, monkeypatch)
     engine = next(iter(session._engines.values())).engine
     # after the first frames, every other output is a near tie whose check no cached frame can pay for

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _guard(*audits: tuple[float, int]) -> QualityGuard:
-    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02))
+    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02, trust_after=1))
     for lost, frames in audits:
         guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, lost), frames)
     return guard

@@ -22,7 +22,7 @@ def test_a_frames_own_sample_replaces_the_extrapolation_by_frames():
     later, without a sample of its own, a frame is scaled by the frames (linear growth with one audit): 2.0, so a
     margin of 0.9 is a near tie. With a sample that measured the same drift as the audit's, the frame is as far off
     as the audit was, not five times: 0.9 is safe; with twice the drift, it is not. Never below the audit's loss."""
-    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02))
+    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02, trust_after=1))
     guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.4), 1)
     guard.probe_error(0.1)
     assert guard.measured_loss(5) == pytest.approx(2.0)
@@ -31,7 +31,7 @@ def test_a_frames_own_sample_replaces_the_extrapolation_by_frames():
     assert not guard.risky(0.9, 5, sampled_error=0.1)
     assert guard.measured_loss(5, sampled_error=0.3) == pytest.approx(1.2) and guard.risky(0.9, 5, sampled_error=0.3)
     assert guard.measured_loss(5, sampled_error=0.01) == pytest.approx(0.4)  # never narrower than the audit's own
-    unsampled = QualityGuard(StreamConfig(target_agreement=0.99))
+    unsampled = QualityGuard(StreamConfig(target_agreement=0.99, trust_after=1))
     unsampled.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.4), 1)  # no probe error: frames scale it
     assert unsampled.measured_loss(5, sampled_error=0.1) == pytest.approx(2.0)
 
@@ -101,7 +101,7 @@ def test_the_sampled_scale_is_taken_against_the_audits_pooled_samples():
     """Two audits lost about the same lead; one audit's own sample drew low (0.05 against 0.25: a sample of four
     tiles varies by a factor of several from draw to draw). A frame whose sample measured 0.15 is scaled against
     the audits' mean sample (0.15: by 1), not against the low draw (by 3), so a margin of 0.6 is no near tie."""
-    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02))
+    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02, trust_after=1))
     for lost, probe in ((0.4, 0.25), (0.4, 0.05)):
         guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, lost), 1)
         guard.probe_error(probe)
@@ -112,7 +112,7 @@ def test_the_sampled_scale_is_taken_against_the_audits_pooled_samples():
 
 def _guard_with_one_audit() -> QualityGuard:
     """An audit lost 0.4 of the lead one frame after a full one; its sample measured 0.1 at the probe."""
-    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02))
+    guard = QualityGuard(StreamConfig(target_agreement=0.99, near_tie=0.02, trust_after=1))
     guard.record(Comparison(OutputKind.LABEL, 1.0, 0.01, 0.1, 0.4), 1)
     guard.probe_error(0.1)
     return guard

@@ -121,7 +121,7 @@ def test_the_speed_guard_charges_the_cached_path_its_expected_near_tie_checks(fr
 
     model = wide_classifier()
     session = StreamSession(model, max_backoff=0, feature_threshold=0.0, audit_interval=64, keyframe_interval=64,
-                            sampled_audits=False, input_size=(H, W))
+                            sampled_audits=False, input_size=(H, W), trust_after=1)
     frozen_costs(session, monkeypatch)
     session._quality.risky = lambda margin, *_: True  # every cached frame's top-1 is a near tie
     session._check_certain = lambda: False  # the check rate alone (not the previous output's margin) decides here
@@ -277,7 +277,7 @@ def test_maps_miss_below_the_pixel_target_and_near_ties_are_checked_on_the_spot(
     guard.record(Comparison(OutputKind.MAP, 0.98, 0.02, 2.0), 4)
     assert guard.level == 1
     assert guard.risky(float("nan"))  # after a miss every cached map frame is checked until an audit holds
-    guard = QualityGuard(StreamConfig(near_tie=1.0))
+    guard = QualityGuard(StreamConfig(near_tie=1.0, trust_after=1))
     guard.record(Comparison(OutputKind.LABEL, 1.0, 0.1, 0.2, 0.5), 4)
     # one audit's loss is no bound on the next frame's: a margin just above it is still checked, one far above not
     assert guard.risky(0.4) and guard.risky(0.6) and not guard.risky(10.0)
