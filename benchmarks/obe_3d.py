@@ -17,8 +17,14 @@ table prints incrinf's plan: the theoretical FLOP ratio of the windows run (each
 the planned FLOP ratio (what its packed batches compute), and the ceiling of a whole call, which counts the base's
 one full forward pass: ``windows * F / (F + windows * F / theory)``.
 
+Whole volumes run at ``--whole-overlap 0.25`` (125 windows at 64^3) by default, so that MONAI's side takes a
+minute rather than many; ``--monai-default`` runs them with MONAI's default occluder instead (mask 16, overlap
+0.6: 729 windows at 64^3, several minutes of MONAI per network on one thread) and prints, per network, the
+whole-volume speedup over MONAI at that occluder with its theory and ceiling.
+
 Run: python benchmarks/obe_3d.py [--models resnet10 densenet121 unet] [--size 64x64x64] [--mask 16]
      [--overlap 0.6] [--whole-overlap 0.25] [--b-box 24 31 24 39 24 39] [--threads 1] [--repeats 1]
+     python benchmarks/obe_3d.py --monai-default --models resnet10     # MONAI's default occluder, whole volume
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from _common import PeakRSS, machine, median, mib
 from incrinf.testing.volumes import monai_network
 
 MODELS = ("resnet10", "densenet121", "unet")
+# MONAI's OcclusionSensitivity defaults (monai.visualize.OcclusionSensitivity: mask_size=16, overlap=0.6).
+MONAI_MASK, MONAI_OVERLAP = 16, 0.6
 
 
 def volume(size: tuple[int, int, int]) -> torch.Tensor:
@@ -61,11 +69,11 @@ def one_run(method: str, name: str, size: tuple[int, int, int], options: dict, b
         from incrinf.monai import OcclusionSensitivity
     occ = OcclusionSensitivity(model, verbose=False, **options)
     with PeakRSS() as mem:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         occ_map, _ = occ(x, b_box=b_box)
-        seconds = time.perf_counter() - start
-    return {"seconds": seconds, "memory": mem.bytes, "file": mem.file_bytes, "map": occ_map.as_tensor().clone(),
-            "stats": getattr(occ, "last_stats", {})}
+        seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    return {"seconds": seconds, "cpu": cpu, "memory": mem.bytes, "file": mem.file_bytes,
+            "map": occ_map.as_tensor().clone(), "stats": getattr(occ, "last_stats", {})}
 
 
 def in_child(*args) -> dict:
@@ -87,7 +95,7 @@ def size_arg(text: str) -> tuple[int, int, int]:
 
 
 def compare(name: str, case: str, size: tuple[int, int, int], options: dict, b_box: list[int] | None,
-            threads: int, repeats: int) -> None:
+            threads: int, repeats: int) -> dict:
     runs: dict[str, list[dict]] = {"monai": [], "incrinf": []}
     loads = []
     for _ in range(repeats):
@@ -108,8 +116,12 @@ def compare(name: str, case: str, size: tuple[int, int, int], options: dict, b_b
           f"{s['realized_flop_ratio']:>6.2f}x {ceiling:>7.2f}x {speedup / ceiling:>6.2f} "
           f"{mib(median([r['memory'] for r in theirs])):>9} {mib(median([r['memory'] for r in ours])):>9} "
           f"{err:>8.1e}", flush=True)
+    c_ours, c_theirs = median([r["cpu"] for r in ours]), median([r["cpu"] for r in theirs])
     print(f"{'':<21}incrinf: {fixed}, batches {s['seconds']:.1f} s ({s['batches']} of {s['batch_size']}); "
           f"load {' | '.join(loads)}", flush=True)
+    print(f"{'':<21}CPU seconds of the calling thread (all of a one-thread run's work; less swayed by other "
+          f"jobs than wall time): MONAI {c_theirs:.1f}, incrinf {c_ours:.1f}: {c_theirs / c_ours:.2f}x, "
+          f"{c_theirs / c_ours / ceiling:.2f} of the ceiling", flush=True)
     parts = ", ".join(f"{part} {mib(s[f'{part}_bytes'])}" for part in ("weights", "store", "base", "index", "batch",
                                                                        "budget"))
     measured = median([r["memory"] for r in ours])
@@ -118,6 +130,10 @@ def compare(name: str, case: str, size: tuple[int, int, int], options: dict, b_b
     print(f"{'':<21}memory: measured {mib(measured)} ({mib(library)} of it shared-library pages touched first), "
           f"the rest {mib(work)} against the byte model: predicted {mib(s['predicted_peak_bytes'])}, bound "
           f"{mib(s['bound_bytes'])} ({'within' if work <= s['bound_bytes'] else 'OVER'}); {parts}", flush=True)
+    return {"windows": q, "speedup": speedup, "cpu_speedup": c_theirs / c_ours, "theory": theory,
+            "plan": s["realized_flop_ratio"], "ceiling": ceiling,
+            "monai_s": t_theirs, "ours_s": t_ours, "monai_mem": median([r["memory"] for r in theirs]),
+            "ours_mem": measured}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--b-box", type=int, nargs="*", default=[24, 31, 24, 39, 24, 39],
                         help="bounding box of the boxed runs, [min, max] per axis, inclusive")
     parser.add_argument("--cases", nargs="*", default=["whole", "boxed"], choices=["whole", "boxed"])
+    parser.add_argument("--monai-default", action="store_true",
+                        help="whole volumes only, with MONAI's default occluder (mask 16, overlap 0.6: 729 windows "
+                             "at 64^3), and a summary of each network's speedup over MONAI at it")
     args = parser.parse_args(argv)
+    if args.monai_default:
+        args.cases, args.mask, args.whole_overlap = ["whole"], MONAI_MASK, MONAI_OVERLAP
     mode = args.mode if args.mode in ("gaussian", "mean_patch", "mean_img") else float(args.mode)
     common = {"mask_size": args.mask, "n_batch": args.n_batch, "mode": mode}
     cases = {"whole": ({**common, "overlap": args.whole_overlap}, None),
@@ -161,10 +182,21 @@ def main(argv: list[str] | None = None) -> int:
           "shared-library pages the call touches first (printed apart)\n")
     print(f"{'model':<12} {'case':<7} {'windows':>7} {'MONAI s':>8} {'ours s':>8} {'speedup':>8} {'theory':>7} "
           f"{'plan':>7} {'ceiling':>8} {'vs ceil':>6} {'MONAI mem':>9} {'ours mem':>9} {'rel err':>8}")
+    whole = {}
     for name in args.models:
         for case in args.cases:
             options, b_box = cases[case]
-            compare(name, case, args.size, options, b_box, args.threads, args.repeats)
+            row = compare(name, case, args.size, options, b_box, args.threads, args.repeats)
+            if case == "whole":
+                whole[name] = row
+    if args.mask == MONAI_MASK and args.whole_overlap == MONAI_OVERLAP and whole:
+        print(f"\nwhole volume at MONAI's default occluder (mask {MONAI_MASK}, overlap {MONAI_OVERLAP}), {shape}:")
+        for name, r in whole.items():
+            print(f"  {name}: {r['windows']} windows, {r['speedup']:.2f}x over MONAI ({r['monai_s']:.1f} s / "
+                  f"{r['ours_s']:.1f} s; {r['cpu_speedup']:.2f}x in CPU seconds); theory {r['theory']:.2f}x, "
+                  f"plan {r['plan']:.2f}x, ceiling "
+                  f"{r['ceiling']:.2f}x ({r['speedup'] / r['ceiling']:.2f} of it); peak memory {mib(r['ours_mem'])} "
+                  f"against MONAI's {mib(r['monai_mem'])}")
     return 0
 
 

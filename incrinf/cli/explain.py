@@ -55,9 +55,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="occluding value: a number, mean_patch, mean_img or gaussian (default 0)")
     p.add_argument("--target", type=target_value,
                    help="class to explain (default: predicted), or 'all' for a map per class from one run")
-    p.add_argument("--feature-mask", metavar="FILE",
+    p.add_argument("--feature-mask", metavar="FILE|DIR",
                    help="occlude features instead of sliding windows: a segment image or .npy of ids (images, the "
-                        "image's size) or a label volume (NIfTI or .npy, the volume's shape); one value per feature")
+                        "image's size) or a label volume (NIfTI or .npy, the volume's shape); one value per "
+                        "feature. A dataset run takes one FILE for every input, or a DIR of each input's own mask, "
+                        "matched by name: the input sub/scan01.nii.gz takes DIR/sub/scan01.EXT, else "
+                        "DIR/scan01.EXT (EXT .nii, .nii.gz or .npy; for images an image suffix or .npy); an input "
+                        "with no mask or two is an error row")
     p.add_argument("--output", choices=["logit", "prob"], default="logit")
     p.add_argument("--batch-size", type=positive_int)
     p.add_argument("--out", default="heatmap.png", help="picture to write, or the folder of a dataset run")

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from incrinf.errors import CaptureError
 from incrinf.extras import require
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
@@ -63,6 +64,29 @@ def volume_size(text: str) -> tuple[int, int, int]:
     return size  # type: ignore[return-value]
 
 
+def resize_hint(model: torch.nn.Module, shape: tuple[int, int, int]) -> str:
+    """What to tell a user whose volume of (D, H, W) ``shape`` the model cannot run on (an axis too short for
+    its downsampling): a ``--resize`` that raises every axis to the smallest power of two the model runs on,
+    found by running it on meta tensors (shapes only, no arithmetic)."""
+    import itertools
+
+    from torch.func import functional_call
+
+    grid = "x".join(map(str, shape))
+    meta = {key: torch.empty_like(value, device="meta")
+            for key, value in itertools.chain(model.named_parameters(), model.named_buffers())}
+    for side in (8, 16, 32, 64, 128, 256):
+        size = tuple(max(axis, side) for axis in shape)
+        try:
+            with torch.no_grad():
+                functional_call(model, meta, (torch.empty(1, 1, *size, device="meta"),))
+        except Exception:  # any failure on this grid: try a larger one
+            continue
+        return (f"the volume is {grid} (D x H x W) and the network's downsampling needs more voxels along some axis: "
+                f"resample it with --resize, e.g. --resize {'x'.join(map(str, size))}")
+    return f"the volume is {grid} (D x H x W): resample it with --resize DxHxW to a grid the network runs on"
+
+
 def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
     """The ``explain`` subcommand for the volume file ``path``."""
     from incrinf import models
@@ -97,10 +121,13 @@ def run_volume(args: argparse.Namespace, path: str, baseline: object) -> int:
             labels = resize_labels(labels, args.resize)
     model = models.load(name, args.weights)
     start = time.perf_counter()
-    result = occlusion(model, volume, target=args.target, patch=args.patch or 16, stride=args.stride or 16,
-                       baseline=baseline, batch_size=args.batch_size or "auto", output=args.output,
-                       progress=not args.quiet, tau=args.tau, feature_threshold=args.feature_threshold,
-                       measure_quality=args.measure_quality, spatial_dims=3, feature_mask=labels)
+    try:
+        result = occlusion(model, volume, target=args.target, patch=args.patch or 16, stride=args.stride or 16,
+                           baseline=baseline, batch_size=args.batch_size or "auto", output=args.output,
+                           progress=not args.quiet, tau=args.tau, feature_threshold=args.feature_threshold,
+                           measure_quality=args.measure_quality, spatial_dims=3, feature_mask=labels)
+    except CaptureError as exc:  # a zoo model traces, so it failed on this grid: say how to resample
+        raise CaptureError(f"{exc}\n{resize_hint(model, tuple(volume.shape[1:]))}") from None
     elapsed = time.perf_counter() - start
     out = result.save(args.out, image=volume, title=f"{name} on {Path(path).name}: class {result.target}",
                       cmap=args.cmap, centre=None if args.no_centre else 0.0)

@@ -40,8 +40,11 @@ def _read_array(path: str, read_file: Callable[[str], np.ndarray]) -> np.ndarray
     ValueError naming the file.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: unreadable.
+        FileNotFoundError: no such file. ValueError: unreadable, or a folder.
     """
+    if Path(path).is_dir():
+        raise ValueError(f"feature mask {path} is a folder: a folder of each input's own mask is for dataset runs "
+                         "(several inputs, or --out DIR); one input takes one mask file")
     if not Path(path).is_file():
         raise FileNotFoundError(f"feature mask not found: {path}")
     try:

@@ -161,12 +161,13 @@ def capture(model: nn.Module, input_shape: Any) -> Graph:
                           device=param.device if param is not None else "cpu")
     if not _propagate_fake(gm, example):
         try:
-            with torch.no_grad():
+            with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints what it re-raises
                 ShapeProp(gm).propagate(example)
         except Exception as exc:
+            cause = exc.__cause__ or exc  # ShapeProp wraps the model's own error in one naming the fx node
             raise CaptureError(f"the model fails on an input of shape {shape} ({len(shape) - 2} spatial axes; "
-                               f"input_shape is (C, *spatial) without the batch axis): {type(exc).__name__}: "
-                               f"{exc}") from exc
+                               f"input_shape is (C, *spatial) without the batch axis): {type(cause).__name__}: "
+                               f"{cause}") from exc
     classifier = Classifier(gm, len(shape) - 2)
     nodes = [classifier.classify(fx_node) for fx_node in gm.graph.nodes]
     n_inputs = sum(n.kind == NodeKind.INPUT for n in nodes)

@@ -289,37 +289,38 @@ class CameraEngine:
         what its zoom, rotation or shear alone leave misaligned, whatever the translation. A motion estimated only
         roughly (its translation a fraction of a position off, which alone decides whether a pure shift keeps the
         cache aligned) says the cache is unusable when this is above ``dense_cut``."""
-        res = self.engine.first_resolution
-        if res is None or res not in self.engine.cached_resolutions:
-            return 0.0
-        h, w = res
-        drift = self._drift.get(res)
-        if drift is None:
-            drift = np.zeros((2, h, w))
-        step = max(int(math.sqrt(h * w / ANY_SHIFT_POSITIONS)), 1)
-        ys, xs = (np.ascontiguousarray(g[::step, ::step]).reshape(1, -1) for g in self._grids[res])
-        dy, dx = (d.reshape(-1, 1) for d in np.meshgrid(_SHIFT_OFFSETS, _SHIFT_OFFSETS, indexing="ij"))
-        m = scale_homography(np.asarray(matrix, dtype=np.float64), self.input_dims, res)
-        # moving the current positions by -offset is reading the motion moved by +offset (offsets x positions)
-        _, _, valid, _ = self._read(m, np.linalg.inv(m), ys - dy, xs - dx, drift)
-        return 1.0 - float(valid.mean(axis=1).max())
+        valid = self._subgrid_valid(np.asarray(matrix, dtype=np.float64), ANY_SHIFT_POSITIONS, _SHIFT_OFFSETS)
+        return 1.0 - float(valid.mean(axis=1).max()) if valid is not None else 0.0
 
     def _estimate(self, matrix: np.ndarray) -> float:
         """:meth:`estimate_unusable` of a float64 ``matrix``."""
+        if self.engine.first_resolution not in self._moving_drift and \
+                np.allclose(matrix, np.eye(3), rtol=0.0, atol=1e-12):
+            return 0.0
+        valid = self._subgrid_valid(matrix, ESTIMATE_POSITIONS)
+        return 1.0 - float(valid.mean()) if valid is not None else 0.0
+
+    def _subgrid_valid(self, matrix: np.ndarray, positions: int, offsets: np.ndarray | None = None
+                       ) -> np.ndarray | None:
+        """Which positions of a subgrid of about ``positions`` positions of the first cached map the float64 motion
+        ``matrix`` leaves a usable source (:meth:`_read`): (1, P) bool, or with ``offsets`` (k,) a row per
+        translation ``matrix`` moved by (dx, dy) in their k x k grid, in positions; None without a cached first
+        map."""
         res = self.engine.first_resolution
         if res is None or res not in self.engine.cached_resolutions:
-            return 0.0
+            return None
         h, w = res
         drift = self._drift.get(res)
         if drift is None:
             drift = np.zeros((2, h, w))
-        if res not in self._moving_drift and np.allclose(matrix, np.eye(3), rtol=0.0, atol=1e-12):
-            return 0.0
-        step = max(int(math.sqrt(h * w / ESTIMATE_POSITIONS)), 1)
-        ys, xs = (np.ascontiguousarray(g[::step, ::step]) for g in self._grids[res])
+        step = max(int(math.sqrt(h * w / positions)), 1)
+        ys, xs = (np.ascontiguousarray(g[::step, ::step]).reshape(1, -1) for g in self._grids[res])
+        if offsets is not None:
+            # moving the current positions by -offset is reading the motion moved by +offset (offsets x positions)
+            dy, dx = (d.reshape(-1, 1) for d in np.meshgrid(offsets, offsets, indexing="ij"))
+            ys, xs = ys - dy, xs - dx
         m = scale_homography(matrix, self.input_dims, res)
-        _, _, valid, _ = self._read(m, np.linalg.inv(m), ys, xs, drift)
-        return 1.0 - float(valid.mean())
+        return self._read(m, np.linalg.inv(m), ys, xs, drift)[2]
 
     def _read(self, m: np.ndarray, inv: np.ndarray, ys: np.ndarray, xs: np.ndarray, drift: np.ndarray
               ) -> tuple[np.ndarray, bool, np.ndarray, np.ndarray]:

@@ -22,6 +22,7 @@ import torch.nn as nn
 from incrinf.explain.dataset.executors import Executor, InProcessExecutor, ProcessExecutor, RayExecutor
 from incrinf.explain.dataset.inputs import KIND_VOLUMES, InputItem, Selection, discover_inputs, find_masks
 from incrinf.explain.dataset.job import ExplainSpec, ModelSource, Preprocessing, Task
+from incrinf.explain.dataset.mask_folders import MaskFolder, MaskMatch, read_mask, settings_with_mask
 from incrinf.explain.dataset.report import DatasetReport
 from incrinf.explain.dataset.stats import class_means, inside_share, load_mask
 from incrinf.explain.dataset.store import (
@@ -93,12 +94,15 @@ def explain_dataset(
         masks: images: a mask image for every input, or a folder of masks matched by relative path or stem; the
             share of positive heat inside each mask goes into the table.
         mask_threshold: inputs with more than this share of their positive heat outside their mask are listed.
-        feature_mask: one file of integer feature ids (anatomical labels, superpixels) applied to every input:
-            a label volume (NIfTI or (D, H, W) ``.npy``) of the scans' shape before ``resize``, or a segment image
-            (or (H, W) ``.npy``) of the images' size before resizing; each input's features are occluded instead
-            of sliding windows, and an input of another shape is an error row (``error_kind`` "mask") with both
-            shapes. Read and validated as ``incrinf explain --feature-mask`` reads it; its content is part of the
-            resume key.
+        feature_mask: integer feature ids (anatomical labels, superpixels): one file applied to every input, or
+            a folder of each input's own mask. A mask is a label volume (NIfTI or (D, H, W) ``.npy``) of its
+            scan's shape before ``resize``, or a segment image (or (H, W) ``.npy``) of its image's size before
+            resizing; each input's features are occluded instead of sliding windows, and an input of another
+            shape is an error row (``error_kind`` "mask") with both shapes. In a folder, the mask of the input
+            ``sub/scan01.nii.gz`` is ``sub/scan01`` or else ``scan01`` with a mask suffix (``.nii``, ``.nii.gz``,
+            ``.npy``; images: an image suffix or ``.npy``); an input with none, or with two, is an error row
+            "mask" saying so (see :mod:`incrinf.explain.dataset.mask_folders`). Read and validated as
+            ``incrinf explain --feature-mask`` reads a mask; each input's mask content is part of its resume key.
         workers: local processes (1 = in-process); with ``ray``, the number of actors (default: one per
             ``cpus_per_worker`` CPUs of the cluster).
         ray: True or "local" starts Ray on this machine; an address ("auto", "HOST:PORT", "ray://HOST:PORT")
@@ -118,8 +122,8 @@ def explain_dataset(
 
     Raises:
         FileNotFoundError / ValueError: missing inputs or masks, no inputs, images and volumes mixed, bad
-            options (an image option for volumes or the reverse), a feature mask missing, unreadable or not of
-            integer ids.
+            options (an image option for volumes or the reverse), a feature mask file missing, unreadable or not
+            of integer ids, or a feature mask folder with no mask file at all.
         RuntimeError: the out folder is in use by another run, or workers cannot load the model.
         DatasetInterrupted: Ctrl-C; its ``report`` describes the folder as left (every finished input kept).
     """
@@ -134,21 +138,24 @@ def explain_dataset(
         if volume_index != 0 or resize is not None:
             raise ValueError("volume_index= and resize= are for NIfTI volumes; these inputs are images (use size=)")
         spec = _spec(model, weights, normalization, size, occlusion_options)
-    if feature_mask is not None:
+    mask_folder = None
+    if feature_mask is not None and Path(feature_mask).is_dir():
+        mask_folder = MaskFolder(feature_mask, volumes)
+    elif feature_mask is not None:
         spec = _with_feature_mask(spec, feature_mask)
     if not 0.0 <= mask_threshold <= 1.0:
         raise ValueError(f"mask_threshold must be in [0, 1], got {mask_threshold}")
     mask_check = _MaskCheck(find_masks(selection.items, masks), spec.preprocessing, mask_threshold)
     if labels is None and isinstance(model, str) and not volumes:
         labels = imagenet_labels()
-    settings = spec.settings_digest()
     items = selection.items
+    settings = _Settings(spec.settings_digest(), None if mask_folder is None else mask_folder.matches(items))
     with RunFolder(out) as folder:
         records: dict[str, dict[str, Any]] = {}
         todo = []
         for index, item in enumerate(items):
             record = folder.read_record(item.id)
-            if not overwrite and folder.is_complete(record, settings, _signature(item)):
+            if not overwrite and folder.is_complete(record, settings.of(item), _signature(item)):
                 records[item.id] = record
             else:
                 todo.append(index)
@@ -217,6 +224,44 @@ def _volume_spec(model: nn.Module | str, weights: str | None, normalization: str
     return ExplainSpec(source, VolumePreprocessing(volume_index, resize), dict(options))
 
 
+class _Settings:
+    """Each input's resume key: the run's settings digest, joined with the content of the input's own feature
+    mask when the run has a folder of them.
+
+    Args:
+        run: the run's :meth:`ExplainSpec.settings_digest`.
+        masks: input id -> its :class:`MaskMatch` (a folder of feature masks), else None.
+    """
+
+    def __init__(self, run: str, masks: dict[str, MaskMatch] | None) -> None:
+        self.run = run
+        self.masks = masks
+        self._keys: dict[str, str] = {}
+
+    def of(self, item: InputItem) -> str:
+        if self.masks is None:
+            return self.run
+        if item.id not in self._keys:  # read once per run: the key a record is written with is the one checked
+            try:
+                self._keys[item.id] = settings_with_mask(self.run, self.masks[item.id])
+            except OSError as exc:  # the mask went away or is unreadable: the task reports it
+                self._keys[item.id] = settings_with_mask(self.run, MaskMatch(error=str(exc)))
+        return self._keys[item.id]
+
+    def task(self, index: int, item: InputItem, data: bytes | None, read_error: str | None,
+             spec: ExplainSpec) -> Task:
+        """The task of one input, with its own feature mask read (or why it has none)."""
+        if self.masks is None or data is None:
+            return Task(index, item.id, item.rel, data, read_error)
+        match = self.masks[item.id]
+        volume_index = spec.preprocessing.volume_index if spec.volumes else 0
+        try:
+            labels = read_mask(match, spec.volumes, volume_index)
+        except (OSError, ValueError) as exc:
+            return Task(index, item.id, item.rel, data, mask_error=str(exc))
+        return Task(index, item.id, item.rel, data, feature_mask=labels, feature_mask_name=str(match.path))
+
+
 def _with_feature_mask(spec: ExplainSpec, path: str | os.PathLike) -> ExplainSpec:
     """``spec`` with the feature ids read from ``path`` once for the whole run (each worker fits them to its
     input's grid), by the readers ``incrinf explain --feature-mask`` uses."""
@@ -225,9 +270,6 @@ def _with_feature_mask(spec: ExplainSpec, path: str | os.PathLike) -> ExplainSpe
     from incrinf.explain.feature_masks import read_image_mask, read_label_volume
 
     name = os.fspath(path)
-    if Path(name).is_dir():  # a folder of per-input masks would need per-input resume keys: not offered
-        raise ValueError(f"feature mask {name} is a folder; a dataset run takes one mask file for every input "
-                         "of its shape (explain inputs with their own masks one at a time)")
     if spec.volumes:
         labels = read_label_volume(name, spec.preprocessing.volume_index).numpy()
     else:
@@ -288,7 +330,7 @@ def _signature(item: InputItem) -> dict[str, int] | None:
         return None
 
 
-def _drive(executor: Executor, folder: RunFolder, items: Sequence[InputItem], todo: list[int], settings: str,
+def _drive(executor: Executor, folder: RunFolder, items: Sequence[InputItem], todo: list[int], settings: _Settings,
            spec: ExplainSpec, mask_check: _MaskCheck, labels: Sequence[str] | None,
            records: dict[str, dict[str, Any]], progress: bool, callback: Callable | None) -> None:
     """Stream the inputs to do through ``executor``, writing each outcome as it arrives."""
@@ -301,9 +343,10 @@ def _drive(executor: Executor, folder: RunFolder, items: Sequence[InputItem], to
             item = items[index]
             signatures[index] = _signature(item)  # taken before reading: a file changed later is redone
             try:
-                yield Task(index, item.id, item.rel, item.path.read_bytes())
+                data, error = item.path.read_bytes(), None
             except OSError as exc:
-                yield Task(index, item.id, item.rel, None, f"cannot read {item.path}: {exc.strerror or exc}")
+                data, error = None, f"cannot read {item.path}: {exc.strerror or exc}"
+            yield settings.task(index, item, data, error, spec)
 
     bar = progress_bar(total=len(items), initial=len(items) - len(todo), desc="inputs", unit="input", position=0,
                        disable=not progress, dynamic_ncols=True)
@@ -317,8 +360,8 @@ def _drive(executor: Executor, folder: RunFolder, items: Sequence[InputItem], to
             item = items[outcome.index]
             title = f"{name}: class {outcome.target}" + (f" ({labels[outcome.target]})" if labels and
                                                           outcome.target is not None else "")
-            record = folder.write_outputs(item, outcome, settings, signatures.pop(outcome.index, None) or {},
-                                          title, mask_check)
+            source = signatures.pop(outcome.index, None) or {}
+            record = folder.write_outputs(item, outcome, settings.of(item), source, title, mask_check)
             done.add(outcome.index)
             records[item.id] = record
             failed += record["status"] == STATUS_ERROR

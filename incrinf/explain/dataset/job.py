@@ -27,7 +27,7 @@ from incrinf.explain.dataset.volumes import VolumePreprocessing
 ERROR_READ = "read"  # the driver could not read the file
 ERROR_DECODE = "decode"  # not an image, corrupt or truncated
 ERROR_EXPLAIN = "explain"  # the model or the occlusion options rejected it
-ERROR_MASK = "mask"  # the run's feature mask does not fit this input (another shape): skipped, not guessed
+ERROR_MASK = "mask"  # the feature mask does not fit this input (another shape), or it has none: skipped, not guessed
 ERROR_WORKER_LOST = "worker-lost"  # the worker died while it held the input, too many times
 
 # Options that change how fast a heat map is computed but not what it is: left out of the settings digest, so
@@ -154,6 +154,9 @@ class Task:
         name: the input's relative name (for messages).
         data: the file's bytes, or None when the driver could not read it.
         read_error: why ``data`` is None.
+        feature_mask: runs with a folder of feature masks: this input's own ids on its own grid ((H, W) or
+            (D, H, W)), read by the driver; ``feature_mask_name`` its file. ``mask_error``: why it has none (no
+            file matched, two did, or it is unreadable); the input is then an error row of kind "mask".
     """
 
     index: int
@@ -161,6 +164,9 @@ class Task:
     name: str
     data: bytes | None
     read_error: str | None = None
+    feature_mask: np.ndarray | None = None
+    feature_mask_name: str = ""
+    mask_error: str | None = None
 
 
 @dataclass
@@ -233,7 +239,10 @@ class Explainer:
         if task.data is None:
             return Outcome(task.index, task.id, ERROR_READ, task.read_error)
         preprocessing = self.spec.preprocessing
-        labels, mask = self.spec.feature_mask, None
+        labels, mask_name = self.spec.feature_mask, self.spec.feature_mask_name
+        if task.feature_mask is not None:  # the input's own mask (a folder of masks)
+            labels, mask_name = task.feature_mask, task.feature_mask_name
+        mask = None
         try:
             if isinstance(preprocessing, VolumePreprocessing):
                 scan = preprocessing.decode(task.data, task.name)
@@ -247,9 +256,11 @@ class Explainer:
                 display, affine = preprocessing.display(x), None
         except ValueError as exc:
             return Outcome(task.index, task.id, ERROR_DECODE, str(exc))
+        if task.mask_error is not None:  # after decoding: a corrupt input says so, whether or not it has a mask
+            return Outcome(task.index, task.id, ERROR_MASK, task.mask_error)
         if labels is not None:
             try:
-                mask = _fit_mask(labels, shape, tuple(x.shape[1:]), self.spec.feature_mask_name)
+                mask = _fit_mask(labels, shape, tuple(x.shape[1:]), mask_name)
             except ValueError as exc:  # another shape than the mask's: skipped with why, never resampled blindly
                 return Outcome(task.index, task.id, ERROR_MASK, str(exc))
         try:
@@ -308,7 +319,7 @@ def _fit_mask(labels: np.ndarray, shape: tuple[int, ...], model_shape: tuple[int
     """
     from incrinf.explain.feature_masks import check_volume_mask, fit_image_mask, resize_labels
 
-    tensor = torch.from_numpy(np.ascontiguousarray(labels))
+    tensor = torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64))
     if labels.ndim == 3:
         check_volume_mask(tensor, shape, name)
         return resize_labels(tensor, model_shape)

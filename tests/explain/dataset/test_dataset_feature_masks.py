@@ -193,9 +193,10 @@ def test_cli_feature_mask_and_target_all_with_a_folder(folder, tmp_path, monkeyp
     np.testing.assert_array_equal(np.load(out / row["heatmap_file"]), np.asarray(want.heatmap, np.float32))
     assert cli.main(args) == 1 and f"{N} already complete" in capsys.readouterr().out
     np.save(tmp_path / "float.npy", np.full((10, 12, 16), 0.5))
+    (tmp_path / "empty").mkdir()
     for bad, message in ((tmp_path / "gone.nii.gz", "feature mask not found"),
                          (tmp_path / "float.npy", "must hold integer ids"),
                          (folder / "p01.nii.gz", "must hold integer ids"),
-                         (folder, "is a folder; a dataset run takes one mask file")):
+                         (tmp_path / "empty", "holds no mask file")):
         assert cli.main([*args[:4], "--feature-mask", str(bad), "--quiet"]) == 2
         assert message in capsys.readouterr().err
