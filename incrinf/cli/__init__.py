@@ -7,10 +7,29 @@ import sys
 
 from incrinf.cli import analyze, explain, serve, stream, tune
 
+_DESCRIPTION = """\
+Incremental CNN inference: when an input changes only locally (an occluded patch, a
+camera's next frame), recompute only what the change can reach. Run
+'incrinf COMMAND --help' for a command's options."""
+
+_EPILOG = """\
+start here:
+  incrinf explain                          a shipped photo -> heatmap.png
+  incrinf explain photo.jpg --out heat.png your image (another model: --model)
+  incrinf explain scan.nii.gz --resize 48x96x128
+                                           a 3-D volume (needs the [nifti] extra)
+  incrinf explain photos/ --out results/   a folder -> results.csv, a gallery
+  incrinf stream clip.mp4                  a video, beside plain inference
+  incrinf analyze --model resnet18         theoretical speedup, per layer
+
+Guides, the Python API and the Captum/MONAI drop-ins: docs/index.md in the
+repository (build the site with: python -m sphinx -b html docs docs/_build/html)."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``incrinf`` parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(prog="incrinf", description="Incremental CNN inference.")
+    parser = argparse.ArgumentParser(prog="incrinf", description=_DESCRIPTION, epilog=_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (analyze, explain, tune, stream, serve):
         command.register(sub)

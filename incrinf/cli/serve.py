@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from incrinf.offload.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 
     defaults = ServerConfig()
-    p.add_argument("--model", required=True, help="zoo model name (incrinf.models)")
+    p.add_argument("--model", required=True, help="zoo model name (incrinf.models; an unknown name lists them)")
     p.add_argument("--weights", help="state-dict file for a torchvision architecture")
     p.add_argument("--input", type=input_shape, help="frame shape served, e.g. 3x128x128 (default: model's)")
     p.add_argument("--host", default="127.0.0.1",
@@ -139,7 +139,11 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to the main ``incrinf`` parser."""
-    p = subparsers.add_parser("serve", help="offload server for camera streams (full, cached, split inference)")
+    p = subparsers.add_parser(
+        "serve", help="offload server for camera streams (full, cached, split inference)",
+        description="Serve a zoo model to incrinf.OffloadingSession clients over HTTP(S): whole frames, changed "
+                    "pixels against a per-camera cache, or the tail of a split model. Binds 127.0.0.1 unless "
+                    "--host says otherwise.")
     add_arguments(p)
     p.set_defaults(func=run)
     return p

@@ -8,7 +8,7 @@ import statistics
 import time
 from pathlib import Path
 
-from incrinf.cli.common import non_negative, non_negative_int, positive_int
+from incrinf.cli.common import model_name, non_negative, non_negative_int, positive_int
 from incrinf.stream.config import StreamConfig
 
 _DEFAULTS = StreamConfig()
@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                               description="Run a model on a video with StreamSession and, side by side, plain full "
                                           "inference; print the median speedup and the top-1 agreement.")
     p.add_argument("video", nargs="?", help="video file (default: the bundled carphone_pristine.mp4)")
-    p.add_argument("--model", default="efficientnet_lite0", help="zoo model (default: efficientnet_lite0)")
+    p.add_argument("--model", type=model_name, default="efficientnet_lite0",
+                   help="zoo model (default: efficientnet_lite0; an unknown name lists the models)")
     p.add_argument("--weights", help="state-dict file for a torchvision architecture")
     p.add_argument("--pixel-threshold", type=non_negative, default=_DEFAULTS.pixel_threshold,
                    help="change-mask threshold: mean absolute difference per cell in 0-255 pixel levels (default "

@@ -28,22 +28,30 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from incrinf.explain.tuning import DEFAULT_FEATURE_THRESHOLDS, DEFAULT_TAUS
 
     p = subparsers.add_parser("tune", help="fit the approximation (tau, feature threshold, drill-down) to a target "
-                                           "heat-map SSIM on sample images, checked on held-out ones")
+                                           "heat-map SSIM on sample images, checked on held-out ones",
+                              description="Measure every setting of the approximation knobs on sample images, pick "
+                                          "the fastest that holds --target-ssim, check it on held-out images and "
+                                          "write a profile for 'incrinf explain --target-ssim S --profile FILE'.")
     p.add_argument("images", nargs="+", help="sample image files (the same domain as the images to explain)")
-    p.add_argument("--model", type=model_name, default="efficientnet_lite0")
+    p.add_argument("--model", type=model_name, default="efficientnet_lite0",
+                   help="zoo model (default efficientnet_lite0; an unknown name lists them)")
     p.add_argument("--weights", help="state-dict file for a torchvision architecture")
     p.add_argument("--size", type=positive_int, help="image size (default: the model's input size)")
-    p.add_argument("--patch", type=positive_int, default=16)
-    p.add_argument("--stride", type=positive_int, default=4)
-    p.add_argument("--target-ssim", type=number, default=0.9)
+    p.add_argument("--patch", type=positive_int, default=16,
+                   help="occlusion window, as you will explain with (default 16)")
+    p.add_argument("--stride", type=positive_int, default=4, help="window stride, as you will explain with (default 4)")
+    p.add_argument("--target-ssim", type=number, default=0.9,
+                   help="heat-map SSIM against the exact map the choice must hold (default 0.9)")
     p.add_argument("--taus", type=_numbers, default=DEFAULT_TAUS,
                    help=f"taus to measure (default {','.join(map(str, DEFAULT_TAUS))})")
     p.add_argument("--feature-thresholds", type=_numbers, default=DEFAULT_FEATURE_THRESHOLDS,
                    help=f"pruning thresholds to measure (default {','.join(map(str, DEFAULT_FEATURE_THRESHOLDS))})")
     p.add_argument("--drill-downs", type=_drills, default=None,
                    help="drill-down settings factor/fraction (default 1/0,2/0.1,2/0.25; 1/0 = none)")
-    p.add_argument("--holdout", type=number, default=1 / 3, help="share of the images held out to check the choice")
-    p.add_argument("--output", choices=["logit", "prob"], default="logit")
+    p.add_argument("--holdout", type=number, default=1 / 3,
+                   help="share of the images held out to check the choice (default 1/3)")
+    p.add_argument("--output", choices=["logit", "prob"], default="logit",
+                   help="score explained: logit or softmax probability (default logit)")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)

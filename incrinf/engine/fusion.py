@@ -31,7 +31,7 @@ _ZERO_PADS = (nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.Con
 
 def fuse_generated(program: Program) -> int:
     """Fold batch norms and symmetric zero paddings into the convolutions of ``program``'s graph module (the
-    engine's private copy), in place; returns how many nodes became identities."""
+    engine's private copy), in place; returns how many batch norms and paddings the convolutions took over."""
     graph = program.graph
     fx_graph = graph.module.graph
     kept = set(program.cached) | set(program.boundary)
@@ -45,18 +45,22 @@ def fuse_generated(program: Program) -> int:
             continue
         fx_node = node.fx_node
         source, weight, bias, stride, padding, dilation, groups = conv
-        changed: list[torch.fx.Node] = []
+        identities: list[torch.fx.Node] = []  # modules whose work the convolution takes over
+        taken = 0
         users = list(fx_node.users)
         bn = graph.by_name.get(users[0].name) if len(users) == 1 else None
         if bn is not None and targets.count(bn.fx_node.target) == 1 and program.ops.batch_norm(bn) is not None:
             weight, bias, *_ = program.ops.fold(node, bn)
-            changed.append(bn.fx_node)
+            identities.append(bn.fx_node)
+            taken += 1
         pad = _symmetric_zero_pad(graph, source, kept, targets)
         if pad is not None and all(p == 0 for p in padding):
             padding = pad
-            changed.append(source)
-            source = source.args[0]
-        if not changed:
+            if source.op == "call_module":
+                identities.append(source)
+            source = source.args[0]  # a function's padding is read by no one now: the generated modules drop it
+            taken += 1
+        if not taken:
             continue
         with fx_graph.inserting_before(fx_node):
             attrs = []
@@ -70,10 +74,10 @@ def fuse_generated(program: Program) -> int:
         d = len(stride)
         fx_node.op, fx_node.target = "call_function", _CONV_FUNCTIONS[d]
         fx_node.args, fx_node.kwargs = (source, *attrs, tuple(stride), tuple(padding), tuple(dilation), groups), {}
-        for done in changed:  # an identity under its own name: the tensor it stood for is now the convolution's
+        for done in identities:  # an identity under its own name: the tensor it stood for is now the convolution's
             parent, _, attr = str(done.target).rpartition(".")
             setattr(graph.module.get_submodule(parent) if parent else graph.module, attr, nn.Identity())
-            fused += 1
+        fused += taken
     fx_graph.lint()
     graph.module.recompile()
     return fused
@@ -127,15 +131,26 @@ def _attribute(module: nn.Module) -> Callable[[str], torch.Tensor]:
 
 def _symmetric_zero_pad(graph: Graph, source: object, kept: set[str], targets: list
                         ) -> tuple[int, ...] | None:
-    """The per-axis padding of ``source`` when it is a zero-padding module read only by the convolution, the same on
-    both sides of every axis, and not a kept tensor; else None."""
-    if not isinstance(source, torch.fx.Node) or source.op != "call_module" or len(source.users) != 1 \
-            or source.name in kept or targets.count(source.target) != 1:
+    """The per-axis padding of ``source`` when it is a zero padding (a padding module, or ``F.pad`` with constant
+    zeros) read only by the convolution, the same on both sides of every axis, and not a kept tensor; else None."""
+    if not isinstance(source, torch.fx.Node) or len(source.users) != 1 or source.name in kept:
         return None
-    module = graph.module.get_submodule(str(source.target))
-    if not isinstance(module, _ZERO_PADS) or getattr(module, "value", 0.0) != 0.0:
+    if source.op == "call_module":
+        if targets.count(source.target) != 1:
+            return None
+        module = graph.module.get_submodule(str(source.target))
+        if not isinstance(module, _ZERO_PADS) or getattr(module, "value", 0.0) != 0.0:
+            return None
+        pads = tuple(module.padding)  # (last before, last after, previous before, previous after, ...)
+    elif source.op == "call_function" and source.target is F.pad:
+        values = dict(zip(("input", "pad", "mode", "value"), source.args))
+        values.update(source.kwargs)
+        pads = values.get("pad")
+        if values.get("mode", "constant") != "constant" or values.get("value") not in (None, 0, 0.0) \
+                or not isinstance(pads, (tuple, list)) or not all(isinstance(p, int) for p in pads):
+            return None
+    else:
         return None
-    pads = tuple(module.padding)  # (last before, last after, previous before, previous after, ...)
     if len(pads) != 2 * graph.spatial_dims or any(pads[2 * i] != pads[2 * i + 1] for i in range(len(pads) // 2)):
         return None
     return tuple(reversed(pads[0::2]))

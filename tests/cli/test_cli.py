@@ -14,6 +14,13 @@ def test_analyze_prints_table_and_totals(capsys) -> None:
     assert "conv1" in out and "theoretical_speedup" in out and "flops_full" in out
 
 
+@pytest.mark.parametrize("command", ["analyze", "stream", "tune", "explain"])
+def test_an_unknown_model_name_is_refused_before_anything_runs(command: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main([command, "--model", "nosuchnet"])
+    assert "unknown model 'nosuchnet'" in capsys.readouterr().err
+
+
 def test_analyze_bad_arguments_exit_with_message(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["analyze", "--model", "nosuchnet"])

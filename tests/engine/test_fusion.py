@@ -7,6 +7,7 @@ import collections
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from conftest import zoo_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -60,6 +61,40 @@ def test_generated_full_frame_runs_no_batch_norm_or_symmetric_pad():
     assert fused.counts["native_batch_norm"] == 0  # every batch norm here follows a convolution
     assert fused.counts["constant_pad_nd"] == 1  # the stride-2 'same' padding is one-sided: it stays
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+class _FunctionalPads(nn.Module):
+    """Paddings written as ``F.pad`` calls: symmetric zeros (the convolution takes it over), reflection and a
+    nonzero constant (both stay)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b, self.c = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.Conv2d(8, 8, 3)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.a(F.pad(x, (1, 1, 1, 1))))
+        x = torch.relu(self.b(F.pad(x, (1, 1, 1, 1), mode="reflect")))
+        x = self.c(F.pad(x, (1, 1, 1, 1), value=0.5))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def test_functional_zero_pad_is_done_by_the_convolution():
+    model = _FunctionalPads().eval()
+    x = torch.randn(1, 3, 24, 32)
+    engine = FrameEngine(capture(model, x.shape[1:]))
+    with torch.no_grad():
+        ref = model(x)
+        with _Ops() as fused:
+            out = engine.full(x)
+        x1 = x.clone()
+        x1[..., 5:9, 20:26] += 1.0
+        cached = engine.cached(x1, (x1 != x).any(dim=1)[0].numpy())
+        ref1 = model(x1)
+    assert fused.counts["constant_pad_nd"] == 1 and fused.counts["reflection_pad2d"] == 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cached, ref1, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["efficientnet_lite0", "resnet18", "mobilenet_v2"])
