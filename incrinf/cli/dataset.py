@@ -73,8 +73,9 @@ def run_dataset(args: argparse.Namespace) -> int:
     The inputs' kind picks the defaults: images get ``efficientnet_lite0``, a 16-pixel window and stride 4 and
     the image options; NIfTI volumes get ``monai_densenet121_3d``, a 16-voxel window and stride 16 and the volume
     options (``--volume-index``, ``--resize``). An option of the other kind is an error. ``--feature-mask FILE``
-    applies one mask to every input of its shape (others are error rows); ``--target all`` keeps every class's
-    map per input.
+    applies one mask to every input of its shape (others are error rows), ``--feature-mask DIR`` each input's own
+    mask matched by name (:mod:`incrinf.explain.dataset.mask_folders`; an input without one is an error row);
+    ``--target all`` keeps every class's map per input.
 
     Args:
         args: the parsed ``explain`` arguments (``image`` a list, ``out`` the folder).
