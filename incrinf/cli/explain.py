@@ -42,7 +42,12 @@ def colour_map(text: str) -> str:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``explain`` subcommand."""
-    p = subparsers.add_parser("explain", help="occlusion heat map by incremental inference")
+    p = subparsers.add_parser(
+        "explain", help="occlusion heat map by incremental inference",
+        description="Occlusion heat map of an image, a NIfTI volume, or a dataset (several files, folders or "
+                    "globs with --out DIR), by exact incremental inference unless an approximation is asked for. "
+                    "With no arguments: a shipped photo of a cat with the shipped EfficientNet-Lite0. Guides: "
+                    "docs/occlusion.md (images), docs/volumes.md (volumes, feature masks), docs/datasets.md.")
     p.add_argument("image", nargs="*", help="image file (default: a shipped photo of a cat), or a NIfTI volume "
                    "(.nii, .nii.gz; needs the [nifti] extra); several files, directories or glob patterns explain "
                    "a dataset of images or of volumes (see --out DIR)")
@@ -62,8 +67,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "matched by name: the input sub/scan01.nii.gz takes DIR/sub/scan01.EXT, else "
                         "DIR/scan01.EXT (EXT .nii, .nii.gz or .npy; for images an image suffix or .npy); an input "
                         "with no mask or two is an error row")
-    p.add_argument("--output", choices=["logit", "prob"], default="logit")
-    p.add_argument("--batch-size", type=positive_int)
+    p.add_argument("--output", choices=["logit", "prob"], default="logit",
+                   help="score whose drop the map shows: the model's logit or its softmax probability "
+                        "(default logit)")
+    p.add_argument("--batch-size", type=positive_int,
+                   help="windows per batch (default: as many as the working-memory budget holds)")
     p.add_argument("--out", default="heatmap.png", help="picture to write, or the folder of a dataset run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--cmap", type=colour_map, default="RdBu_r",
