@@ -417,14 +417,11 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
             out = [run_box(program, cache, step, regions, b) for b in bounds]
         if index < len(planned):
             _record_share(costs, index, planned[index], out)
-        call = compute = 0.0
-        for box in out:
-            box_area = box.area
-            parts = costs.box_parts(index, box_area)
-            result.seconds += call_ratio * parts[0] + compute_ratio * parts[1]
-            result.flops += step.flops * box_area / step.positions
-            result.positions += box_area
-            call, compute = call + parts[0], compute + parts[1]
+        call, compute = geometry.parts(index, [box.bounds for box in out])
+        positions = sum(box.area for box in out)
+        result.seconds += call_ratio * call + compute_ratio * compute
+        result.flops += step.flops * positions / step.positions
+        result.positions += positions
         if out and step.out in cached_set:
             kept = []
             for box in out:
