@@ -22,7 +22,7 @@ import torch.nn as nn
 from incrinf.explain.dataset.executors import Executor, InProcessExecutor, ProcessExecutor, RayExecutor
 from incrinf.explain.dataset.inputs import KIND_VOLUMES, InputItem, Selection, discover_inputs, find_masks
 from incrinf.explain.dataset.job import ExplainSpec, ModelSource, Preprocessing, Task
-from incrinf.explain.dataset.mask_folders import MaskFolder, MaskMatch, read_mask, settings_with_mask
+from incrinf.explain.dataset.mask_folders import MaskFolder, MaskMatch, read_feature_ids, read_mask, settings_with_mask
 from incrinf.explain.dataset.report import DatasetReport
 from incrinf.explain.dataset.stats import class_means, inside_share, load_mask
 from incrinf.explain.dataset.store import (
@@ -267,13 +267,8 @@ def _with_feature_mask(spec: ExplainSpec, path: str | os.PathLike) -> ExplainSpe
     input's grid), by the readers ``incrinf explain --feature-mask`` uses."""
     from dataclasses import replace
 
-    from incrinf.explain.feature_masks import read_image_mask, read_label_volume
-
     name = os.fspath(path)
-    if spec.volumes:
-        labels = read_label_volume(name, spec.preprocessing.volume_index).numpy()
-    else:
-        labels = read_image_mask(name)
+    labels = read_feature_ids(name, spec.volumes, spec.preprocessing.volume_index if spec.volumes else 0)
     return replace(spec, feature_mask=labels, feature_mask_name=name)
 
 

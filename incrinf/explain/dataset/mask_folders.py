@@ -112,20 +112,31 @@ def settings_with_mask(settings: str, match: MaskMatch) -> str:
     return hashlib.sha256(f"{settings}|feature-mask:{match.digest()}".encode()).hexdigest()[:16]
 
 
+def read_feature_ids(path: str | os.PathLike, volumes: bool, volume_index: int = 0) -> np.ndarray:
+    """The feature ids of a mask file on its input's own grid ((D, H, W) for volumes, (H, W) for images), read as
+    ``incrinf explain --feature-mask`` reads one.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: unreadable, not integer ids, or not an (H, W) map / 3-D
+            volume.
+    """
+    from incrinf.explain.feature_masks import read_image_mask, read_label_volume
+
+    name = os.fspath(path)
+    return read_label_volume(name, volume_index).numpy() if volumes else read_image_mask(name)
+
+
 def read_mask(match: MaskMatch, volumes: bool, volume_index: int = 0) -> np.ndarray:
-    """The ids of a matched mask on its input's own grid, read as ``incrinf explain --feature-mask`` reads one,
-    in the smallest of int32 / int64 that holds them (they travel to workers with every input).
+    """The ids of a matched mask (:func:`read_feature_ids`), in the smallest of int32 / int64 that holds them
+    (they travel to workers with every input).
 
     Raises:
         FileNotFoundError: no mask matched (``match.error``) or the file is gone. ValueError: unreadable, not
             integer ids, or not an (H, W) map / 3-D volume.
     """
-    from incrinf.explain.feature_masks import read_image_mask, read_label_volume
-
     if match.path is None:
         raise FileNotFoundError(match.error)
-    name = os.fspath(match.path)
-    labels = read_label_volume(name, volume_index).numpy() if volumes else read_image_mask(name)
+    labels = read_feature_ids(match.path, volumes, volume_index)
     small = np.iinfo(np.int32)
     if labels.size and small.min <= labels.min() and labels.max() <= small.max:
         labels = labels.astype(np.int32)
