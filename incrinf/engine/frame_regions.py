@@ -37,10 +37,12 @@ import torch
 
 from incrinf.engine.boxes import merge_values
 from incrinf.engine.costs import FrameCosts, RegionKind
+from incrinf.engine.frame_steps import BoundStep, bind_steps
 from incrinf.engine.program import Program, Step
 from incrinf.engine.stores import FrameCache, take
 from incrinf.engine.windows import WindowSpec, padded_crop
 from incrinf.geometry import Box, Boxes
+from incrinf.kernels.gather import from_rows, to_rows
 
 _EIGHT_NEIGHBOURS = np.ones((3, 3), bool)
 # Up to this many boxes, merge_by_cost tries every pair in Python (cheaper than setting up arrays; same result).
@@ -73,10 +75,19 @@ class RegionPlan:
     gathered_bytes: int
     unchanged: bool = False
     parts: tuple[tuple[tuple[float, float], ...], float] = ((), 0.0)
+    _counts: list[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def regions(self) -> int:
         return len(self.start)
+
+    @property
+    def counts(self) -> list[tuple[int, int]]:
+        """Per step, ``(positions, boxes)`` of its planned boxes (counted once: a plan is reused by many frames,
+        and the walk compares every step's work with them)."""
+        if self._counts is None:
+            self._counts = [(sum(area(b) for b in boxes), len(boxes)) for boxes in self.steps]
+        return self._counts
 
 
 @dataclass
@@ -227,6 +238,7 @@ class Geometry:
         self.step_of = {step.out: index for index, step in enumerate(program.steps)}
         # steps without a window that read one tensor: their boxes are their input's, box by box
         self.pointwise = [step.window is None and len(step.inputs) == 1 for step in program.steps]
+        self.bound = bind_steps(program)
 
     def switches(self, cut: int, step_seconds: list[float]) -> bool:
         """Whether to run the rest densely from the cut point step ``cut``: when the regional steps up to the next
@@ -397,28 +409,33 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
     sync = x.device.type == "cuda" and timed
     # the calibration does not change while a frame runs: its ratios are read once
     call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
-    cached_set, planned = program.cached_set, plan.steps
+    cached_set, planned, counts, bound = program.cached_set, plan.steps, plan.counts, geometry.bound
+    planned_parts = plan.parts[0]
     for index, (step, live) in enumerate(zip(program.steps, program.live)):
         if not any(regions.get(name) for name in live):
             # every change has died out (pruning): later tensors keep their cached values, and the plan's boxes
             # up to its switch were computed nowhere
             for rest in range(index, min(switch_index + 1, len(planned))):
-                _record_share(costs, rest, planned[rest], [])
+                _record_share(costs, rest, counts[rest], (0, 0))
             break
         clock = time.perf_counter() if timed else 0.0
         if geometry.pointwise[index]:  # the input's boxes, each with its own values
-            out = [run_pointwise(program, step, source) for source in regions.get(step.inputs[0], ())]
+            out = [run_pointwise(program, step, source, bound[index]) for source in regions.get(step.inputs[0], ())]
         else:
             if pruned:
                 reads = [step.window.source] if step.window is not None else step.inputs
                 bounds = geometry.out_boxes(index, step, {k: [v.bounds for v in regions.get(k, ())] for k in reads})
             else:
                 bounds = planned[index]
-            out = [run_box(program, cache, step, regions, b) for b in bounds]
-        if index < len(planned):
-            _record_share(costs, index, planned[index], out)
-        call, compute = geometry.parts(index, [box.bounds for box in out])
-        positions = sum(box.area for box in out)
+            out = [run_box(program, cache, step, regions, b, bound[index]) for b in bounds]
+        if pruned or index >= len(planned_parts):
+            call, compute = geometry.parts(index, [box.bounds for box in out])
+            positions = sum(box.area for box in out)
+            if index < len(planned):
+                _record_share(costs, index, counts[index], (positions, len(out)))
+        else:  # the plan's boxes as planned: its counts and parts stand
+            (call, compute), (positions, _) = planned_parts[index], counts[index]
+            _record_share(costs, index, counts[index], counts[index])
         result.seconds += call_ratio * call + compute_ratio * compute
         result.flops += step.flops * positions / step.positions
         result.positions += positions
@@ -475,26 +492,34 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
     return result
 
 
-def _record_share(costs: FrameCosts, index: int, planned: list[Box], computed: list[Boxes]) -> None:
-    """What a step computed against what its plan had (positions, boxes): the pruning's share there."""
-    if planned:
-        costs.record_survival(index, (sum(area(b) for b in planned), len(planned)),
-                              (sum(b.area for b in computed), len(computed)))
+def _record_share(costs: FrameCosts, index: int, planned: tuple[int, int], computed: tuple[int, int]) -> None:
+    """What a step computed against what its plan had (``(positions, boxes)`` each): the pruning's share there."""
+    if planned[1]:
+        costs.record_survival(index, planned, computed)
 
 
-def run_pointwise(program: Program, step: Step, source: Boxes) -> Boxes:
-    """A step without a window that reads one tensor, on one box of it (``source``, with its values)."""
+def run_pointwise(program: Program, step: Step, source: Boxes, bound: BoundStep | None = None) -> Boxes:
+    """A step without a window that reads one tensor, on one box of it (``source``, with its values); ``bound``:
+    the step's calls bound for the walk (:mod:`~incrinf.engine.frame_steps`)."""
     out = Boxes(source.lo, source.size)
-    values = merge_values(program, step, {step.inputs[0]: source.values}, out)
-    for fn in step.functions:
+    if bound is not None and bound.weight_t is not None:  # a 1x1 convolution: one matrix product over rows
+        values = source.values
+        rows = to_rows(values)
+        product = torch.mm(rows, bound.weight_t) if bound.bias is None else \
+            torch.addmm(bound.bias, rows, bound.weight_t)
+        values = from_rows(product, values.shape[0], tuple(values.shape[2:]))
+    else:
+        values = merge_values(program, step, {step.inputs[0]: source.values}, out)
+    for fn in step.functions if bound is None else bound.functions:
         values = fn(values)
     out.values = values
     return out
 
 
-def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, list[Boxes]], bounds: Box
-             ) -> Boxes:
-    """One output box of a step, with its values."""
+def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, list[Boxes]], bounds: Box,
+            bound: BoundStep | None = None) -> Boxes:
+    """One output box of a step, with its values; ``bound``: the step's calls bound for the walk
+    (:mod:`~incrinf.engine.frame_steps`)."""
     out = Boxes((bounds[0], bounds[2]), (bounds[1] - bounds[0], bounds[3] - bounds[2]))
     if step.window is not None:
         values = step.op(padded_crop(step.window, cache.map(step.window.source), bounds))
@@ -504,11 +529,13 @@ def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, 
         first = step.inputs[0]
         if len(step.inputs) == 1:
             source = next(b for b in regions[first] if b.bounds == bounds)
+            if bound is not None and bound.weight_t is not None:
+                return run_pointwise(program, step, source, bound)
             inputs = {first: source.values}
         else:  # a merge: every input is cached and committed
             inputs = {name: take(cache.map(name), out) for name in step.inputs}
         values = merge_values(program, step, inputs, out)
-    for fn in step.functions:
+    for fn in step.functions if bound is None else bound.functions:
         values = fn(values)
     out.values = values
     return out

@@ -424,7 +424,7 @@ class FrameEngine:
         tail = min(tail, full)
         scale = max(full - tail, 0.0) / max(sum(dense), 1e-12)
         dense = [d * scale for d in dense]
-        box_call = [self._one_position(step, repeats + 1) for step in steps]
+        box_call = [self._one_position(index, repeats + 1) for index in range(n)]
         h, w = self.dims
         one_cell = np.zeros(self.dims, bool)
         one_cell[h // 2:h // 2 + CLUSTER_GRID, w // 2:w // 2 + CLUSTER_GRID] = True
@@ -443,8 +443,10 @@ class FrameEngine:
         self.costs.set_profile(dense, box_call, block_call, tail, self._move_seconds(repeats + 1), frame)
         cluster_boxes(np.ones((1, 1), bool), 1, (1, 1))  # its imports, now rather than in the first cached frame
 
-    def _one_position(self, step, repeats: int) -> float:
-        """Seconds of one step on a one-position box at the map's centre (its fixed cost per box)."""
+    def _one_position(self, index: int, repeats: int) -> float:
+        """Seconds of step ``index`` on a one-position box at the map's centre (its fixed cost per box), run as the
+        walk runs it."""
+        step = self.program.steps[index]
         h, w = step.dims
         bounds = (h // 2, h // 2 + 1, w // 2, w // 2 + 1)
         regions = {}
@@ -457,7 +459,7 @@ class FrameEngine:
         best = math.inf
         for _ in range(repeats):
             clock = time.perf_counter()
-            box = run_box(self.program, self.cache, step, regions, bounds)
+            box = run_box(self.program, self.cache, step, regions, bounds, self.geometry.bound[index])
             if cached:  # the commit with its pruning test (the values are the cache's own: nothing is written)
                 box.values = take(self.cache.map(step.out), box).clone()
                 self.cache.commit(step.out, box, 1e-6)

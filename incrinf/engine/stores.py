@@ -15,6 +15,7 @@ delta threshold); feature_threshold 0 keeps every recomputed position and is exa
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -332,10 +333,16 @@ class FrameCache:
         target = take(self.map(name), region)
         eps = feature_threshold * self.scale(name) if feature_threshold > 0 else 0.0
         if eps > 0:
-            delta = torch.sub(region.values, target).abs_()
-            # compared in numpy: the float32 means against eps as float32, as torch's comparison would (one
-            # operator call less per commit, and a frame commits every cached tensor's boxes)
-            moved = delta.mean(dim=tuple(range(1, delta.dim() - self.d))).detach().numpy() > np.float32(eps)
+            values = region.values
+            delta = torch.sub(values, target).abs_()
+            channels = tuple(range(1, delta.dim() - self.d))
+            # torch's CPU mean is this sum divided by the channel count: the division and the comparison against
+            # eps, both in float32 as torch's would be, are done in numpy (two operator calls less per commit,
+            # the scalar division's tensor included, and a frame commits every cached tensor's boxes)
+            sums = delta.sum(dim=channels)
+            if sums.requires_grad:
+                sums = sums.detach()
+            moved = sums.numpy() / np.float32(math.prod(delta.shape[1:delta.dim() - self.d])) > np.float32(eps)
             kept = _cut_one(region, moved[0]) if region.single and self.d == 2 else cut(region, moved)
             if kept is None:
                 return None

@@ -1,0 +1,110 @@
+"""A program's steps bound once for the frame walk: the operator calls of one box with as little around them as the
+results allow.
+
+A cached camera frame runs every step of the local part on a few small boxes, so a step's fixed cost (the
+operator calls and the Python around them) is what keeps a small change from paying. Per step, bound once per
+program:
+
+- a 1x1 convolution's matrix product takes its weight already transposed (``F.linear`` transposes it on every
+  call: the same ``addmm`` on the same strides, one operator call less);
+- a step whose head makes a new tensor (a convolution, a pool, a 1x1 convolution) runs the leading activations of
+  its chain in place on it (``hardtanh_`` for a ReLU6): no one else reads the head's output, and the in-place
+  kernels are the same arithmetic without an allocation. A chain node not recognised here, and everything after
+  it, runs as captured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from incrinf.engine.program import Program, Step
+from incrinf.graph import Node, Operator
+
+# Heads whose output is a tensor no one else holds (the window operators run with padding 0 on a crop, the 1x1
+# convolutions as a matrix product): their chains may start in place.
+_FRESH_HEADS = frozenset({Operator.CONV, Operator.MAX_POOL, Operator.AVG_POOL, Operator.ADAPTIVE_MAX_POOL,
+                          Operator.ADAPTIVE_AVG_POOL})
+
+
+@dataclass
+class BoundStep:
+    """One step's calls for the frame walk.
+
+    Attributes:
+        weight_t: (C_in, C_out) a 1x1 convolution's weight, transposed once (None: not a 1x1 convolution run
+            as a matrix product).
+        bias: (C_out,) its bias, or None.
+        functions: the step's pointwise chain, its leading activations in place where the head's output is new.
+        in_place: how many of ``functions`` run in place.
+    """
+
+    weight_t: torch.Tensor | None
+    bias: torch.Tensor | None
+    functions: list[Callable[[Any], Any]]
+    in_place: int = 0
+
+
+def bind_steps(program: Program) -> list[BoundStep]:
+    """A :class:`BoundStep` per program step."""
+    return [bind_step(step) for step in program.steps]
+
+
+def bind_step(step: Step) -> BoundStep:
+    weight_t = bias = None
+    if step.linear is not None:
+        weight, bias = step.linear
+        weight_t = weight.t()
+    functions = list(step.functions)
+    in_place = 0
+    if step.head.operator in _FRESH_HEADS and (step.window is not None or step.linear is not None):
+        for node, _ in step.chain:
+            fn = in_place_activation(node)
+            if fn is None:
+                break
+            functions[in_place] = fn
+            in_place += 1
+    return BoundStep(weight_t, bias, functions, in_place)
+
+
+def in_place_activation(node: Node) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The in-place form of an activation node applied to its only tensor input, or None when it is not one of the
+    common activations (or takes other arguments than those read here)."""
+    fx_node = node.fx_node
+    if fx_node is None or fx_node.kwargs or len(fx_node.args) != 1:
+        return None
+    if fx_node.op == "call_module":
+        module = node_module(node)
+        if isinstance(module, nn.Hardtanh):  # ReLU6 too
+            low, high = float(module.min_val), float(module.max_val)
+            return lambda v: F.hardtanh_(v, low, high)
+        kinds = {nn.ReLU: torch.relu_, nn.Sigmoid: torch.sigmoid_,
+                 nn.Hardswish: lambda v: F.hardswish(v, inplace=True), nn.SiLU: lambda v: F.silu(v, inplace=True)}
+        return kinds.get(type(module))
+    if fx_node.op == "call_function":
+        target = fx_node.target
+        if target in (torch.relu, F.relu):
+            return torch.relu_
+        if target is F.relu6:
+            return lambda v: F.hardtanh_(v, 0.0, 6.0)
+        if target in (torch.sigmoid, F.sigmoid):
+            return torch.sigmoid_
+        return None
+    if fx_node.op == "call_method" and fx_node.target in ("relu", "sigmoid"):
+        method = f"{fx_node.target}_"
+        return lambda v: getattr(v, method)()
+    return None
+
+
+def node_module(node: Node) -> nn.Module | None:
+    """The submodule a ``call_module`` node calls."""
+    fx_node = node.fx_node
+    try:
+        return fx_node.graph.owning_module.get_submodule(str(fx_node.target))
+    except (AttributeError, TypeError):
+        return None
