@@ -76,7 +76,8 @@ def in_place_activation(node: Node) -> Callable[[torch.Tensor], torch.Tensor] | 
     """The in-place form of an activation node applied to its only tensor input, or None when it is not one of the
     common activations (or takes other arguments than those read here)."""
     fx_node = node.fx_node
-    if fx_node is None or fx_node.kwargs or len(fx_node.args) != 1:
+    # a functional activation's ``inplace`` flag (traced as a keyword) changes nothing here
+    if fx_node is None or set(fx_node.kwargs) - {"inplace"} or len(fx_node.args) != 1:
         return None
     if fx_node.op == "call_module":
         module = node_module(node)

@@ -40,6 +40,9 @@ def take(tensor: torch.Tensor, boxes: Boxes) -> torch.Tensor:
     """The values of a (1, C..., *dims) tensor inside ``boxes``: (N, C..., *size) (a view for one box)."""
     d = len(boxes.size)
     if boxes.single:
+        if d == 2:  # a camera frame's box, once per commit and merge input: no generator around two slices
+            (y, x), (h, w) = boxes.lo, boxes.size
+            return tensor[..., y:y + h, x:x + w]
         return tensor[(..., *(slice(int(lo), int(lo) + s) for lo, s in zip(boxes.lo, boxes.size)))]
     dims = tuple(tensor.shape[-d:])
     index = torch.from_numpy(box_rows(boxes.start(), boxes.size, dims)).to(tensor.device)
@@ -359,10 +362,11 @@ def _cut_one(region: Boxes, moved: np.ndarray) -> Boxes | None:
     rows, cols = moved.any(axis=1), moved.any(axis=0)
     if rows[0] and rows[-1] and cols[0] and cols[-1]:
         return region
-    if not rows.any():
+    ys = rows.nonzero()[0]
+    if not len(ys):
         return None
-    y0, y1 = int(rows.argmax()), len(rows) - int(rows[::-1].argmax())
-    x0, x1 = int(cols.argmax()), len(cols) - int(cols[::-1].argmax())
+    xs = cols.nonzero()[0]
+    y0, y1, x0, x1 = int(ys[0]), int(ys[-1]) + 1, int(xs[0]), int(xs[-1]) + 1
     return Boxes((int(region.lo[0]) + y0, int(region.lo[1]) + x0), (y1 - y0, x1 - x0),
                  region.values[..., y0:y1, x0:x1])
 

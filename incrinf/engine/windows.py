@@ -125,6 +125,8 @@ def padded_crop(spec: WindowSpec, source: torch.Tensor, bounds: Box) -> torch.Te
     dims = source.shape[-d:]
     lo = [bounds[2 * a] * spec.stride[a] - spec.offset[a] for a in range(d)]
     hi = [(bounds[2 * a + 1] - 1) * spec.stride[a] - spec.offset[a] + spec.extent[a] for a in range(d)]
+    if d == 2 and lo[0] >= 0 and lo[1] >= 0 and hi[0] <= dims[0] and hi[1] <= dims[1]:
+        return source[..., lo[0]:hi[0], lo[1]:hi[1]]  # inside the map (most crops of a camera frame): a view
     # clamped so that a window lying wholly in the padding is an empty crop (a negative end would wrap around)
     starts = [min(max(lo[a], 0), dims[a]) for a in range(d)]
     crop = source[(..., *(slice(starts[a], max(min(hi[a], dims[a]), starts[a])) for a in range(d)))]

@@ -1,0 +1,123 @@
+"""A program's steps bound once for the frame walk (incrinf.engine.frame_steps), and the commit's pruning test."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from incrinf.engine import FrameEngine
+from incrinf.engine.frame_regions import run_box, run_pointwise
+from incrinf.engine.frame_steps import bind_step, in_place_activation
+from incrinf.geometry import Boxes
+from incrinf.graph import capture
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class _Functional(nn.Module):
+    """Activations written as functions and methods, after 1x1 and 3x3 convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 1)
+        self.c = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.d = nn.Conv2d(8, 8, 1, bias=False)
+
+    def forward(self, x):
+        x = F.relu6(self.a(x))
+        x = torch.sigmoid(self.b(x))
+        x = self.c(x).relu()
+        return F.leaky_relu(self.d(x), 0.2)  # not one of the activations bound in place
+
+
+def _module_model() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU6(), nn.Conv2d(8, 16, 1), nn.Hardswish(),
+                         nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.SiLU(), nn.Conv2d(16, 8, 1), nn.ReLU(),
+                         nn.Hardtanh(-1.0, 2.0), nn.Conv2d(8, 8, 3, padding=1), nn.GELU(), nn.ReLU()).eval()
+
+
+def _engine(model: nn.Module, size=(3, 16, 20)) -> FrameEngine:
+    engine = FrameEngine(capture(model.eval(), size))
+    engine.full(torch.randn(1, *size, generator=torch.Generator().manual_seed(0)))
+    return engine
+
+
+@pytest.mark.parametrize("model", [_module_model(), _Functional()], ids=["modules", "functions"])
+def test_bound_activations_are_the_chain_in_place(model):
+    engine = _engine(model)
+    for step in engine.program.steps:
+        bound = bind_step(step)
+        assert bound.in_place <= len(step.chain)
+        x = torch.randn(1, *step.channels, 5, 6).contiguous(memory_format=torch.channels_last)
+        for k in range(bound.in_place):
+            fresh = x.clone()
+            out = bound.functions[k](fresh)
+            assert out.data_ptr() == fresh.data_ptr()  # in place: no new tensor
+            assert torch.equal(out, step.functions[k](x))  # the same arithmetic
+        # what is not bound in place is the captured chain itself
+        assert bound.functions[bound.in_place:] == step.functions[bound.in_place:]
+    kinds = [[type(n.fx_node.graph.owning_module.get_submodule(n.fx_node.target)).__name__
+              if n.fx_node.op == "call_module" else str(n.fx_node.target) for n, _ in s.chain]
+             for s in engine.program.steps]
+    bound = [bind_step(s).in_place for s in engine.program.steps]
+    if isinstance(model, nn.Sequential):
+        # GELU has no in-place form here: it, and the ReLU after it, run as captured
+        assert kinds[-1] == ["GELU", "ReLU"] and bound[-1] == 0
+        assert bound[:-1] == [len(k) for k in kinds[:-1]] and sum(bound) >= 5
+    else:
+        assert bound == [1, 1, 1, 0]  # relu6, sigmoid, .relu(); leaky_relu with a slope is left as captured
+
+
+def test_activation_forms_without_an_in_place_twin_are_left_alone():
+    graph = capture(nn.Sequential(nn.Conv2d(3, 3, 1), nn.GELU(), nn.ReLU6()).eval(), (3, 4, 4))
+    gelu, relu6 = graph.by_name["_1"], graph.by_name["_2"]
+    assert in_place_activation(gelu) is None
+    x = torch.randn(1, 3, 4, 4) * 8
+    assert torch.equal(in_place_activation(relu6)(x.clone()), F.relu6(x))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_bound_one_by_one_convolution_equals_the_captured_step(bias):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 12, 1, bias=bias), nn.ReLU6(),
+                          nn.Conv2d(12, 4, 3, padding=1)).eval()
+    engine = _engine(model)
+    program = engine.program
+    index = next(i for i, s in enumerate(program.steps) if s.linear is not None)
+    step = program.steps[index]
+    bound = engine.geometry.bound[index]
+    assert bound.weight_t is not None and (bound.bias is not None) == bias and bound.in_place == 1
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(1, 8, 5, 7, generator=g).contiguous(memory_format=torch.channels_last)
+    source = Boxes((2, 3), (5, 7), values)
+    plain, fast = run_pointwise(program, step, source), run_pointwise(program, step, source, bound)
+    assert torch.equal(fast.values, plain.values) and fast.bounds == plain.bounds
+    assert torch.equal(values, source.values)  # the step's input is read, never overwritten
+    # a window step: the in-place chain leaves the cache it reads untouched
+    first = program.steps[0]
+    before = engine.cache.map(program.graph.input.name).clone()
+    box = run_box(program, engine.cache, first, {}, (2, 7, 3, 10), engine.geometry.bound[0])
+    assert torch.equal(box.values, run_box(program, engine.cache, first, {}, (2, 7, 3, 10)).values)
+    assert torch.equal(engine.cache.map(program.graph.input.name), before)
+
+
+def test_the_commits_pruning_test_is_the_mean_over_channels_against_the_threshold():
+    """The commit compares each position's mean absolute change over the channels with the threshold (a channel sum
+    divided in numpy): the same float32 decision as torch's mean, position by position, on values drawn around
+    the threshold."""
+    model = nn.Sequential(nn.Conv2d(3, 24, 3, padding=1), nn.ReLU(), nn.Conv2d(24, 4, 3)).eval()
+    engine = _engine(model, (3, 24, 24))
+    cache = engine.cache
+    name = engine.program.cached[0]
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        old = cache.map(name)[..., 4:14, 6:18].clone()
+        values = (old + torch.randn(old.shape, generator=g) * 0.3).contiguous(memory_format=torch.channels_last)
+        means = (values - old).abs().mean(dim=1)[0]
+        threshold = float(means.median()) / cache.scale(name)  # about half the positions moved
+        eps = np.float32(threshold * cache.scale(name))
+        moved = means.numpy() > eps
+        committed = cache.commit(name, Boxes((4, 6), (10, 12), values), threshold)
+        ys, xs = np.nonzero(moved.any(axis=1))[0], np.nonzero(moved.any(axis=0))[0]
+        assert committed.bounds == (4 + ys[0], 4 + ys[-1] + 1, 6 + xs[0], 6 + xs[-1] + 1)
