@@ -47,6 +47,30 @@ _EIGHT_NEIGHBOURS = np.ones((3, 3), bool)
 _FEW_BOXES = 8
 
 
+@dataclass(frozen=True)
+class PlanParts:
+    """What a box plan's predicted seconds are made of, as the coefficients measured them (before the calibration's
+    ratios and pruning shares): :func:`plan_seconds` prices them with the current calibration, so a plan kept for
+    reuse is priced as of the frame that reuses it.
+
+    Attributes:
+        steps: per program step the plan reaches, ``(fixed, arithmetic)`` seconds of its boxes, the steps after
+            its switch included (a pruned walk may carry its change on past the switch).
+        switch: the step index of the plan's switch to the dense rest, or None.
+        dense: the dense rest's seconds (the suffix after the switch, the tail included; without a switch the
+            tail; 0 when no change reaches the output).
+        tail: the tail's seconds (what a walk that carries its change to the end runs after the steps).
+        cuts: ``(step index, suffix seconds)`` of every cut point at or after the switch: where a pruned walk
+            decides again whether to run the rest densely.
+    """
+
+    steps: tuple[tuple[float, float], ...] = ()
+    switch: int | None = None
+    dense: float = 0.0
+    tail: float = 0.0
+    cuts: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RegionPlan:
     """What a still-camera frame will compute, before it runs.
@@ -56,13 +80,11 @@ class RegionPlan:
         steps: per program step, the output boxes (as planned, before any pruning; empty: unchanged).
         switch: the cut point after which the rest runs densely, or None.
         flops: multiply-adds the frame computes (the dense rest and the tail included).
-        seconds: predicted engine seconds from the coefficients (uncalibrated).
+        seconds: predicted engine seconds from the coefficients (calibrated; under pruning, from what the latest
+            frames' pruning left: :func:`plan_seconds`).
         gathered_bytes: bytes of the windows and aligned reads gathered by the regional steps.
         unchanged: no change reaches the output (the previous output is returned).
-        parts: what ``seconds`` is made of, as the coefficients measured them (before the calibration's ratios
-            and pruning shares): per regional step ``(fixed, arithmetic)`` seconds of its boxes, and the dense
-            rest's seconds; :func:`plan_seconds` prices them with the current calibration, so a plan kept for reuse
-            is priced as of the frame that reuses it.
+        parts: what ``seconds`` is made of (:class:`PlanParts`).
     """
 
     start: list[Box]
@@ -72,7 +94,7 @@ class RegionPlan:
     seconds: float
     gathered_bytes: int
     unchanged: bool = False
-    parts: tuple[tuple[tuple[float, float], ...], float] = ((), 0.0)
+    parts: PlanParts = field(default_factory=PlanParts)
 
     @property
     def regions(self) -> int:
@@ -338,7 +360,6 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     last = len(step_seconds) if switch is None else switch + 1
     dense = 0.0
     flops, gathered = 0.0, 0
-    del step_parts[last:]
     for index in range(last):
         step = program.steps[index]
         for b in steps[index]:
@@ -351,24 +372,85 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     elif not unchanged:
         dense = costs.tail
         flops += program.tail_flops
-    parts = (tuple(step_parts), dense)
+    cuts = () if switch is None else tuple(
+        (index, costs.suffix_parts(program.steps[index].out)) for index in geometry.cut_steps
+        if switch <= index < len(step_parts))
+    parts = PlanParts(tuple(step_parts), switch, dense, costs.tail, cuts)
     return RegionPlan(start, steps, None if switch is None else program.steps[switch].out, flops,
                       plan_seconds(program, costs, parts), gathered, unchanged and switch is None, parts)
 
 
-def plan_seconds(program: Program, costs: FrameCosts, parts: tuple[tuple[tuple[float, float], ...], float]
-                 ) -> float:
+def plan_seconds(program: Program, costs: FrameCosts, parts: PlanParts) -> float:
     """A box plan's predicted seconds from its :attr:`RegionPlan.parts`, with the current calibration: the
-    frame's fixed cost, the box ratios, the dense ratio, and per step the shares of its boxes and positions that
-    pruning left of the plan lately (:meth:`~incrinf.engine.costs.FrameCosts.survival`)."""
-    step_parts, dense = parts
-    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
+    frame's fixed cost, the box ratios, the dense ratio and, under value-based pruning, what the latest cached
+    frames' pruning left (:meth:`~incrinf.engine.costs.FrameCosts.survival_profiles`): the plan is walked once
+    with each frame's shares of boxes and positions per step, and the median of those walks' seconds is the
+    prediction (before any frame: the plan's whole geometry, and its switch).
+
+    Frame by frame, not step by step: a still camera's change either dies out within a few steps (pruning finds
+    that nothing moved; the frame costs a few boxes) or carries on, and per-step medians mix steps of different
+    frames. The median over frames, not the mean: the frames are the recent scene's, and one frame whose change
+    carried on through a plan's whole geometry (or one whose change died at once) does not move the
+    prediction. And with each frame's walk as :func:`walk_regions` goes: a walk that pruned decides again at
+    every cut point from the plan's switch on, so a frame whose change died is not charged the plan's dense rest
+    (the plan, priced on its unpruned geometry, switched; the walk carries the few surviving boxes on), and one
+    whose change carried on pays it from the cut point where its regions grew costlier than the dense rest: a
+    cached attempt's downside is bounded by the switch it can still make."""
     seconds = costs.frame_seconds(RegionKind.BOXES)
-    for index, (fixed, arithmetic) in enumerate(step_parts):
-        if fixed or arithmetic:
-            area_share, box_share = costs.survival(index)
-            seconds += box_share * call_ratio * fixed + area_share * compute_ratio * arithmetic
-    return seconds + costs.dense_ratio * dense
+    if not parts.steps:
+        return seconds + costs.dense_ratio * parts.dense
+    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
+    fixed, arithmetic = (np.array(column) for column in zip(*parts.steps))
+    n = len(parts.steps)
+    profiles = costs.survival_profiles()
+    if profiles is None:  # no box frame ran yet: the per-step shares (1 before any), the plan's switch as planned
+        shares = np.array([costs.survival(index) for index in range(n)])
+        priced = shares[:, 1] * call_ratio * fixed + shares[:, 0] * compute_ratio * arithmetic
+        return seconds + _walk_seconds(priced, parts, costs.dense_ratio, False, True)
+    area_share, box_share = survival_shares(profiles[:, :, :n])
+    priced = box_share * (call_ratio * fixed) + area_share * (compute_ratio * arithmetic)  # (frames, steps)
+    alive = ~(profiles[1, :, -1] == 0)  # the change reached the last step (or may have: NaN): the tail runs
+    # the walk decides again at cut points once a commit pruned: a commit at the switch shows in the step after
+    upto = n if parts.switch is None else parts.switch + 2
+    pruned = ((area_share[:, :upto] < 1) | (box_share[:, :upto] < 1)).any(axis=1)
+    walks = [_walk_seconds(row, parts, costs.dense_ratio, bool(p), bool(live))
+             for row, p, live in zip(priced, pruned, alive)]
+    return seconds + float(np.median(walks))
+
+
+def survival_shares(profiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(frames, steps) shares of a plan's positions and of its boxes per step that each recorded frame computed
+    (``profiles``: :meth:`~incrinf.engine.costs.FrameCosts.survival_profiles` over the plan's steps): 0 after
+    its change died out, 1 where unknown (after it switched to the dense rest), at most 1."""
+    planned_area, computed_area, planned_boxes, computed_boxes = profiles
+    with np.errstate(divide="ignore", invalid="ignore"):
+        area_share = np.where(computed_area == 0, 0.0, computed_area / planned_area)
+        box_share = np.where(computed_boxes == 0, 0.0, computed_boxes / planned_boxes)
+    return (np.clip(np.nan_to_num(area_share, nan=1.0, posinf=1.0), 0.0, 1.0),
+            np.clip(np.nan_to_num(box_share, nan=1.0, posinf=1.0), 0.0, 1.0))
+
+
+def _walk_seconds(priced: np.ndarray, parts: PlanParts, dense_ratio: float, pruned: bool, alive: bool) -> float:
+    """One walk's seconds from its steps' calibrated ``priced`` seconds, as :func:`walk_regions` goes: a walk that
+    did not prune by the plan's switch switches there; one that did decides at every cut point from the switch
+    on, and switches at the first where its next segment of regions costs at least that segment run densely.
+    Without a switch, every step, and the tail when the change reached the end (``alive``)."""
+    if parts.switch is None:
+        return float(priced.sum()) + (dense_ratio * parts.dense if alive else 0.0)
+    done = np.concatenate([[0.0], np.cumsum(priced)])  # done[i]: the steps before step i
+    cuts = parts.cuts
+    for k, (index, suffix) in enumerate(cuts):
+        if not pruned:
+            switching = True
+        elif k + 1 < len(cuts):
+            nxt, rest = cuts[k + 1]
+            switching = done[nxt + 1] - done[index + 1] >= dense_ratio * (suffix - rest)
+        else:
+            tail = dense_ratio * parts.tail if alive else 0.0
+            switching = done[-1] - done[index + 1] + tail >= dense_ratio * suffix
+        if switching:
+            return float(done[index + 1]) + dense_ratio * suffix
+    return float(done[-1]) + (dense_ratio * parts.tail if alive else 0.0)
 
 
 def program_cut_steps(program: Program) -> list[int]:
