@@ -133,6 +133,7 @@ class FrameCosts:
         self._open: dict[int, tuple[int, int, int, int]] = {}
         self._profiles: deque[np.ndarray] = deque(maxlen=SAMPLES)
         self._profile_stack: np.ndarray | None = None
+        self._profile_shares: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._outside = {k: deque(maxlen=SAMPLES) for k in RegionKind}
         self._ratios: dict[tuple[str, RegionKind], float] = {}
         self._full: deque[float] = deque(maxlen=SAMPLES)
@@ -360,7 +361,29 @@ class FrameCosts:
             return None
         if self._profile_stack is None:
             self._profile_stack = np.stack(list(self._profiles), axis=1)
+            self._profile_shares = None
         return self._profile_stack
+
+    def survival_shares(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """``(positions, boxes, first_pruned, alive)`` of :meth:`survival_profiles` (None before any): per frame
+        and step the shares of its plan's positions and boxes it computed (frames, steps; 0 after its change died
+        out, 1 where unknown, at most 1), per frame the first step where a share was below 1 (``steps`` if none)
+        and whether its change reached the last step (or may have); kept until the next frame's profile (plans
+        ask at every frame)."""
+        profiles = self.survival_profiles()
+        if profiles is None:
+            return None
+        if self._profile_shares is None:
+            planned_area, computed_area, planned_boxes, computed_boxes = profiles
+            with np.errstate(divide="ignore", invalid="ignore"):
+                area = np.where(computed_area == 0, 0.0, computed_area / planned_area)
+                boxes = np.where(computed_boxes == 0, 0.0, computed_boxes / planned_boxes)
+            area = np.clip(np.nan_to_num(area, nan=1.0, posinf=1.0), 0.0, 1.0)
+            boxes = np.clip(np.nan_to_num(boxes, nan=1.0, posinf=1.0), 0.0, 1.0)
+            below = (area < 1) | (boxes < 1)
+            first = np.where(below.any(axis=1), below.argmax(axis=1), below.shape[1])
+            self._profile_shares = (area, boxes, first, ~(computed_area[:, -1] == 0))
+        return self._profile_shares
 
     def record_frame(self, kind: RegionKind, outside: float) -> None:
         """A cached frame of ``kind`` spent ``outside`` seconds outside its timed steps and its dense rest."""

@@ -402,55 +402,43 @@ def plan_seconds(program: Program, costs: FrameCosts, parts: PlanParts) -> float
     call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
     fixed, arithmetic = (np.array(column) for column in zip(*parts.steps))
     n = len(parts.steps)
-    profiles = costs.survival_profiles()
-    if profiles is None:  # no box frame ran yet: the per-step shares (1 before any), the plan's switch as planned
-        shares = np.array([costs.survival(index) for index in range(n)])
-        priced = shares[:, 1] * call_ratio * fixed + shares[:, 0] * compute_ratio * arithmetic
-        return seconds + _walk_seconds(priced, parts, costs.dense_ratio, False, True)
-    area_share, box_share = survival_shares(profiles[:, :, :n])
-    priced = box_share * (call_ratio * fixed) + area_share * (compute_ratio * arithmetic)  # (frames, steps)
-    alive = ~(profiles[1, :, -1] == 0)  # the change reached the last step (or may have: NaN): the tail runs
+    shares = costs.survival_shares()
+    if shares is None:  # no box frame ran yet: the per-step shares (1 before any), the plan's switch as planned
+        steps = np.array([costs.survival(index) for index in range(n)])
+        priced = steps[:, 1] * call_ratio * fixed + steps[:, 0] * compute_ratio * arithmetic
+        return seconds + float(_walk_seconds(priced[None], parts, costs.dense_ratio, np.zeros(1, bool),
+                                             np.ones(1, bool))[0])
+    area_share, box_share, first_pruned, alive = shares
+    # (frames, steps): each frame's shares on this plan's steps
+    priced = box_share[:, :n] * (call_ratio * fixed) + area_share[:, :n] * (compute_ratio * arithmetic)
     # the walk decides again at cut points once a commit pruned: a commit at the switch shows in the step after
-    upto = n if parts.switch is None else parts.switch + 2
-    pruned = ((area_share[:, :upto] < 1) | (box_share[:, :upto] < 1)).any(axis=1)
-    walks = [_walk_seconds(row, parts, costs.dense_ratio, bool(p), bool(live))
-             for row, p, live in zip(priced, pruned, alive)]
-    return seconds + float(np.median(walks))
+    pruned = first_pruned < (n if parts.switch is None else parts.switch + 2)
+    return seconds + float(np.median(_walk_seconds(priced, parts, costs.dense_ratio, pruned, alive)))
 
 
-def survival_shares(profiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(frames, steps) shares of a plan's positions and of its boxes per step that each recorded frame computed
-    (``profiles``: :meth:`~incrinf.engine.costs.FrameCosts.survival_profiles` over the plan's steps): 0 after
-    its change died out, 1 where unknown (after it switched to the dense rest), at most 1."""
-    planned_area, computed_area, planned_boxes, computed_boxes = profiles
-    with np.errstate(divide="ignore", invalid="ignore"):
-        area_share = np.where(computed_area == 0, 0.0, computed_area / planned_area)
-        box_share = np.where(computed_boxes == 0, 0.0, computed_boxes / planned_boxes)
-    return (np.clip(np.nan_to_num(area_share, nan=1.0, posinf=1.0), 0.0, 1.0),
-            np.clip(np.nan_to_num(box_share, nan=1.0, posinf=1.0), 0.0, 1.0))
-
-
-def _walk_seconds(priced: np.ndarray, parts: PlanParts, dense_ratio: float, pruned: bool, alive: bool) -> float:
-    """One walk's seconds from its steps' calibrated ``priced`` seconds, as :func:`walk_regions` goes: a walk that
-    did not prune by the plan's switch switches there; one that did decides at every cut point from the switch
-    on, and switches at the first where its next segment of regions costs at least that segment run densely.
-    Without a switch, every step, and the tail when the change reached the end (``alive``)."""
+def _walk_seconds(priced: np.ndarray, parts: PlanParts, dense_ratio: float, pruned: np.ndarray, alive: np.ndarray
+                  ) -> np.ndarray:
+    """Per walk, its seconds from its steps' calibrated ``priced`` seconds (frames, steps), as
+    :func:`walk_regions` goes: a walk that did not prune by the plan's switch (``pruned``, per frame) switches
+    there; one that did decides at every cut point from the switch on, and switches at the first where its next
+    segment of regions costs at least that segment run densely. Without a switch, every step, and the tail when
+    the change reached the end (``alive``, per frame)."""
+    done = np.concatenate([np.zeros((len(priced), 1)), np.cumsum(priced, axis=1)], axis=1)  # steps before each
+    tail = np.where(alive, dense_ratio * parts.tail, 0.0)
     if parts.switch is None:
-        return float(priced.sum()) + (dense_ratio * parts.dense if alive else 0.0)
-    done = np.concatenate([[0.0], np.cumsum(priced)])  # done[i]: the steps before step i
-    cuts = parts.cuts
-    for k, (index, suffix) in enumerate(cuts):
-        if not pruned:
-            switching = True
-        elif k + 1 < len(cuts):
-            nxt, rest = cuts[k + 1]
-            switching = done[nxt + 1] - done[index + 1] >= dense_ratio * (suffix - rest)
-        else:
-            tail = dense_ratio * parts.tail if alive else 0.0
-            switching = done[-1] - done[index + 1] + tail >= dense_ratio * suffix
-        if switching:
-            return float(done[index + 1]) + dense_ratio * suffix
-    return float(done[-1]) + (dense_ratio * parts.tail if alive else 0.0)
+        return done[:, -1] + np.where(alive, dense_ratio * parts.dense, 0.0)
+    index, suffix = (np.array(column) for column in zip(*parts.cuts))  # the cut points from the switch on
+    # per walk and cut point: the next segment of regions (to the next cut point, or to the end and the tail)
+    # against the same segment run densely
+    ends = np.append(index[1:] + 1, done.shape[1] - 1)
+    regional = done[:, ends] - done[:, index + 1]
+    regional[:, -1] += tail
+    switching = regional >= dense_ratio * (suffix - np.append(suffix[1:], 0.0))
+    switching[:, 0] |= ~pruned
+    first = switching.argmax(axis=1)
+    rows = np.arange(len(priced))
+    return np.where(switching.any(axis=1), done[rows, index[first] + 1] + dense_ratio * suffix[first],
+                    done[:, -1] + tail)
 
 
 def program_cut_steps(program: Program) -> list[int]:
