@@ -92,9 +92,9 @@ def test_a_near_tie_checked_frame_counts_as_the_cached_frame_it_was(frames):
     taken = []
     paid = session._backoff.paid
 
-    def spy(cause, attempt, saving, predicted_full, seconds, overhead, missed_audit=False):
+    def spy(cause, attempt, saving, predicted_full, seconds, overhead, missed_audit=False, warming=False):
         taken.append((cause, seconds))
-        return paid(cause, attempt, saving, predicted_full, seconds, overhead, missed_audit)
+        return paid(cause, attempt, saving, predicted_full, seconds, overhead, missed_audit, warming)
 
     session._backoff.paid = spy
     for frame in frames[:2]:
