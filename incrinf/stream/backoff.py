@@ -2,7 +2,8 @@
 
 An attempt (the still-camera test, keypoint matching, the change mask, planning) that ends in a full frame is a
 *miss*; so is an audited frame whose cached output missed the quality target, and a cached frame that did not beat
-full inference (with the speed guard: its decision and engine time against the predicted full frame; without it, a
+full inference (with the speed guard: its decision time and engine cost, the calibrated cost model's price of what it
+computed, against the predicted full frame; without it, a
 moving camera's frame that saved less than 1.25x of the multiply-adds). ``backoff_after`` misses in a row start a
 stretch of frames that run plain inference without trying. Without the speed guard stretches double (2, 4, ...) up to
 ``max_backoff``. With it, a stretch starts only while the latest attempts saved nothing (misses that cost a few
@@ -84,7 +85,8 @@ class BackOff:
             attempt: the frame tried the cache (it was no first frame, keyframe, stretch frame ...).
             flops_saving: a moving camera's full / computed multiply-adds (``inf`` for a still camera).
             predicted_full: the predicted engine time of a full frame (NaN: unknown).
-            seconds: the frame's decision and engine time (an audit's full run excluded).
+            seconds: the frame's decision time and engine cost (a cached run: the cost model's price of what it
+                computed; an audit's full run excluded).
             overhead: the decision's time alone (what a miss cost).
             missed_audit: the frame was an audit whose cached output missed the target.
             warming: the first frame of its size to run the cached path: it pays one-time costs (its box shapes'

@@ -239,8 +239,15 @@ class StreamSession:
         # inference once they make it slower; counted here too, a clip whose checks come often early (every cached
         # frame is checked before the first audit) would back off for a stretch sized by a full frame per check
         missed = comparison is not None and verdict == Verdict.MISS  # the cached run was in vain: a miss
+        # a cached run is judged by what it computed, priced by the calibrated cost model (counts: boxes, positions,
+        # the dense rest it switched to; ratios and fixed cost as medians over frames), not by its wall time: one
+        # frame caught by a load spike or by new box shapes' one-time costs started a stretch of tens of plain
+        # frames on the still clips (its miss the only sample of the savings' median), while a cache that is
+        # really slower raises the calibration's ratios and shows in the price as in the guard's predictions
+        ran = engine.last.predicted if f.plan is not None and not oracle and engine.last.predicted > 0 \
+            else engine_seconds - f.checked
         paid = self._backoff.paid(None if verify and not missed else cause, attempt, saving, prediction.full,
-                                  overhead + engine_seconds - f.checked, overhead, missed, warming)
+                                  overhead + ran, overhead, missed, warming)
         f.times.decide = time.perf_counter() - bookkeeping
         commit_start = time.perf_counter()
         commit = (f, tuple(x.shape), refreshed, paid, engine.costs.full_seconds, oracle)

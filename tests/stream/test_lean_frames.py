@@ -292,3 +292,37 @@ def test_the_first_cached_frame_is_no_attempt_for_the_back_off(frames):
     first, second = taken[ran_cached[0]], taken[ran_cached[1]]
     assert first[0] and first[1] is not False  # a hit or nothing, never a miss
     assert not second[0] and second[1] is not None  # judged like any cached frame
+
+
+def test_the_back_off_judges_a_cached_run_by_the_price_of_what_it_computed(frames):
+    """A cached frame caught by a load spike (here: 0.3 s of sleep inside its engine call) is judged by the back-off
+    at the cost model's price of what it computed (its boxes, positions and dense rest, calibrated), not at its wall
+    time: one such frame no longer starts a stretch of plain frames sized by the spike."""
+    import time
+
+    session = StreamSession(wide_classifier(), audit_interval=64, keyframe_interval=64)
+    taken = {}
+    paid = session._backoff.paid
+
+    def spy(*args):
+        taken[session._index] = args
+        return paid(*args)
+
+    session._backoff.paid = spy
+    session(frames[0])
+    executor = next(iter(session._engines.values()))
+    honest = executor.cached
+
+    def spiked(*args, **kwargs):
+        time.sleep(0.3)
+        return honest(*args, **kwargs)
+
+    executor.cached = spiked
+    for frame in frames[1:6]:
+        session(frame)
+    ran = [s for s in session.stats if s.cause == Cause.CACHED]
+    assert ran, [s.reason for s in session.stats]
+    for s in ran:
+        cause, _, _, _, seconds, overhead, *_ = taken[s.index]
+        assert s.times.engine >= 0.3 and seconds < 0.3  # the spike is in the wall time, not in the judged time
+        assert seconds >= overhead
