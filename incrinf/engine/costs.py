@@ -27,7 +27,10 @@ and no decision rests on a curve fitted to a few timings):
   plan's own counts, no timing) discount that step's arithmetic and its fixed cost per box
   (:meth:`FrameCosts.survival`). The shares are taken against the plan at each step, not chained from one cached
   tensor to the next: a box pruned to a few positions grows back by its window's halo at the next step, so a
-  product of per-tensor shares priced the deep steps at nothing (and per-box costs went with them);
+  product of per-tensor shares priced the deep steps at nothing (and per-box costs went with them). A plan's
+  prediction takes each of the latest frames' shares at every step together (:meth:`FrameCosts.survival_profiles`,
+  :func:`~incrinf.engine.frame_regions.plan_seconds`): a change dies at one step or carries on through all of them;
+  the per-step medians steer the plan's own choices (merges, the switch) and the walk's switch decisions;
 - what a cached frame spends outside its steps and its dense rest (copying the output, the walk's own bookkeeping,
   the camera's index maps) is measured per frame and its median is the frame's fixed cost
   (:meth:`FrameCosts.frame_seconds`): one calibration of the same model at the same depth as the steps, so no
@@ -41,6 +44,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
+
+import numpy as np
 
 from incrinf.engine.program import Program
 
@@ -123,6 +128,12 @@ class FrameCosts:
         # per step index: shares of the plan's positions and boxes that the latest frames computed (pruning)
         self._area_share: dict[int, deque[float]] = {}
         self._box_share: dict[int, deque[float]] = {}
+        # per latest cached box frame, per step the plan's and the computed positions and boxes
+        # (:meth:`survival_profiles`): the frame being walked, then the closed ones
+        self._open: dict[int, tuple[int, int, int, int]] = {}
+        self._profiles: deque[np.ndarray] = deque(maxlen=SAMPLES)
+        self._profile_stack: np.ndarray | None = None
+        self._profile_shares: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._outside = {k: deque(maxlen=SAMPLES) for k in RegionKind}
         self._ratios: dict[tuple[str, RegionKind], float] = {}
         self._full: deque[float] = deque(maxlen=SAMPLES)
@@ -312,10 +323,67 @@ class FrameCosts:
         """A cached frame computed ``computed`` ``(positions, boxes)`` at step ``index`` where its plan's geometry
         (before pruning) had ``planned``."""
         if planned[0] > 0 and planned[1] > 0:
-            self._area_share.setdefault(index, deque(maxlen=SAMPLES)).append(computed[0] / planned[0])
-            self._box_share.setdefault(index, deque(maxlen=SAMPLES)).append(computed[1] / planned[1])
+            area, boxes = computed[0] / planned[0], computed[1] / planned[1]
+            self._area_share.setdefault(index, deque(maxlen=SAMPLES)).append(area)
+            self._box_share.setdefault(index, deque(maxlen=SAMPLES)).append(boxes)
             self._share_median.pop((index, True), None)
             self._share_median.pop((index, False), None)
+            self._open[index] = (planned[0], computed[0], planned[1], computed[1])
+
+    def open_survival(self) -> None:
+        """A box walk starts: what :meth:`record_survival` gets next belongs to its frame's profile."""
+        self._open = {}
+
+    def close_survival(self, switched: bool) -> None:
+        """The box walk that :meth:`open_survival` started ended; ``switched``: it ran the rest densely from a cut
+        point. Its counts per step become one :meth:`survival_profiles` row: a step it did not record was computed
+        nowhere (its change had died out) unless it switched (then what it would have computed is unknown, NaN)."""
+        if not self._open:
+            return
+        row = np.full((4, len(self.steps)), np.nan)
+        if not switched:
+            row[1] = row[3] = 0.0
+        for index, counts in self._open.items():
+            row[:, index] = counts
+        self._profiles.append(row)
+        self._profile_stack = None
+        self._open = {}
+
+    def survival_profiles(self) -> np.ndarray | None:
+        """(4, frames, steps): per latest cached box frame (at most ``SAMPLES``) and step, its plan's positions,
+        the positions it computed, its plan's boxes and the boxes it computed (value-based pruning; NaN where
+        unknown: the plan's own where the frame switched to the dense rest before; computed 0 after its change died
+        out), or None before any. Counts of what ran, no timing. A frame's counts are kept together: a change
+        dies at one step or carries on through all of them, so a plan priced with each frame's survival in turn
+        sees the cost of the frames whose change died early and of those whose change carried on, where the
+        per-step medians of :meth:`survival` mix steps of different frames."""
+        if not self._profiles:
+            return None
+        if self._profile_stack is None:
+            self._profile_stack = np.stack(list(self._profiles), axis=1)
+            self._profile_shares = None
+        return self._profile_stack
+
+    def survival_shares(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """``(positions, boxes, first_pruned, alive)`` of :meth:`survival_profiles` (None before any): per frame
+        and step the shares of its plan's positions and boxes it computed (frames, steps; 0 after its change died
+        out, 1 where unknown, at most 1), per frame the first step where a share was below 1 (``steps`` if none)
+        and whether its change reached the last step (or may have); kept until the next frame's profile (plans
+        ask at every frame)."""
+        profiles = self.survival_profiles()
+        if profiles is None:
+            return None
+        if self._profile_shares is None:
+            planned_area, computed_area, planned_boxes, computed_boxes = profiles
+            with np.errstate(divide="ignore", invalid="ignore"):
+                area = np.where(computed_area == 0, 0.0, computed_area / planned_area)
+                boxes = np.where(computed_boxes == 0, 0.0, computed_boxes / planned_boxes)
+            area = np.clip(np.nan_to_num(area, nan=1.0, posinf=1.0), 0.0, 1.0)
+            boxes = np.clip(np.nan_to_num(boxes, nan=1.0, posinf=1.0), 0.0, 1.0)
+            below = (area < 1) | (boxes < 1)
+            first = np.where(below.any(axis=1), below.argmax(axis=1), below.shape[1])
+            self._profile_shares = (area, boxes, first, ~(computed_area[:, -1] == 0))
+        return self._profile_shares
 
     def record_frame(self, kind: RegionKind, outside: float) -> None:
         """A cached frame of ``kind`` spent ``outside`` seconds outside its timed steps and its dense rest."""

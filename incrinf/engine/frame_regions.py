@@ -49,6 +49,30 @@ _EIGHT_NEIGHBOURS = np.ones((3, 3), bool)
 _FEW_BOXES = 8
 
 
+@dataclass(frozen=True)
+class PlanParts:
+    """What a box plan's predicted seconds are made of, as the coefficients measured them (before the calibration's
+    ratios and pruning shares): :func:`plan_seconds` prices them with the current calibration, so a plan kept for
+    reuse is priced as of the frame that reuses it.
+
+    Attributes:
+        steps: per program step the plan reaches, ``(fixed, arithmetic)`` seconds of its boxes, the steps after
+            its switch included (a pruned walk may carry its change on past the switch).
+        switch: the step index of the plan's switch to the dense rest, or None.
+        dense: the dense rest's seconds (the suffix after the switch, the tail included; without a switch the
+            tail; 0 when no change reaches the output).
+        tail: the tail's seconds (what a walk that carries its change to the end runs after the steps).
+        cuts: ``(step index, suffix seconds)`` of every cut point at or after the switch: where a pruned walk
+            decides again whether to run the rest densely.
+    """
+
+    steps: tuple[tuple[float, float], ...] = ()
+    switch: int | None = None
+    dense: float = 0.0
+    tail: float = 0.0
+    cuts: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RegionPlan:
     """What a still-camera frame will compute, before it runs.
@@ -58,13 +82,11 @@ class RegionPlan:
         steps: per program step, the output boxes (as planned, before any pruning; empty: unchanged).
         switch: the cut point after which the rest runs densely, or None.
         flops: multiply-adds the frame computes (the dense rest and the tail included).
-        seconds: predicted engine seconds from the coefficients (uncalibrated).
+        seconds: predicted engine seconds from the coefficients (calibrated; under pruning, from what the latest
+            frames' pruning left: :func:`plan_seconds`).
         gathered_bytes: bytes of the windows and aligned reads gathered by the regional steps.
         unchanged: no change reaches the output (the previous output is returned).
-        parts: what ``seconds`` is made of, as the coefficients measured them (before the calibration's ratios
-            and pruning shares): per regional step ``(fixed, arithmetic)`` seconds of its boxes, and the dense
-            rest's seconds; :func:`plan_seconds` prices them with the current calibration, so a plan kept for reuse
-            is priced as of the frame that reuses it.
+        parts: what ``seconds`` is made of (:class:`PlanParts`).
     """
 
     start: list[Box]
@@ -74,7 +96,7 @@ class RegionPlan:
     seconds: float
     gathered_bytes: int
     unchanged: bool = False
-    parts: tuple[tuple[tuple[float, float], ...], float] = ((), 0.0)
+    parts: PlanParts = field(default_factory=PlanParts)
     _counts: list[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -350,7 +372,6 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     last = len(step_seconds) if switch is None else switch + 1
     dense = 0.0
     flops, gathered = 0.0, 0
-    del step_parts[last:]
     for index in range(last):
         step = program.steps[index]
         for b in steps[index]:
@@ -363,24 +384,73 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     elif not unchanged:
         dense = costs.tail
         flops += program.tail_flops
-    parts = (tuple(step_parts), dense)
+    cuts = () if switch is None else tuple(
+        (index, costs.suffix_parts(program.steps[index].out)) for index in geometry.cut_steps
+        if switch <= index < len(step_parts))
+    parts = PlanParts(tuple(step_parts), switch, dense, costs.tail, cuts)
     return RegionPlan(start, steps, None if switch is None else program.steps[switch].out, flops,
                       plan_seconds(program, costs, parts), gathered, unchanged and switch is None, parts)
 
 
-def plan_seconds(program: Program, costs: FrameCosts, parts: tuple[tuple[tuple[float, float], ...], float]
-                 ) -> float:
+def plan_seconds(program: Program, costs: FrameCosts, parts: PlanParts) -> float:
     """A box plan's predicted seconds from its :attr:`RegionPlan.parts`, with the current calibration: the
-    frame's fixed cost, the box ratios, the dense ratio, and per step the shares of its boxes and positions that
-    pruning left of the plan lately (:meth:`~incrinf.engine.costs.FrameCosts.survival`)."""
-    step_parts, dense = parts
-    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
+    frame's fixed cost, the box ratios, the dense ratio and, under value-based pruning, what the latest cached
+    frames' pruning left (:meth:`~incrinf.engine.costs.FrameCosts.survival_profiles`): the plan is walked once
+    with each frame's shares of boxes and positions per step, and the median of those walks' seconds is the
+    prediction (before any frame: the plan's whole geometry, and its switch).
+
+    Frame by frame, not step by step: a still camera's change either dies out within a few steps (pruning finds
+    that nothing moved; the frame costs a few boxes) or carries on, and per-step medians mix steps of different
+    frames. The median over frames, not the mean: the frames are the recent scene's, and one frame whose change
+    carried on through a plan's whole geometry (or one whose change died at once) does not move the
+    prediction. And with each frame's walk as :func:`walk_regions` goes: a walk that pruned decides again at
+    every cut point from the plan's switch on, so a frame whose change died is not charged the plan's dense rest
+    (the plan, priced on its unpruned geometry, switched; the walk carries the few surviving boxes on), and one
+    whose change carried on pays it from the cut point where its regions grew costlier than the dense rest: a
+    cached attempt's downside is bounded by the switch it can still make."""
     seconds = costs.frame_seconds(RegionKind.BOXES)
-    for index, (fixed, arithmetic) in enumerate(step_parts):
-        if fixed or arithmetic:
-            area_share, box_share = costs.survival(index)
-            seconds += box_share * call_ratio * fixed + area_share * compute_ratio * arithmetic
-    return seconds + costs.dense_ratio * dense
+    if not parts.steps:
+        return seconds + costs.dense_ratio * parts.dense
+    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
+    fixed, arithmetic = (np.array(column) for column in zip(*parts.steps))
+    n = len(parts.steps)
+    shares = costs.survival_shares()
+    if shares is None:  # no box frame ran yet: the per-step shares (1 before any), the plan's switch as planned
+        steps = np.array([costs.survival(index) for index in range(n)])
+        priced = steps[:, 1] * call_ratio * fixed + steps[:, 0] * compute_ratio * arithmetic
+        return seconds + float(_walk_seconds(priced[None], parts, costs.dense_ratio, np.zeros(1, bool),
+                                             np.ones(1, bool))[0])
+    area_share, box_share, first_pruned, alive = shares
+    # (frames, steps): each frame's shares on this plan's steps
+    priced = box_share[:, :n] * (call_ratio * fixed) + area_share[:, :n] * (compute_ratio * arithmetic)
+    # the walk decides again at cut points once a commit pruned: a commit at the switch shows in the step after
+    pruned = first_pruned < (n if parts.switch is None else parts.switch + 2)
+    return seconds + float(np.median(_walk_seconds(priced, parts, costs.dense_ratio, pruned, alive)))
+
+
+def _walk_seconds(priced: np.ndarray, parts: PlanParts, dense_ratio: float, pruned: np.ndarray, alive: np.ndarray
+                  ) -> np.ndarray:
+    """Per walk, its seconds from its steps' calibrated ``priced`` seconds (frames, steps), as
+    :func:`walk_regions` goes: a walk that did not prune by the plan's switch (``pruned``, per frame) switches
+    there; one that did decides at every cut point from the switch on, and switches at the first where its next
+    segment of regions costs at least that segment run densely. Without a switch, every step, and the tail when
+    the change reached the end (``alive``, per frame)."""
+    done = np.concatenate([np.zeros((len(priced), 1)), np.cumsum(priced, axis=1)], axis=1)  # steps before each
+    tail = np.where(alive, dense_ratio * parts.tail, 0.0)
+    if parts.switch is None:
+        return done[:, -1] + np.where(alive, dense_ratio * parts.dense, 0.0)
+    index, suffix = (np.array(column) for column in zip(*parts.cuts))  # the cut points from the switch on
+    # per walk and cut point: the next segment of regions (to the next cut point, or to the end and the tail)
+    # against the same segment run densely
+    ends = np.append(index[1:] + 1, done.shape[1] - 1)
+    regional = done[:, ends] - done[:, index + 1]
+    regional[:, -1] += tail
+    switching = regional >= dense_ratio * (suffix - np.append(suffix[1:], 0.0))
+    switching[:, 0] |= ~pruned
+    first = switching.argmax(axis=1)
+    rows = np.arange(len(priced))
+    return np.where(switching.any(axis=1), done[rows, index[first] + 1] + dense_ratio * suffix[first],
+                    done[:, -1] + tail)
 
 
 def program_cut_steps(program: Program) -> list[int]:
@@ -410,7 +480,7 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
     # the calibration does not change while a frame runs: its ratios are read once
     call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
     cached_set, planned, counts, bound = program.cached_set, plan.steps, plan.counts, geometry.bound
-    planned_parts = plan.parts[0]
+    planned_parts = plan.parts.steps
     for index, (step, live) in enumerate(zip(program.steps, program.live)):
         if not any(regions.get(name) for name in live):
             # every change has died out (pruning): later tensors keep their cached values, and the plan's boxes

@@ -345,7 +345,9 @@ class FrameEngine:
                           regions=plan.regions)
         if not plan.start:
             return self.cache.unchanged(1), stats
+        self.costs.open_survival()
         result = walk_regions(self.geometry, self.cache, x, plan, feature_threshold, timed)
+        self.costs.close_survival(result.suffix is not None)  # what pruning left of this plan: one profile
         stats.flops, stats.positions, stats.predicted = result.flops, result.positions, result.seconds
         stats.dense_steps = int(result.suffix is not None)
         stats.step_samples = result.step_samples

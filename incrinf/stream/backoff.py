@@ -2,7 +2,8 @@
 
 An attempt (the still-camera test, keypoint matching, the change mask, planning) that ends in a full frame is a
 *miss*; so is an audited frame whose cached output missed the quality target, and a cached frame that did not beat
-full inference (with the speed guard: its decision and engine time against the predicted full frame; without it, a
+full inference (with the speed guard: its decision time and engine cost, the calibrated cost model's price of what it
+computed, against the predicted full frame; without it, a
 moving camera's frame that saved less than 1.25x of the multiply-adds). ``backoff_after`` misses in a row start a
 stretch of frames that run plain inference without trying. Without the speed guard stretches double (2, 4, ...) up to
 ``max_backoff``. With it, a stretch starts only while the latest attempts saved nothing (misses that cost a few
@@ -72,7 +73,7 @@ class BackOff:
         return self.skip > 1 or (self.skip == 1 and self._told_by_pixels and pixels_first)
 
     def paid(self, cause: Cause | None, attempt: bool, flops_saving: float, predicted_full: float, seconds: float,
-             overhead: float, missed_audit: bool = False) -> bool | None:
+             overhead: float, missed_audit: bool = False, warming: bool = False) -> bool | None:
         """Whether a frame that tried the cache paid for trying (None: it did not try).
 
         An audit (or near-tie check) that held is the quality guard's cost, no attempt; one that missed is a miss:
@@ -84,20 +85,29 @@ class BackOff:
             attempt: the frame tried the cache (it was no first frame, keyframe, stretch frame ...).
             flops_saving: a moving camera's full / computed multiply-adds (``inf`` for a still camera).
             predicted_full: the predicted engine time of a full frame (NaN: unknown).
-            seconds: the frame's decision and engine time (an audit's full run excluded).
+            seconds: the frame's decision time and engine cost (a cached run: the cost model's price of what it
+                computed; an audit's full run excluded).
             overhead: the decision's time alone (what a miss cost).
             missed_audit: the frame was an audit whose cached output missed the target.
+            warming: the first frame of its size to run the cached path: it pays one-time costs (its box shapes'
+                kernels, the maps' first touches), so with the speed guard (which judges by time) it counts when
+                it paid (a hit) and is no miss otherwise, its net saving left out (one such frame sized stretches
+                of tens of frames on the still clips).
         """
         if not attempt or (cause == Cause.AUDIT and not missed_audit):
             return None
+        if cause is not None:
+            hit = False
+        elif self.config.speed_guard:
+            hit = not seconds >= predicted_full  # NaN (no prediction yet): paid
+        else:
+            hit = flops_saving >= MIN_SAVING
+        if warming and self.config.speed_guard:  # judged by time: one-time costs are no miss
+            return True if hit else None
         if self.config.speed_guard:
             net = -seconds if missed_audit else -overhead if cause is not None else predicted_full - seconds
             self._savings.append(0.0 if math.isnan(net) else net)
-        if cause is not None:
-            return False
-        if self.config.speed_guard:
-            return not seconds >= predicted_full  # NaN (no prediction yet): paid
-        return flops_saving >= MIN_SAVING
+        return hit
 
     def count(self, cause: Cause | None, paid: bool | None, full_seconds: float, told_by_pixels: bool = False) -> None:
         """Take one frame's outcome (``paid`` from :meth:`paid`; ``full_seconds``: a full frame's time, which sizes

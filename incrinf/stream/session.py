@@ -107,6 +107,7 @@ class StreamSession:
         self._change = ChangeFinder(self.config)
         self._engines: dict[tuple[int, ...], CameraEngine] = {}
         self._no_reuse: dict[tuple[int, ...], str] = {}  # frame shapes on which the cache cannot pay, and why
+        self._warm: set[tuple[int, ...]] = set()  # frame shapes that ran the cached path (one-time costs paid)
         self._samplers: dict[tuple[int, ...], SampledAudit] = {}
         self._speed = SpeedGuard(self.config.max_backoff)
         self._quality = QualityGuard(self.config) if self.config.quality_guard else None
@@ -194,12 +195,16 @@ class StreamSession:
         audit = f.fallback is None and quality is not None and quality.due(since_full)
         oracle = f.plan is not None and self._oracle_due()
         audited = quality is not None and quality.trusting  # before this frame: checks no longer the rule
+        # the first frame of a size to run the cached path pays one-time costs: no miss for the back-off (BackOff.paid)
+        warming = f.fallback is None and tuple(x.shape) not in self._warm
         try:
             out, comparison, verify, engine_seconds = self._run(f, engine, audit, oracle)
         except BaseException:
             self._failed = True  # the guards keep their state: the next frame runs full and carries on
             raise
         bookkeeping = time.perf_counter()
+        if warming:
+            self._warm.add(tuple(x.shape))
         if f.fallback is None and engine.full_reason:
             f.fallback = Fallback(Cause.CACHE_UNUSABLE, engine.full_reason)
         if self._refilled_at == self._index - 1:  # the previous frame refilled a dropped cache: did this one use it?
@@ -234,8 +239,15 @@ class StreamSession:
         # inference once they make it slower; counted here too, a clip whose checks come often early (every cached
         # frame is checked before the first audit) would back off for a stretch sized by a full frame per check
         missed = comparison is not None and verdict == Verdict.MISS  # the cached run was in vain: a miss
+        # a cached run is judged by what it computed, priced by the calibrated cost model (counts: boxes, positions,
+        # the dense rest it switched to; ratios and fixed cost as medians over frames), not by its wall time: one
+        # frame caught by a load spike or by new box shapes' one-time costs started a stretch of tens of plain
+        # frames on the still clips (its miss the only sample of the savings' median), while a cache that is
+        # really slower raises the calibration's ratios and shows in the price as in the guard's predictions
+        ran = engine.last.predicted if f.plan is not None and not oracle and engine.last.predicted > 0 \
+            else engine_seconds - f.checked
         paid = self._backoff.paid(None if verify and not missed else cause, attempt, saving, prediction.full,
-                                  overhead + engine_seconds - f.checked, overhead, missed)
+                                  overhead + ran, overhead, missed, warming)
         f.times.decide = time.perf_counter() - bookkeeping
         commit_start = time.perf_counter()
         commit = (f, tuple(x.shape), refreshed, paid, engine.costs.full_seconds, oracle)

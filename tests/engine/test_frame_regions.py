@@ -287,3 +287,50 @@ def test_a_reused_plan_is_priced_with_the_current_calibration():
         engine.costs.record_steps(RegionKind.BOXES, [(0.0, 1.0, 2.0)] * 3)
     engine.plan_boxes(boxes)
     assert engine.last_plan_status.value == "miss"
+
+
+def test_the_prediction_tracks_what_pruned_frames_computed():
+    """Under value-based pruning, on the model whose cost is known (coefficients injected as a profile sets them):
+    a change over the whole frame is planned to switch to the dense rest after the first convolution (its boxes
+    cost more than the dense steps), but a change too faint to move any feature dies at the first commit, and the
+    walk then computes the first step alone. Once such frames ran, the plan of the same change is predicted at
+    exactly what their walks computed (the coefficients' sum over their work, no timing); frames whose change
+    carried on (new content, nothing pruned) ran the plan's switch and its dense rest, and the prediction is the
+    median frame's: it follows the latest frames as the mix of the two kinds changes."""
+    size = (96, 128)
+    model = _convs()
+    x0 = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(2))
+    engine = FrameEngine(capture(model, x0.shape[1:]))
+    engine.full(x0)
+    program, costs = engine.program, engine.costs
+    steps, n = program.steps, len(program.steps)
+    per_flop, call, tail, frame = 1e-10, 3e-5, 2e-4, 1e-4
+    costs.set_profile([s.flops * per_flop for s in steps], [call] * n, [call] * n, tail, costs.move, frame)
+    box, changed = (0, size[0], 0, size[1]), np.ones(size, bool)
+    noise = torch.Generator().manual_seed(5)
+
+    def run(kind: str) -> tuple[float, float]:
+        """(the plan's prediction, the coefficients' seconds of what its walk computed) of one frame."""
+        x1 = x0 + 1e-6 if kind == "faint" else torch.randn(1, 3, *size, generator=noise)
+        engine.full(x0)
+        plan = engine.plan_boxes([box])
+        out = engine.cached(x1, changed, feature_threshold=0.35, plan=plan)
+        if kind == "new":  # nothing pruned: the plan's switch, exact
+            with torch.no_grad():
+                _close(out, model(x1))
+        return plan.seconds, engine.last.predicted
+
+    unpruned, carried = run("new")
+    assert engine.plan_boxes([box]).switch == steps[0].out
+    assert unpruned == pytest.approx(carried) == pytest.approx(frame + call + steps[0].flops * per_flop
+                                                               + costs.dense_total - steps[0].flops * per_flop)
+    _, died = run("faint")
+    assert died == pytest.approx(frame + call + steps[0].flops * per_flop)  # the first step only
+    assert died < 0.1 * carried
+    predicted = [run(kind)[0] for kind in ("faint", "faint", "new", "new", "new")]
+    # profiles: new, faint, faint | faint, new, new, new: the median frame's walk
+    assert predicted[:2] == pytest.approx([(died + carried) / 2, died])
+    assert predicted[2] == pytest.approx(died)  # new, faint, faint, faint
+    assert predicted[3] == pytest.approx(died)  # 2 carried of 5
+    assert predicted[4] == pytest.approx((died + carried) / 2)  # 3 of 6: the median of an even count
+    assert engine.plan_boxes([box]).seconds == pytest.approx(carried)  # 4 of 7 carried on

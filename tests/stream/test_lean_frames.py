@@ -97,6 +97,7 @@ def test_a_near_tie_check_that_missed_counts_as_a_miss(frames):
     session = StreamSession(model, audit_interval=64, keyframe_interval=64, feature_threshold=0.0)
     session._quality.risky = lambda margin, *_: True
     session(frames[0])
+    session._warm.add(next(iter(session._engines)))  # past the first cached frame (one-time costs: no attempt)
     executor = next(iter(session._engines.values()))
     honest = executor.cached
 
@@ -117,7 +118,7 @@ def test_a_near_tie_check_that_missed_counts_as_a_miss(frames):
     session(frames[1])
     checked = session.stats[1]
     assert checked.audit and "miss" in checked.reason, checked.reason
-    cause, attempt, _, _, seconds, overhead, missed = taken[0]
+    cause, attempt, _, _, seconds, overhead, missed, _ = taken[0]
     assert cause == Cause.AUDIT and attempt and missed
     assert overhead < seconds and seconds + checked.times.audit <= checked.seconds  # the cached run, not the check
     assert session._backoff.misses == 1
@@ -268,3 +269,60 @@ def test_a_probe_after_a_zoom_asks_the_pixels_before_the_cache_is_filled(monkeyp
     # told by the pixels: a translation that alone misaligns the cache, or the quarters' zoom
     assert all("zoom or rotation" in s.reason or "clear" in s.reason for s in probes), [s.reason for s in probes]
     assert len(filled) == 1, causes  # the first frame's
+
+
+def test_the_first_cached_frame_is_no_attempt_for_the_back_off(frames):
+    """The first frame of a size to run the cached path pays one-time costs (its box shapes' kernels, the maps'
+    first touches): however slow it ran it is no miss for the back-off (it counts if it paid); the next cached
+    frame is judged like any."""
+    session = StreamSession(wide_classifier(), audit_interval=64, keyframe_interval=64)
+    taken = {}
+    paid = session._backoff.paid
+
+    def spy(*args):
+        taken[session._index] = (args[-1], paid(*args))  # (warming, what the back-off took)
+        return taken[session._index][1]
+
+    session._backoff.paid = spy
+    for frame in frames[:12]:
+        session(frame)
+    ran_cached = [s.index for s in session.stats  # cached, or checked after its cached run
+                  if s.cause in (Cause.CACHED, Cause.AUDIT) and not math.isnan(s.predicted_cached)]
+    assert len(ran_cached) >= 2, [s.reason for s in session.stats]
+    first, second = taken[ran_cached[0]], taken[ran_cached[1]]
+    assert first[0] and first[1] is not False  # a hit or nothing, never a miss
+    assert not second[0] and second[1] is not None  # judged like any cached frame
+
+
+def test_the_back_off_judges_a_cached_run_by_the_price_of_what_it_computed(frames):
+    """A cached frame caught by a load spike (here: 0.3 s of sleep inside its engine call) is judged by the back-off
+    at the cost model's price of what it computed (its boxes, positions and dense rest, calibrated), not at its wall
+    time: one such frame no longer starts a stretch of plain frames sized by the spike."""
+    import time
+
+    session = StreamSession(wide_classifier(), audit_interval=64, keyframe_interval=64)
+    taken = {}
+    paid = session._backoff.paid
+
+    def spy(*args):
+        taken[session._index] = args
+        return paid(*args)
+
+    session._backoff.paid = spy
+    session(frames[0])
+    executor = next(iter(session._engines.values()))
+    honest = executor.cached
+
+    def spiked(*args, **kwargs):
+        time.sleep(0.3)
+        return honest(*args, **kwargs)
+
+    executor.cached = spiked
+    for frame in frames[1:6]:
+        session(frame)
+    ran = [s for s in session.stats if s.cause == Cause.CACHED]
+    assert ran, [s.reason for s in session.stats]
+    for s in ran:
+        cause, _, _, _, seconds, overhead, *_ = taken[s.index]
+        assert s.times.engine >= 0.3 and seconds < 0.3  # the spike is in the wall time, not in the judged time
+        assert seconds >= overhead

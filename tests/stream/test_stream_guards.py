@@ -92,9 +92,9 @@ def test_a_near_tie_checked_frame_counts_as_the_cached_frame_it_was(frames):
     taken = []
     paid = session._backoff.paid
 
-    def spy(cause, attempt, saving, predicted_full, seconds, overhead, missed_audit=False):
+    def spy(cause, attempt, saving, predicted_full, seconds, overhead, missed_audit=False, warming=False):
         taken.append((cause, seconds))
-        return paid(cause, attempt, saving, predicted_full, seconds, overhead, missed_audit)
+        return paid(cause, attempt, saving, predicted_full, seconds, overhead, missed_audit, warming)
 
     session._backoff.paid = spy
     for frame in frames[:2]:
@@ -745,3 +745,55 @@ def test_the_cost_model_prices_a_cached_frame_with_what_frames_measured_outside_
         costs.record_frame(boxes, 0.001)
     assert engine.plan_boxes([(0, 8, 0, 8)]).seconds == pytest.approx(steps + 0.001)
     assert guard.predict(full, engine.plan_boxes([(0, 8, 0, 8)])).cached_faster
+
+
+def test_a_plan_that_switches_but_whose_change_dies_is_predicted_cached_faster():
+    """The speed guard's case that per-step shares got wrong, from the plan's counts alone (coefficients injected,
+    no wall time): a change over the whole frame is planned to switch to the dense rest after its first
+    convolution, so the plan priced step by step, with the median shares pruning left at each step, costs its
+    first step *and* the dense rest: more than a full frame, and the frame ran full. But on a still camera whose
+    changes die at the first commit (value-based pruning finds no feature that moved), a pruned walk decides again
+    at the cut point and carries its nothing on: it computes the first step alone. Priced frame by frame, with
+    the walk's own decision at the cut point, the prediction is what such frames computed, and the frame runs
+    cached."""
+    from incrinf.engine import FrameEngine
+    from incrinf.engine.costs import RegionKind
+    from incrinf.stream.decisions import SpeedGuard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(32, 10)).eval()
+    x0 = torch.randn(1, 3, H, W, generator=torch.Generator().manual_seed(2))
+    engine = FrameEngine(capture(model, (3, H, W)))
+    engine.full(x0)
+    costs, steps = engine.costs, engine.program.steps
+    n = len(steps)
+    costs.set_profile([s.flops * 1e-10 for s in steps], [3e-5] * n, [3e-5] * n, 2e-4, costs.move, 1e-4)
+    box, changed = (0, H, 0, W), np.ones((H, W), bool)
+    guard = SpeedGuard()
+
+    def old_rule(plan) -> float:
+        """The plan priced step by step up to its switch with the per-step median shares, and its dense rest."""
+        parts = plan.parts
+        seconds = costs.frame_seconds(RegionKind.BOXES)
+        for index, (fixed, arithmetic) in enumerate(parts.steps[:parts.switch + 1]):
+            area_share, box_share = costs.survival(index)
+            seconds += box_share * costs.call_ratio(RegionKind.BOXES) * fixed \
+                + area_share * costs.compute_ratio(RegionKind.BOXES) * arithmetic
+        return seconds + costs.dense_ratio * parts.dense
+
+    computed = []
+    for _ in range(3):  # faint changes: every one dies at the first commit
+        engine.full(x0)
+        plan = engine.plan_boxes([box])
+        engine.cached(x0 + 1e-6, changed, feature_threshold=0.35, plan=plan)
+        computed.append(engine.last.predicted)
+    plan = engine.plan_boxes([box])
+    assert plan.switch == steps[0].out  # the plan, on its unpruned geometry, switches after the first step
+    full = costs.dense_total
+    assert old_rule(plan) > full  # the old rule: "cached slower", the frame runs full
+    assert max(computed) < 0.2 * full  # what those frames computed
+    prediction = guard.predict(costs, plan)
+    assert prediction.cached == pytest.approx(computed[-1]) and prediction.cached_faster
+    assert guard.choose_cached(prediction)
