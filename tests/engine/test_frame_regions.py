@@ -169,6 +169,25 @@ def _convs() -> nn.Module:
         layers += [nn.Conv2d(32, 32, 3, padding=1), nn.ReLU()]
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
 
+# the known-cost model's injected coefficients: seconds per multiply-add of a step, per box call, the tail, a frame
+KNOWN_COSTS = (1e-10, 3e-5, 2e-4, 1e-4)
+
+
+def _known_cost_engine() -> tuple[FrameEngine, torch.nn.Module, torch.Tensor, tuple[int, int]]:
+    """A frame engine on :func:`_convs` at 96x128 after one full frame ``x0`` (1, 3, 96, 128), its cost coefficients
+    injected as a profile sets them (:data:`KNOWN_COSTS`): ``(engine, model, x0, size)``."""
+    size = (96, 128)
+    model = _convs()
+    x0 = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(2))
+    engine = FrameEngine(capture(model, x0.shape[1:]))
+    engine.full(x0)
+    costs, steps = engine.costs, engine.program.steps
+    per_flop, call, tail, frame = KNOWN_COSTS
+    costs.set_profile([s.flops * per_flop for s in steps], [call] * len(steps), [call] * len(steps), tail,
+                      costs.move, frame)
+    return engine, model, x0, size
+
+
 
 def test_the_cost_model_tracks_measured_times():
     """On a model whose cost is known (four 3x3 convolutions of 32 channels), with coefficients set as a profile
@@ -178,15 +197,10 @@ def test_the_cost_model_tracks_measured_times():
     every prediction by that scale, a load spike none. The times are injected, so this holds at any load."""
     from incrinf.engine.costs import SAMPLES, RegionKind
 
-    size = (96, 128)
-    model = _convs()
-    x0 = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(2))
-    engine = FrameEngine(capture(model, x0.shape[1:]))
-    engine.full(x0)
+    engine, model, x0, size = _known_cost_engine()
     program, costs = engine.program, engine.costs
     steps, n = program.steps, len(program.steps)
-    per_flop, call, tail, frame = 1e-10, 3e-5, 2e-4, 1e-4
-    costs.set_profile([s.flops * per_flop for s in steps], [call] * n, [call] * n, tail, costs.move, frame)
+    per_flop, call, tail, frame = KNOWN_COSTS
     assert costs.dense_total == pytest.approx(sum(s.flops for s in steps) * per_flop + tail)
 
     def known(plan) -> tuple[float, float]:
@@ -297,15 +311,10 @@ def test_the_prediction_tracks_what_pruned_frames_computed():
     exactly what their walks computed (the coefficients' sum over their work, no timing); frames whose change
     carried on (new content, nothing pruned) ran the plan's switch and its dense rest, and the prediction is the
     median frame's: it follows the latest frames as the mix of the two kinds changes."""
-    size = (96, 128)
-    model = _convs()
-    x0 = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(2))
-    engine = FrameEngine(capture(model, x0.shape[1:]))
-    engine.full(x0)
+    engine, model, x0, size = _known_cost_engine()
     program, costs = engine.program, engine.costs
-    steps, n = program.steps, len(program.steps)
-    per_flop, call, tail, frame = 1e-10, 3e-5, 2e-4, 1e-4
-    costs.set_profile([s.flops * per_flop for s in steps], [call] * n, [call] * n, tail, costs.move, frame)
+    steps = program.steps
+    per_flop, call, tail, frame = KNOWN_COSTS
     box, changed = (0, size[0], 0, size[1]), np.ones(size, bool)
     noise = torch.Generator().manual_seed(5)
 
