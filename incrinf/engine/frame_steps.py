@@ -24,7 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from incrinf.engine.program import Program, Step
-from incrinf.graph import Node, Operator
+from incrinf.graph import Graph, Node, Operator
+from incrinf.graph.execute import module_of
 
 # Heads whose output is a tensor no one else holds (the window operators run with padding 0 on a crop, the 1x1
 # convolutions as a matrix product): their chains may start in place.
@@ -52,10 +53,11 @@ class BoundStep:
 
 def bind_steps(program: Program) -> list[BoundStep]:
     """A :class:`BoundStep` per program step."""
-    return [bind_step(step) for step in program.steps]
+    return [bind_step(step, program.graph) for step in program.steps]
 
 
-def bind_step(step: Step) -> BoundStep:
+def bind_step(step: Step, graph: Graph) -> BoundStep:
+    """``step``'s calls bound for the walk (``graph``: the captured graph its nodes belong to)."""
     weight_t = bias = None
     if step.linear is not None:
         weight, bias = step.linear
@@ -64,7 +66,7 @@ def bind_step(step: Step) -> BoundStep:
     in_place = 0
     if step.head.operator in _FRESH_HEADS and (step.window is not None or step.linear is not None):
         for node, _ in step.chain:
-            fn = in_place_activation(node)
+            fn = in_place_activation(node, graph)
             if fn is None:
                 break
             functions[in_place] = fn
@@ -72,7 +74,7 @@ def bind_step(step: Step) -> BoundStep:
     return BoundStep(weight_t, bias, functions, in_place)
 
 
-def in_place_activation(node: Node) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def in_place_activation(node: Node, graph: Graph) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The in-place form of an activation node applied to its only tensor input, or None when it is not one of the
     common activations (or takes other arguments than those read here)."""
     fx_node = node.fx_node
@@ -80,7 +82,7 @@ def in_place_activation(node: Node) -> Callable[[torch.Tensor], torch.Tensor] | 
     if fx_node is None or set(fx_node.kwargs) - {"inplace"} or len(fx_node.args) != 1:
         return None
     if fx_node.op == "call_module":
-        module = node_module(node)
+        module = module_of(graph, node)
         if isinstance(module, nn.Hardtanh):  # ReLU6 too
             low, high = float(module.min_val), float(module.max_val)
             return lambda v: F.hardtanh_(v, low, high)
@@ -101,11 +103,3 @@ def in_place_activation(node: Node) -> Callable[[torch.Tensor], torch.Tensor] | 
         return lambda v: getattr(v, method)()
     return None
 
-
-def node_module(node: Node) -> nn.Module | None:
-    """The submodule a ``call_module`` node calls."""
-    fx_node = node.fx_node
-    try:
-        return fx_node.graph.owning_module.get_submodule(str(fx_node.target))
-    except (AttributeError, TypeError):
-        return None

@@ -48,7 +48,7 @@ def _engine(model: nn.Module, size=(3, 16, 20)) -> FrameEngine:
 def test_bound_activations_are_the_chain_in_place(model):
     engine = _engine(model)
     for step in engine.program.steps:
-        bound = bind_step(step)
+        bound = bind_step(step, engine.program.graph)
         assert bound.in_place <= len(step.chain)
         x = torch.randn(1, *step.channels, 5, 6).contiguous(memory_format=torch.channels_last)
         for k in range(bound.in_place):
@@ -61,7 +61,7 @@ def test_bound_activations_are_the_chain_in_place(model):
     kinds = [[type(n.fx_node.graph.owning_module.get_submodule(n.fx_node.target)).__name__
               if n.fx_node.op == "call_module" else str(n.fx_node.target) for n, _ in s.chain]
              for s in engine.program.steps]
-    bound = [bind_step(s).in_place for s in engine.program.steps]
+    bound = [bind_step(s, engine.program.graph).in_place for s in engine.program.steps]
     if isinstance(model, nn.Sequential):
         # GELU has no in-place form here: it, and the ReLU after it, run as captured
         assert kinds[-1] == ["GELU", "ReLU"] and bound[-1] == 0
@@ -73,9 +73,9 @@ def test_bound_activations_are_the_chain_in_place(model):
 def test_activation_forms_without_an_in_place_twin_are_left_alone():
     graph = capture(nn.Sequential(nn.Conv2d(3, 3, 1), nn.GELU(), nn.ReLU6()).eval(), (3, 4, 4))
     gelu, relu6 = graph.by_name["_1"], graph.by_name["_2"]
-    assert in_place_activation(gelu) is None
+    assert in_place_activation(gelu, graph) is None
     x = torch.randn(1, 3, 4, 4) * 8
-    assert torch.equal(in_place_activation(relu6)(x.clone()), F.relu6(x))
+    assert torch.equal(in_place_activation(relu6, graph)(x.clone()), F.relu6(x))
 
 
 @pytest.mark.parametrize("bias", [True, False])
