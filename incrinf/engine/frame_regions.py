@@ -42,7 +42,6 @@ from incrinf.engine.program import Program, Step
 from incrinf.engine.stores import FrameCache, take
 from incrinf.engine.windows import WindowSpec, padded_crop
 from incrinf.geometry import Box, Boxes
-from incrinf.kernels.gather import from_rows, to_rows
 
 _EIGHT_NEIGHBOURS = np.ones((3, 3), bool)
 # Up to this many boxes, merge_by_cost tries every pair in Python (cheaper than setting up arrays; same result).
@@ -573,11 +572,7 @@ def run_pointwise(program: Program, step: Step, source: Boxes, bound: BoundStep 
     the step's calls bound for the walk (:mod:`~incrinf.engine.frame_steps`)."""
     out = Boxes(source.lo, source.size)
     if bound is not None and bound.weight_t is not None:  # a 1x1 convolution: one matrix product over rows
-        values = source.values
-        rows = to_rows(values)
-        product = torch.mm(rows, bound.weight_t) if bound.bias is None else \
-            torch.addmm(bound.bias, rows, bound.weight_t)
-        values = from_rows(product, values.shape[0], tuple(values.shape[2:]))
+        values = bound.product(source.values)
     else:
         values = merge_values(program, step, {step.inputs[0]: source.values}, out)
     for fn in step.functions if bound is None else bound.functions:
@@ -595,16 +590,16 @@ def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, 
         values = step.op(padded_crop(step.window, cache.map(step.window.source), bounds))
         if step.factors is not None:
             values = values * take(step.factors, out)
-    else:
-        first = step.inputs[0]
-        if len(step.inputs) == 1:
-            source = next(b for b in regions[first] if b.bounds == bounds)
-            if bound is not None and bound.weight_t is not None:
-                return run_pointwise(program, step, source, bound)
-            inputs = {first: source.values}
-        else:  # a merge: every input is cached and committed
-            inputs = {name: take(cache.map(name), out) for name in step.inputs}
-        values = merge_values(program, step, inputs, out)
+    elif len(step.inputs) == 1:
+        source = next(b for b in regions[step.inputs[0]] if b.bounds == bounds)
+        if bound is not None and bound.weight_t is not None:
+            return run_pointwise(program, step, source, bound)
+        values = merge_values(program, step, {step.inputs[0]: source.values}, out)
+    elif bound is not None and bound.merge is not None:  # a merge of two cached and committed tensors
+        first, second = step.inputs
+        values = bound.merge(take(cache.map(first), out), take(cache.map(second), out))
+    else:  # a merge: every input is cached and committed
+        values = merge_values(program, step, {name: take(cache.map(name), out) for name in step.inputs}, out)
     for fn in step.functions if bound is None else bound.functions:
         values = fn(values)
     out.values = values

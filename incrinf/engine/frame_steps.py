@@ -6,11 +6,15 @@ operator calls and the Python around them) is what keeps a small change from pay
 program:
 
 - a 1x1 convolution's matrix product takes its weight already transposed (``F.linear`` transposes it on every
-  call: the same ``addmm`` on the same strides, one operator call less);
+  call: the same ``addmm`` on the same strides, one operator call less), and reads and writes a channels-last box
+  as rows through one strided view each (:meth:`BoundStep.product`; a permute and a reshape each otherwise);
+- a merge of two maps by a plain call (an add of a residual) is that call with the two boxes as its arguments
+  (:func:`~incrinf.graph.execute.binary`), without resolving its arguments per call;
 - a step whose head makes a new tensor (a convolution, a pool, a 1x1 convolution) runs the leading activations of
-  its chain in place on it (``hardtanh_`` for a ReLU6): no one else reads the head's output, and the in-place
-  kernels are the same arithmetic without an allocation. A chain node not recognised here, and everything after
-  it, runs as captured.
+  its chain in place on it: no one else reads the head's output, and the in-place kernels are the same arithmetic
+  without an allocation. A ReLU6 (any ``Hardtanh``) runs as ``clamp_``, which is what ``hardtanh_`` calls (through
+  ``hardtanh``'s out variant): the same kernel, one operator call instead of three. A chain node not recognised
+  here, and everything after it, runs as captured.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import torch.nn.functional as F
 
 from incrinf.engine.program import Program, Step
 from incrinf.graph import Graph, Node, Operator
-from incrinf.graph.execute import module_of
+from incrinf.graph.execute import binary, module_of
+from incrinf.kernels.gather import from_rows, to_rows
 
 # Heads whose output is a tensor no one else holds (the window operators run with padding 0 on a crop, the 1x1
 # convolutions as a matrix product): their chains may start in place.
@@ -43,12 +48,34 @@ class BoundStep:
         bias: (C_out,) its bias, or None.
         functions: the step's pointwise chain, its leading activations in place where the head's output is new.
         in_place: how many of ``functions`` run in place.
+        merge: ``(first, second) -> head's values`` of a merge of two tensors whose call takes just them, in the
+            order of the step's ``inputs`` (None otherwise: the head runs through the step's operators). Never
+            for a step that overwrites an input (its inputs are views of the cache).
     """
 
     weight_t: torch.Tensor | None
     bias: torch.Tensor | None
     functions: list[Callable[[Any], Any]]
     in_place: int = 0
+    merge: Callable[[Any, Any], Any] | None = None
+
+    def product(self, values: torch.Tensor) -> torch.Tensor:
+        """The 1x1 convolution (``weight_t`` set) on one box's values (1, C_in, *size) -> (1, C_out, *size)
+        channels-last, before the chain. A box that is channels-last dense (a head's output, a whole box of
+        one) is read as rows and the product written back as a map through one ``as_strided`` view each: the
+        views :func:`~incrinf.kernels.gather.to_rows` and :func:`~incrinf.kernels.gather.from_rows` make, so
+        the same ``addmm`` on the same strides. Any other (a pruned box's crop) goes through those."""
+        shape = values.shape
+        if len(shape) == 4 and shape[0] == 1 and values.is_contiguous(memory_format=torch.channels_last):
+            _, c, h, w = shape
+            rows = values.as_strided((h * w, c), (c, 1))
+            product = torch.mm(rows, self.weight_t) if self.bias is None else \
+                torch.addmm(self.bias, rows, self.weight_t)
+            out = product.shape[1]
+            return product.as_strided((1, out, h, w), (h * w * out, 1, w * out, out))
+        rows = to_rows(values)
+        product = torch.mm(rows, self.weight_t) if self.bias is None else torch.addmm(self.bias, rows, self.weight_t)
+        return from_rows(product, shape[0], tuple(shape[2:]))
 
 
 def bind_steps(program: Program) -> list[BoundStep]:
@@ -71,7 +98,11 @@ def bind_step(step: Step, graph: Graph) -> BoundStep:
                 break
             functions[in_place] = fn
             in_place += 1
-    return BoundStep(weight_t, bias, functions, in_place)
+    merge = None
+    if step.window is None and step.linear is None and step.op is None and len(step.inputs) == 2 \
+            and not step.inplace:
+        merge = binary(graph, step.head, *step.inputs)
+    return BoundStep(weight_t, bias, functions, in_place, merge)
 
 
 def in_place_activation(node: Node, graph: Graph) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -85,7 +116,7 @@ def in_place_activation(node: Node, graph: Graph) -> Callable[[torch.Tensor], to
         module = module_of(graph, node)
         if isinstance(module, nn.Hardtanh):  # ReLU6 too
             low, high = float(module.min_val), float(module.max_val)
-            return lambda v: F.hardtanh_(v, low, high)
+            return lambda v: torch.clamp_(v, low, high)
         kinds = {nn.ReLU: torch.relu_, nn.Sigmoid: torch.sigmoid_,
                  nn.Hardswish: lambda v: F.hardswish(v, inplace=True), nn.SiLU: lambda v: F.silu(v, inplace=True)}
         return kinds.get(type(module))
@@ -94,7 +125,7 @@ def in_place_activation(node: Node, graph: Graph) -> Callable[[torch.Tensor], to
         if target in (torch.relu, F.relu):
             return torch.relu_
         if target is F.relu6:
-            return lambda v: F.hardtanh_(v, 0.0, 6.0)
+            return lambda v: torch.clamp_(v, 0.0, 6.0)
         if target in (torch.sigmoid, F.sigmoid):
             return torch.sigmoid_
         return None
