@@ -40,7 +40,7 @@ from incrinf.engine.costs import FrameCosts, RegionKind
 from incrinf.engine.frame_steps import BoundStep, bind_steps
 from incrinf.engine.program import Program, Step
 from incrinf.engine.stores import FrameCache, take
-from incrinf.engine.windows import WindowSpec, padded_crop
+from incrinf.engine.windows import WindowSpec, crop_view, padded_crop
 from incrinf.geometry import Box, Boxes
 
 _EIGHT_NEIGHBOURS = np.ones((3, 3), bool)
@@ -298,10 +298,14 @@ class Geometry:
     def parts(self, index: int, boxes: list[Box]) -> tuple[float, float]:
         """``(fixed, arithmetic)`` seconds of step ``index`` on ``boxes`` as profiled: each box's call and
         arithmetic, summed, before the calibration and pruning."""
+        return self.area_parts(index, [area(b) for b in boxes])
+
+    def area_parts(self, index: int, areas: list[int]) -> tuple[float, float]:
+        """:meth:`parts` of boxes of ``areas`` positions each."""
         costs = self.costs
         fixed = arithmetic = 0.0
-        for b in boxes:
-            call, compute = costs.box_parts(index, area(b))
+        for positions in areas:
+            call, compute = costs.box_parts(index, positions)
             fixed, arithmetic = fixed + call, arithmetic + compute
         return fixed, arithmetic
 
@@ -387,8 +391,10 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
         (index, costs.suffix_parts(program.steps[index].out)) for index in geometry.cut_steps
         if switch <= index < len(step_parts))
     parts = PlanParts(tuple(step_parts), switch, dense, costs.tail, cuts)
+    # counted now, on the plan the cache keeps: the copies that price its reuses share the counts
+    counts = [(sum(area(b) for b in boxes), len(boxes)) for boxes in steps]
     return RegionPlan(start, steps, None if switch is None else program.steps[switch].out, flops,
-                      plan_seconds(program, costs, parts), gathered, unchanged and switch is None, parts)
+                      plan_seconds(program, costs, parts), gathered, unchanged and switch is None, parts, counts)
 
 
 def plan_seconds(program: Program, costs: FrameCosts, parts: PlanParts) -> float:
@@ -471,7 +477,8 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
     program, costs = geometry.program, geometry.costs
     input_name = program.graph.input.name
     regions: dict[str, list[Boxes]] = {input_name: [
-        Boxes((b[0], b[2]), (b[1] - b[0], b[3] - b[2]), x[:, :, b[0]:b[1], b[2]:b[3]]) for b in plan.start]}
+        Boxes((b[0], b[2]), (b[1] - b[0], b[3] - b[2]), crop_view(x, b[0], b[2], b[1] - b[0], b[3] - b[2]))
+        for b in plan.start]}
     result = RegionResult(None, 0.0, 0, seconds=costs.frame_seconds(RegionKind.BOXES))
     pruned = False
     switch_index = geometry.step_of[plan.switch] if plan.switch is not None else len(program.steps)
@@ -481,7 +488,7 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
     cached_set, planned, counts, bound = program.cached_set, plan.steps, plan.counts, geometry.bound
     planned_parts = plan.parts.steps
     for index, (step, live) in enumerate(zip(program.steps, program.live)):
-        if not any(regions.get(name) for name in live):
+        if not any(map(regions.get, live)):
             # every change has died out (pruning): later tensors keep their cached values, and the plan's boxes
             # up to its switch were computed nowhere
             for rest in range(index, min(switch_index + 1, len(planned))):
@@ -498,8 +505,9 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
                 bounds = planned[index]
             out = [run_box(program, cache, step, regions, b, bound[index]) for b in bounds]
         if pruned or index >= len(planned_parts):
-            call, compute = geometry.parts(index, [box.bounds for box in out])
-            positions = sum(box.area for box in out)
+            areas = [box.area for box in out]
+            call, compute = geometry.area_parts(index, areas)
+            positions = sum(areas)
             if index < len(planned):
                 _record_share(costs, index, counts[index], (positions, len(out)))
         else:  # the plan's boxes as planned: its counts and parts stand

@@ -375,7 +375,7 @@ def _cut_one(region: Boxes, moved: np.ndarray) -> Boxes | None:
     xs = cols.nonzero()[0]
     y0, y1, x0, x1 = int(ys[0]), int(ys[-1]) + 1, int(xs[0]), int(xs[-1]) + 1
     return Boxes((int(region.lo[0]) + y0, int(region.lo[1]) + x0), (y1 - y0, x1 - x0),
-                 region.values[..., y0:y1, x0:x1])
+                 crop_view(region.values, y0, x0, y1 - y0, x1 - x0))
 
 
 def expand_output(out: Any, n: int) -> Any:

@@ -142,7 +142,11 @@ def padded_crop(spec: WindowSpec, source: torch.Tensor, bounds: Box) -> torch.Te
         return crop_view(source, lo[0], lo[1], hi[0] - lo[0], hi[1] - lo[1])
     # clamped so that a window lying wholly in the padding is an empty crop (a negative end would wrap around)
     starts = [min(max(lo[a], 0), dims[a]) for a in range(d)]
-    crop = source[(..., *(slice(starts[a], max(min(hi[a], dims[a]), starts[a])) for a in range(d)))]
+    ends = [max(min(hi[a], dims[a]), starts[a]) for a in range(d)]
+    if d == 2:
+        crop = crop_view(source, starts[0], starts[1], ends[0] - starts[0], ends[1] - starts[1])
+    else:
+        crop = source[(..., *(slice(starts[a], ends[a]) for a in range(d)))]
     if all(lo[a] >= 0 and hi[a] <= dims[a] for a in range(d)):  # inside the map: the common case, no padding
         return crop
 
