@@ -595,7 +595,14 @@ def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, 
     (:mod:`~incrinf.engine.frame_steps`)."""
     out = Boxes((bounds[0], bounds[2]), (bounds[1] - bounds[0], bounds[3] - bounds[2]))
     if step.window is not None:
-        values = step.op(padded_crop(step.window, cache.map(step.window.source), bounds))
+        crop = padded_crop(step.window, cache.map(step.window.source), bounds)
+        if bound is not None and bound.window is not None:  # the head and its leading clamp in one call
+            values = bound.window(crop)
+            for fn in bound.after_window:
+                values = fn(values)
+            out.values = values
+            return out
+        values = step.op(crop)
         if step.factors is not None:
             values = values * take(step.factors, out)
     elif len(step.inputs) == 1:

@@ -203,3 +203,49 @@ def test_crop_view_is_the_slice():
         view, sliced = crop_view(t, y, x, h, w), t[..., y:y + h, x:x + w]  # the last two: clipped, empty
         assert view.shape == sliced.shape and view.stride() == sliced.stride()
         assert view.storage_offset() == sliced.storage_offset() and torch.equal(view, sliced)
+
+
+class _Grouped(nn.Module):
+    """Grouped and depthwise convolutions of several kernels, strides and dilations, each followed by another
+    activation (or none), and convolutions the prepacked path leaves alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)  # no groups: PyTorch picks its kernel by size
+        self.dw3 = nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=16)
+        self.dw5 = nn.Conv2d(16, 16, 5, padding=4, dilation=2, groups=16)
+        self.g4 = nn.Conv2d(16, 32, 3, padding=1, groups=4, bias=False)
+        self.dw1 = nn.Conv2d(32, 32, 1, groups=32)  # a 1x1 one on one thread is not oneDNN's
+        self.dw7 = nn.Conv2d(32, 32, (3, 5), padding=(1, 2), groups=32)
+        self.dws = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.clip = nn.Hardtanh(-1.0, 2.0)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        x = F.relu6(self.dw3(x))
+        x = self.clip(self.dw5(x))
+        x = self.g4(x).relu()
+        x = torch.sigmoid(self.dw1(x))
+        x = F.gelu(self.dw7(x))  # no clamp to fuse: the convolution alone, then the chain
+        return self.dws(x)
+
+
+def test_a_prepacked_window_is_the_captured_step_bit_for_bit():
+    engine = _engine(_Grouped(), (3, 21, 26))
+    program, cache = engine.program, engine.cache
+    windows = [(i, s) for i, s in enumerate(program.steps) if s.window is not None]
+    bound = [engine.geometry.bound[i] for i, _ in windows]
+    # the 1x1 depthwise convolution is no window step (and never prepacked: see prepacked_window)
+    assert [b.window is not None for b in bound] == [False, True, True, True, True, True]
+    assert [b.fused for b in bound] == [0, 1, 1, 1, 0, 0]
+    for (_, step), b in zip(windows, bound):
+        h, w = step.dims
+        source = cache.map(step.window.source).clone()
+        # boxes inside the map and at each border (their windows are padded crops)
+        for box in [(0, h, 0, w), (1, h - 1, 1, w - 1), (0, 2, 0, 3), (h - 2, h, w - 3, w), (h // 2, h // 2 + 1,
+                                                                                            w // 2, w // 2 + 1)]:
+            fast = run_box(program, cache, step, {}, box, b)
+            plain = run_box(program, cache, step, {}, box)
+            assert fast.values.shape == plain.values.shape and torch.equal(fast.values, plain.values)
+            assert fast.values.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(cache.map(step.window.source), source)  # the windows it read are untouched
