@@ -158,9 +158,15 @@ def prepacked_window(conv: tuple, source_shape: tuple[int, ...], clamp: tuple[fl
         return None
     stride, dilation = _pair(stride), _pair(dilation)
     bias = None if bias is None else bias.detach()
-    # the source's shape only guides oneDNN's choice of the weight's layout; any window shape runs with it
-    packed = torch.ops.mkldnn._reorder_convolution_weight(weight.detach(), [0, 0], stride, dilation, groups,
-                                                           [1, weight.shape[1] * groups, *source_shape[-2:]])
+    # a map's shape only guides oneDNN's choice of the weight's layout (any window then runs with it); one that
+    # the kernel fits in, as every window does
+    extent = [dl * (k - 1) + 1 for dl, k in zip(dilation, weight.shape[-2:])]
+    hint = [1, weight.shape[1] * groups, *(max(n, e) for n, e in zip(source_shape[-2:], extent))]
+    try:
+        packed = torch.ops.mkldnn._reorder_convolution_weight(weight.detach(), [0, 0], stride, dilation, groups,
+                                                               hint)
+    except RuntimeError:  # a form this oneDNN does not take: the captured operator it is
+        return None
     return lambda x: run(x, packed, bias, [0, 0], stride, dilation, groups, attr, scalars, "")
 
 
