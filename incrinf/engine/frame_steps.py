@@ -119,10 +119,7 @@ def bind_step(step: Step, graph: Graph) -> BoundStep:
         clamp = clamp_bounds(step.chain[0][0], graph) if step.chain else None
         source_shape = graph.by_name[step.window.source].shape
         bound.window = prepacked_window(step.conv, source_shape, clamp)
-        if bound.window is None and clamp is not None:
-            bound.window = prepacked_window(step.conv, source_shape, None)
-        else:
-            bound.fused = int(clamp is not None)
+        bound.fused = int(bound.window is not None and clamp is not None)
         bound.after_window = functions[bound.fused:]
     return bound
 
@@ -140,8 +137,13 @@ def prepacked_window(conv: tuple, source_shape: tuple[int, ...], clamp: tuple[fl
     """A window convolution ``conv`` (``(weight, bias, stride, dilation, groups)``, padding 0) with its weight
     reordered once, followed by ``clamp`` (``(low, high)``; ``high`` None: a ReLU) in the same call; None where
     PyTorch would not run it through oneDNN (then it would not be the same arithmetic): anything but a float32
-    CPU 2-D convolution with groups and a kernel larger than one position (PyTorch sends a 1x1 one on one thread to
-    its own kernel), a build without oneDNN's operator, or a clamp other than a ReLU's or a ReLU6's."""
+    CPU 2-D convolution with groups and a kernel larger than one position (PyTorch sends an ungrouped one on a
+    small window, and a 1x1 one on one thread, to its own kernels), a build without oneDNN's operator, or a clamp
+    other than a ReLU's or a ``Hardtanh``'s.
+
+    Returns:
+        ``window (1, C_in, *read) -> (1, C_out, *out)`` channels-last, or None.
+    """
     weight, bias, stride, dilation, groups = conv
     run = _pointwise_convolution()
     if run is None or not isinstance(weight, torch.Tensor) or weight.dim() != 4 or groups <= 1 \
@@ -150,12 +152,12 @@ def prepacked_window(conv: tuple, source_shape: tuple[int, ...], clamp: tuple[fl
         return None
     if clamp is None:
         attr, scalars = "none", []
-    elif clamp[1] is None and clamp[0] == 0.0:
+    elif clamp[1] is None:
+        if clamp[0] != 0.0:
+            return None
         attr, scalars = "relu", []
-    elif clamp[1] is not None:
-        attr, scalars = "hardtanh", [clamp[0], clamp[1]]
     else:
-        return None
+        attr, scalars = "hardtanh", [clamp[0], clamp[1]]
     stride, dilation = _pair(stride), _pair(dilation)
     bias = None if bias is None else bias.detach()
     # a map's shape only guides oneDNN's choice of the weight's layout (any window then runs with it); one that
