@@ -66,6 +66,10 @@ class Boxes:
     @property
     def bounds(self) -> Box:
         """The :data:`Box` of a single box."""
+        lo, size = self.lo, self.size
+        if len(lo) == 2 and type(lo[0]) is int and type(lo[1]) is int and type(size[0]) is int \
+                and type(size[1]) is int:  # a camera frame's box, asked for at every step of its walk
+            return lo[0], lo[0] + size[0], lo[1], lo[1] + size[1]
         out: list[int] = []
         for lo, size in zip(self.lo, self.size):
             out.extend((int(lo), int(lo) + int(size)))

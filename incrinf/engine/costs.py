@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 
 import numpy as np
 
@@ -126,8 +127,8 @@ class FrameCosts:
         self._call = {k: deque(maxlen=SAMPLES) for k in RegionKind}
         self._compute = {k: deque(maxlen=SAMPLES) for k in RegionKind}
         # per step index: shares of the plan's positions and boxes that the latest frames computed (pruning)
-        self._area_share: dict[int, deque[float]] = {}
-        self._box_share: dict[int, deque[float]] = {}
+        self._area_share: dict[int, deque[float]] = defaultdict(partial(deque, maxlen=SAMPLES))
+        self._box_share: dict[int, deque[float]] = defaultdict(partial(deque, maxlen=SAMPLES))
         # per latest cached box frame, per step the plan's and the computed positions and boxes
         # (:meth:`survival_profiles`): the frame being walked, then the closed ones
         self._open: dict[int, tuple[int, int, int, int]] = {}
@@ -324,8 +325,8 @@ class FrameCosts:
         (before pruning) had ``planned``."""
         if planned[0] > 0 and planned[1] > 0:
             area, boxes = computed[0] / planned[0], computed[1] / planned[1]
-            self._area_share.setdefault(index, deque(maxlen=SAMPLES)).append(area)
-            self._box_share.setdefault(index, deque(maxlen=SAMPLES)).append(boxes)
+            self._area_share[index].append(area)  # a frame records every step: no new deque per call
+            self._box_share[index].append(boxes)
             self._share_median.pop((index, True), None)
             self._share_median.pop((index, False), None)
             self._open[index] = (planned[0], computed[0], planned[1], computed[1])

@@ -40,9 +40,8 @@ from incrinf.engine.costs import FrameCosts, RegionKind
 from incrinf.engine.frame_steps import BoundStep, bind_steps
 from incrinf.engine.program import Program, Step
 from incrinf.engine.stores import FrameCache, take
-from incrinf.engine.windows import WindowSpec, padded_crop
+from incrinf.engine.windows import WindowSpec, crop_view, padded_crop
 from incrinf.geometry import Box, Boxes
-from incrinf.kernels.gather import from_rows, to_rows
 
 _EIGHT_NEIGHBOURS = np.ones((3, 3), bool)
 # Up to this many boxes, merge_by_cost tries every pair in Python (cheaper than setting up arrays; same result).
@@ -299,10 +298,14 @@ class Geometry:
     def parts(self, index: int, boxes: list[Box]) -> tuple[float, float]:
         """``(fixed, arithmetic)`` seconds of step ``index`` on ``boxes`` as profiled: each box's call and
         arithmetic, summed, before the calibration and pruning."""
+        return self.area_parts(index, [area(b) for b in boxes])
+
+    def area_parts(self, index: int, areas: list[int]) -> tuple[float, float]:
+        """:meth:`parts` of boxes of ``areas`` positions each."""
         costs = self.costs
         fixed = arithmetic = 0.0
-        for b in boxes:
-            call, compute = costs.box_parts(index, area(b))
+        for positions in areas:
+            call, compute = costs.box_parts(index, positions)
             fixed, arithmetic = fixed + call, arithmetic + compute
         return fixed, arithmetic
 
@@ -388,8 +391,10 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
         (index, costs.suffix_parts(program.steps[index].out)) for index in geometry.cut_steps
         if switch <= index < len(step_parts))
     parts = PlanParts(tuple(step_parts), switch, dense, costs.tail, cuts)
+    # counted now, on the plan the cache keeps: the copies that price its reuses share the counts
+    counts = [(sum(area(b) for b in boxes), len(boxes)) for boxes in steps]
     return RegionPlan(start, steps, None if switch is None else program.steps[switch].out, flops,
-                      plan_seconds(program, costs, parts), gathered, unchanged and switch is None, parts)
+                      plan_seconds(program, costs, parts), gathered, unchanged and switch is None, parts, counts)
 
 
 def plan_seconds(program: Program, costs: FrameCosts, parts: PlanParts) -> float:
@@ -472,7 +477,8 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
     program, costs = geometry.program, geometry.costs
     input_name = program.graph.input.name
     regions: dict[str, list[Boxes]] = {input_name: [
-        Boxes((b[0], b[2]), (b[1] - b[0], b[3] - b[2]), x[:, :, b[0]:b[1], b[2]:b[3]]) for b in plan.start]}
+        Boxes((b[0], b[2]), (b[1] - b[0], b[3] - b[2]), crop_view(x, b[0], b[2], b[1] - b[0], b[3] - b[2]))
+        for b in plan.start]}
     result = RegionResult(None, 0.0, 0, seconds=costs.frame_seconds(RegionKind.BOXES))
     pruned = False
     switch_index = geometry.step_of[plan.switch] if plan.switch is not None else len(program.steps)
@@ -482,7 +488,7 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
     cached_set, planned, counts, bound = program.cached_set, plan.steps, plan.counts, geometry.bound
     planned_parts = plan.parts.steps
     for index, (step, live) in enumerate(zip(program.steps, program.live)):
-        if not any(regions.get(name) for name in live):
+        if not any(map(regions.get, live)):
             # every change has died out (pruning): later tensors keep their cached values, and the plan's boxes
             # up to its switch were computed nowhere
             for rest in range(index, min(switch_index + 1, len(planned))):
@@ -499,8 +505,9 @@ def walk_regions(geometry: Geometry, cache: FrameCache, x: torch.Tensor, plan: R
                 bounds = planned[index]
             out = [run_box(program, cache, step, regions, b, bound[index]) for b in bounds]
         if pruned or index >= len(planned_parts):
-            call, compute = geometry.parts(index, [box.bounds for box in out])
-            positions = sum(box.area for box in out)
+            areas = [box.area for box in out]
+            call, compute = geometry.area_parts(index, areas)
+            positions = sum(areas)
             if index < len(planned):
                 _record_share(costs, index, counts[index], (positions, len(out)))
         else:  # the plan's boxes as planned: its counts and parts stand
@@ -573,11 +580,7 @@ def run_pointwise(program: Program, step: Step, source: Boxes, bound: BoundStep 
     the step's calls bound for the walk (:mod:`~incrinf.engine.frame_steps`)."""
     out = Boxes(source.lo, source.size)
     if bound is not None and bound.weight_t is not None:  # a 1x1 convolution: one matrix product over rows
-        values = source.values
-        rows = to_rows(values)
-        product = torch.mm(rows, bound.weight_t) if bound.bias is None else \
-            torch.addmm(bound.bias, rows, bound.weight_t)
-        values = from_rows(product, values.shape[0], tuple(values.shape[2:]))
+        values = bound.product(source.values)
     else:
         values = merge_values(program, step, {step.inputs[0]: source.values}, out)
     for fn in step.functions if bound is None else bound.functions:
@@ -592,19 +595,26 @@ def run_box(program: Program, cache: FrameCache, step: Step, regions: dict[str, 
     (:mod:`~incrinf.engine.frame_steps`)."""
     out = Boxes((bounds[0], bounds[2]), (bounds[1] - bounds[0], bounds[3] - bounds[2]))
     if step.window is not None:
-        values = step.op(padded_crop(step.window, cache.map(step.window.source), bounds))
+        crop = padded_crop(step.window, cache.map(step.window.source), bounds)
+        if bound is not None and bound.window is not None:  # the head and its leading clamp in one call
+            values = bound.window(crop)
+            for fn in bound.after_window:
+                values = fn(values)
+            out.values = values
+            return out
+        values = step.op(crop)
         if step.factors is not None:
             values = values * take(step.factors, out)
-    else:
-        first = step.inputs[0]
-        if len(step.inputs) == 1:
-            source = next(b for b in regions[first] if b.bounds == bounds)
-            if bound is not None and bound.weight_t is not None:
-                return run_pointwise(program, step, source, bound)
-            inputs = {first: source.values}
-        else:  # a merge: every input is cached and committed
-            inputs = {name: take(cache.map(name), out) for name in step.inputs}
-        values = merge_values(program, step, inputs, out)
+    elif len(step.inputs) == 1:
+        source = next(b for b in regions[step.inputs[0]] if b.bounds == bounds)
+        if bound is not None and bound.weight_t is not None:
+            return run_pointwise(program, step, source, bound)
+        values = merge_values(program, step, {step.inputs[0]: source.values}, out)
+    elif bound is not None and bound.merge is not None:  # a merge of two cached and committed tensors
+        first, second = step.inputs
+        values = bound.merge(take(cache.map(first), out), take(cache.map(second), out))
+    else:  # a merge: every input is cached and committed
+        values = merge_values(program, step, {name: take(cache.map(name), out) for name in step.inputs}, out)
     for fn in step.functions if bound is None else bound.functions:
         values = fn(values)
     out.values = values

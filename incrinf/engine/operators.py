@@ -332,6 +332,11 @@ class Operators:
         conv = _CONV[d]
         return lambda x: conv(x, weight, bias, stride, before, dilation, groups)
 
+    def window_conv(self, node: Node, folded: tuple | None = None) -> tuple | None:
+        """``(weight, bias, stride, dilation, groups)`` of a window convolution as its operator runs it (its weight
+        channels-last, ``folded`` replacing its own parameters); None for any other node."""
+        return self._window_conv(node, folded) if node.operator == Operator.CONV and node.is_window else None
+
     def _window_conv(self, node: Node, folded: tuple | None) -> tuple:
         """A window convolution's parameters with its weight channels-last (the windows arrive channels-last:
         oneDNN reorders other weights on every call), made once per node for all its operators."""

@@ -42,6 +42,7 @@ class Step:
         dims: the output's spatial extents.
         channels: the output's channel axes (more than one after a channel shuffle's view).
         weight_bytes: bytes of the head's weights (a convolution's), which every batch that runs the step reads.
+        conv: ``(weight, bias, stride, dilation, groups)`` of a convolution head that ``op`` runs (None otherwise).
         whole_op: for a window step whose padding is all zeros, its operator over the whole unpadded source map
             with the padding done by the operator itself (None otherwise): oneDNN runs a 3x3 convolution on a 7x7
             map with padding 1 about 15% faster than on the 9x9 map padded beforehand (14x14: 6-12%).
@@ -61,6 +62,7 @@ class Step:
     channels: tuple[int, ...] = ()
     weight_bytes: int = 0
     whole_op: WindowOp | None = None
+    conv: tuple | None = None
     functions: list = field(default_factory=list, repr=False)  # the chain, bound once
 
     @property
@@ -234,6 +236,7 @@ class Program:
             if node.name in windows:
                 step.window = windows[node.name]
                 step.op = ops.window(node, folded)
+                step.conv = ops.window_conv(node, folded)
                 step.whole_op = ops.whole_window(node, step.window, step.dims, folded)
                 value = env.get(node.name)
                 dtype, device = _reference(graph, value if value is not None else env.get(graph.input.name))

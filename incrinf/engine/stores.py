@@ -24,7 +24,7 @@ import torch
 from incrinf.engine.layout import Gather, Layout, Place, Projection, aligned_index, projection_index, window_index
 from incrinf.engine.program import Program, Step
 from incrinf.engine.regions import cut
-from incrinf.engine.windows import WindowSpec, pad_map, padded_crop
+from incrinf.engine.windows import WindowSpec, crop_view, pad_map, padded_crop
 from incrinf.geometry import Boxes
 from incrinf.kernels import dispatch
 from incrinf.kernels.gather import box_rows, from_rows, overlay_boxes, to_rows
@@ -40,9 +40,9 @@ def take(tensor: torch.Tensor, boxes: Boxes) -> torch.Tensor:
     """The values of a (1, C..., *dims) tensor inside ``boxes``: (N, C..., *size) (a view for one box)."""
     d = len(boxes.size)
     if boxes.single:
-        if d == 2:  # a camera frame's box, once per commit and merge input: no generator around two slices
+        if d == 2:  # a camera frame's box, once per commit and merge input: one view, no generator
             (y, x), (h, w) = boxes.lo, boxes.size
-            return tensor[..., y:y + h, x:x + w]
+            return crop_view(tensor, y, x, h, w)
         return tensor[(..., *(slice(int(lo), int(lo) + s) for lo, s in zip(boxes.lo, boxes.size)))]
     dims = tuple(tensor.shape[-d:])
     index = torch.from_numpy(box_rows(boxes.start(), boxes.size, dims)).to(tensor.device)
@@ -260,6 +260,8 @@ class FrameCache:
         self.frame: torch.Tensor | None = None
         self.last_output: Any = None
         self._input_name = program.graph.input.name
+        # per cached tensor, its channel axes and channel count (float32) for the commits' pruning test
+        self._channels: dict[str, tuple[tuple[int, ...], np.float32]] = {}
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -336,16 +338,15 @@ class FrameCache:
         target = take(self.map(name), region)
         eps = feature_threshold * self.scale(name) if feature_threshold > 0 else 0.0
         if eps > 0:
-            values = region.values
-            delta = torch.sub(values, target).abs_()
-            channels = tuple(range(1, delta.dim() - self.d))
+            delta = torch.sub(region.values, target).abs_()
+            channels, count = self._channels.get(name) or self._channel_axes(name, delta)
             # torch's CPU mean is this sum divided by the channel count: the division and the comparison against
             # eps, both in float32 as torch's would be, are done in numpy (two operator calls less per commit,
             # the scalar division's tensor included, and a frame commits every cached tensor's boxes)
             sums = delta.sum(dim=channels)
             if sums.requires_grad:
                 sums = sums.detach()
-            moved = sums.numpy() / np.float32(math.prod(delta.shape[1:delta.dim() - self.d])) > np.float32(eps)
+            moved = sums.numpy() / count > np.float32(eps)
             kept = _cut_one(region, moved[0]) if region.single and self.d == 2 else cut(region, moved)
             if kept is None:
                 return None
@@ -353,6 +354,12 @@ class FrameCache:
                 region, target = kept, take(self.map(name), kept)
         target.copy_(region.values)
         return region
+
+    def _channel_axes(self, name: str, values: torch.Tensor) -> tuple[tuple[int, ...], np.float32]:
+        """The channel axes of a tensor's values (1, C..., *dims) and their element count, kept per tensor."""
+        axes = tuple(range(1, values.dim() - self.d))
+        entry = self._channels[name] = axes, np.float32(math.prod(values.shape[1:values.dim() - self.d]))
+        return entry
 
 
 def _cut_one(region: Boxes, moved: np.ndarray) -> Boxes | None:
@@ -368,7 +375,7 @@ def _cut_one(region: Boxes, moved: np.ndarray) -> Boxes | None:
     xs = cols.nonzero()[0]
     y0, y1, x0, x1 = int(ys[0]), int(ys[-1]) + 1, int(xs[0]), int(xs[-1]) + 1
     return Boxes((int(region.lo[0]) + y0, int(region.lo[1]) + x0), (y1 - y0, x1 - x0),
-                 region.values[..., y0:y1, x0:x1])
+                 crop_view(region.values, y0, x0, y1 - y0, x1 - x0))
 
 
 def expand_output(out: Any, n: int) -> Any:

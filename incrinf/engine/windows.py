@@ -114,6 +114,18 @@ def padded_rows(spec: WindowSpec, source: torch.Tensor) -> torch.Tensor:
     return to_rows(padded_map(spec, source)).contiguous()
 
 
+def crop_view(tensor: torch.Tensor, y: int, x: int, h: int, w: int) -> torch.Tensor:
+    """``tensor[..., y:y + h, x:x + w]`` of a tensor (..., H, W), as one ``as_strided`` view where the crop lies
+    inside it (the two slices cost two operator calls and the indexing's parsing; a frame crops every step's
+    windows and commits this way); the slices otherwise (they clip)."""
+    shape = tensor.shape
+    if 0 <= y and y + h <= shape[-2] and 0 <= x and x + w <= shape[-1] and h > 0 and w > 0:
+        stride = tensor.stride()
+        return tensor.as_strided((*shape[:-2], h, w), stride,
+                                 tensor.storage_offset() + y * stride[-2] + x * stride[-1])
+    return tensor[..., y:y + h, x:x + w]
+
+
 def padded_crop(spec: WindowSpec, source: torch.Tensor, bounds: Box) -> torch.Tensor:
     """The read-in window of the output box ``bounds``: a crop (a view) of ``source`` (1, C, *dims), padded where
     it reaches beyond the map (first the views' value, then the operator's own).
@@ -126,10 +138,15 @@ def padded_crop(spec: WindowSpec, source: torch.Tensor, bounds: Box) -> torch.Te
     lo = [bounds[2 * a] * spec.stride[a] - spec.offset[a] for a in range(d)]
     hi = [(bounds[2 * a + 1] - 1) * spec.stride[a] - spec.offset[a] + spec.extent[a] for a in range(d)]
     if d == 2 and lo[0] >= 0 and lo[1] >= 0 and hi[0] <= dims[0] and hi[1] <= dims[1]:
-        return source[..., lo[0]:hi[0], lo[1]:hi[1]]  # inside the map (most crops of a camera frame): a view
+        # inside the map (most crops of a camera frame): a view
+        return crop_view(source, lo[0], lo[1], hi[0] - lo[0], hi[1] - lo[1])
     # clamped so that a window lying wholly in the padding is an empty crop (a negative end would wrap around)
     starts = [min(max(lo[a], 0), dims[a]) for a in range(d)]
-    crop = source[(..., *(slice(starts[a], max(min(hi[a], dims[a]), starts[a])) for a in range(d)))]
+    ends = [max(min(hi[a], dims[a]), starts[a]) for a in range(d)]
+    if d == 2:
+        crop = crop_view(source, starts[0], starts[1], ends[0] - starts[0], ends[1] - starts[1])
+    else:
+        crop = source[(..., *(slice(starts[a], ends[a]) for a in range(d)))]
     if all(lo[a] >= 0 and hi[a] <= dims[a] for a in range(d)):  # inside the map: the common case, no padding
         return crop
 

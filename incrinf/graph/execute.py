@@ -66,6 +66,24 @@ def unary(graph: Graph, node: Node, source: str, value: Value) -> Callable[[Any]
     return (lambda v: fn(v, *rest)) if rest else fn
 
 
+def binary(graph: Graph, node: Node, first: str, second: str) -> Callable[[Any, Any], Any] | None:
+    """``node`` as a function of its two tensor inputs ``first`` and ``second`` when they are its only arguments,
+    in that order (an elementwise add or multiply of two maps); None for any other form (constants, keywords,
+    a list of tensors). Like :func:`unary`, it spares a merge of a few small boxes the per-call argument
+    resolution of :func:`invoke`."""
+    fx_node = node.fx_node
+    args = fx_node.args
+    if fx_node.kwargs or len(args) != 2 or not all(isinstance(a, torch.fx.Node) for a in args) \
+            or (args[0].name, args[1].name) != (first, second):
+        return None
+    if fx_node.op == "call_method":
+        method = str(fx_node.target)
+        return lambda a, b: getattr(a, method)(b)
+    if fx_node.op == "call_module":
+        return graph.module.get_submodule(str(fx_node.target))
+    return fx_node.target if fx_node.op == "call_function" else None
+
+
 class _Releasing(torch.fx.Interpreter):
     """A module run node by node that reports the bytes of the values it drops after their last reader (to
     ``released``, before the next node runs), except those of nodes ``held`` names (recorded elsewhere).
