@@ -55,11 +55,10 @@ class Normalization:
         array = np.ascontiguousarray(pixels)
         if array.ndim != 3 or array.shape[2] != self.channels:
             raise ValueError(f"pixels must be (H, W, {self.channels}), got shape {array.shape}")
-        x = torch.from_numpy(array).to(device)[None].float()  # (1, H, W, C)
+        x = torch.from_numpy(array).to(device).permute(2, 0, 1)[None].float()  # channels-last already
         scale, shift = self._scale_shift(device, array.dtype == np.uint8)
-        # normalised in the pixels' own layout (channels last): one pass over the frame, no reordering copy
-        x = torch.addcmul(shift.view(1, 1, 1, -1), x, scale.view(1, 1, 1, -1)).permute(0, 3, 1, 2)
-        return x if channels_last else x.contiguous()
+        x = torch.addcmul(shift, x, scale)
+        return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
     def normalize(self, image: torch.Tensor) -> torch.Tensor:
         """(..., C, H, W) float image in [0, 1] -> normalised, same shape."""
