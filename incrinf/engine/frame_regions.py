@@ -357,12 +357,22 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     # them, in the same arithmetic)
     call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
     coefficients, survival = costs.steps, costs.survival
+    quantum, pointwise = geometry.quantum, geometry.pointwise
     died = False
     for index, (step, live) in enumerate(zip(program.steps, program.live)):
         if not any(regions.get(name) for name in live):
             died = True
             break
-        boxes = geometry.out_boxes(index, step, regions)
+        window = step.window
+        # Geometry.out_boxes, with its two commonest cases (one box through a window, boxes through a pointwise
+        # step) taken here: a plan asks at every step of every cached frame
+        source = regions.get(window.source) if window is not None else None
+        if source is not None and len(source) == 1:
+            boxes = [grow_box(source[0], window, step.dims, quantum)]
+        elif window is None and pointwise[index]:
+            boxes = list(regions.get(step.inputs[0], ()))
+        else:
+            boxes = geometry.out_boxes(index, step, regions)
         steps.append(boxes)
         if len(boxes) == 1:  # Geometry.parts of one box, without its loop
             b = boxes[0]

@@ -361,6 +361,7 @@ def test_a_plans_steps_are_priced_as_their_boxes(mobilenet_engine, start):
             assert not boxes
             continue
         assert plan.parts.steps[index] == geometry.parts(index, boxes)
+        assert boxes == geometry.out_boxes(index, step, regions)  # the walk's geometry, as a pruned walk asks it
         grown = [grow_box(b, step.window, step.dims, geometry.quantum) for b in regions.get(step.window.source, ())] \
             if step.window is not None else None
         if grown is not None and len(grown) > 1:
