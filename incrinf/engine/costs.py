@@ -207,8 +207,9 @@ class FrameCosts:
         only choices within a step of a tie can differ from a fresh plan's. The frame's fixed cost is left out: it
         is the same whatever the plan chooses."""
         n = len(self.steps)
-        area = sum(self.survival(i)[0] for i in range(n)) / max(n, 1)
-        boxes = sum(self.survival(i)[1] for i in range(n)) / max(n, 1)
+        shares = [self.survival(i) for i in range(n)]
+        area = sum(share[0] for share in shares) / max(n, 1)
+        boxes = sum(share[1] for share in shares) / max(n, 1)
         ratios = (self.call_ratio(RegionKind.BOXES), self.compute_ratio(RegionKind.BOXES), self.dense_ratio, area,
                   boxes)
         return (tuple(round(math.log2(max(r, 1e-9)) * PLAN_STEPS) for r in ratios),

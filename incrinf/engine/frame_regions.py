@@ -272,7 +272,9 @@ class Geometry:
         regional = sum(step_seconds[cut + 1:end])
         if nxt is None:
             return regional + costs.tail_seconds() >= costs.suffix(program.steps[cut].out)
-        return regional >= costs.suffix(program.steps[cut].out) - costs.suffix(program.steps[nxt].out)
+        ratio = costs.dense_ratio  # FrameCosts.suffix of both cut points, the ratio read once
+        return regional >= costs.suffix_parts(program.steps[cut].out) * ratio \
+            - costs.suffix_parts(program.steps[nxt].out) * ratio
 
     def segment(self, cut: int, regions: dict[str, list[Box]]) -> list[float]:
         """Predicted seconds per step (indexed by step) of the regional steps after the cut point step ``cut`` up to
@@ -331,13 +333,15 @@ class Geometry:
             if not src:
                 return []
             grown = [grow_box(b, step.window, step.dims, self.quantum) for b in src]
-            return merge_by_cost(grown, self.break_even(index))
+            # one box has nothing to merge with: its break-even (the calibration's ratios) need not be read
+            return grown if len(grown) == 1 else merge_by_cost(grown, self.break_even(index))
         present = [b for name in step.inputs for b in regions.get(name, ())]
         if not present:
             return []
         if len(step.inputs) == 1:
             return list(present)  # values flow box by box: the input may not be cached
-        return merge_by_cost([_clip(b, step.dims) for b in present], self.break_even(index))
+        clipped = list(dict.fromkeys(_clip(b, step.dims) for b in present))
+        return clipped if len(clipped) == 1 else merge_by_cost(clipped, self.break_even(index))
 
 
 def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
@@ -352,17 +356,36 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     # per step, (fixed, arithmetic) seconds of its boxes as profiled: priced with the calibration, read once, and
     # kept as the plan's parts
     step_parts: list[tuple[float, float]] = []
-    ratios = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
+    # the calibration does not change while a frame is planned: its ratios are read once (as Geometry.price reads
+    # them, in the same arithmetic)
+    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
+    coefficients, survival = costs.steps, costs.survival
+    quantum, pointwise = geometry.quantum, geometry.pointwise
     died = False
-    for index, step in enumerate(program.steps):
-        if not any(regions.get(name) for name in program.live[index]):
+    for index, (step, live) in enumerate(zip(program.steps, program.live)):
+        if not any(regions.get(name) for name in live):
             died = True
             break
-        boxes = geometry.out_boxes(index, step, regions)
+        window = step.window
+        # Geometry.out_boxes, with its two commonest cases (one box through a window, boxes through a pointwise
+        # step) taken here: a plan asks at every step of every cached frame
+        source = regions.get(window.source) if window is not None else None
+        if source is not None and len(source) == 1:
+            boxes = [grow_box(source[0], window, step.dims, quantum)]
+        elif window is None and pointwise[index]:
+            boxes = list(regions.get(step.inputs[0], ()))
+        else:
+            boxes = geometry.out_boxes(index, step, regions)
         steps.append(boxes)
-        parts = geometry.parts(index, boxes)
+        if len(boxes) == 1:  # Geometry.parts of one box, without its loop
+            b = boxes[0]
+            cost = coefficients[index]
+            parts = (0.0 + cost.box_call, 0.0 + cost.per_position * ((b[1] - b[0]) * (b[3] - b[2])))
+        else:
+            parts = geometry.parts(index, boxes)
         step_parts.append(parts)
-        step_seconds.append(geometry.price(index, parts, ratios=ratios))
+        area_share, box_share = survival(index)
+        step_seconds.append(box_share * call_ratio * parts[0] + area_share * compute_ratio * parts[1])
         if boxes:
             regions[step.out] = boxes
     steps.extend([] for _ in range(len(program.steps) - len(steps)))
@@ -375,11 +398,16 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     last = len(step_seconds) if switch is None else switch + 1
     dense = 0.0
     flops, gathered = 0.0, 0
+    read_bytes = geometry.read_bytes
     for index in range(last):
         step = program.steps[index]
+        window = step.window
         for b in steps[index]:
-            flops += step.flops * area(b) / step.positions
-            gathered += _gathered(geometry, index, step, b)
+            h, w = b[1] - b[0], b[3] - b[2]
+            flops += step.flops * (h * w) / step.positions
+            if window is not None:  # _gathered, inlined: a window's read-in window
+                h, w = (h - 1) * window.stride[0] + window.extent[0], (w - 1) * window.stride[1] + window.extent[1]
+            gathered += h * w * read_bytes[index]
     if switch is not None:
         cut = program.steps[switch].out
         dense = costs.suffix_parts(cut)

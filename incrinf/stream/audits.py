@@ -45,6 +45,14 @@ _REFERENCES = 8  # recent full audits whose errors a sample is compared with
 _FLOOR = 1e-4
 
 
+def _choice_cdf(weights: np.ndarray) -> np.ndarray:
+    """The cumulative distribution ``Generator.choice(n, p=weights)`` draws from (``weights`` (n,) float64, summing
+    to 1): an index is ``cdf.searchsorted(generator.random(), side="right")``, the same draw from the same state."""
+    cdf = weights.cumsum()
+    cdf /= cdf[-1]
+    return cdf
+
+
 @dataclass(frozen=True)
 class SampleResult:
     """One sampled audit: the cache's relative error on the tiles and whether it flagged a full audit."""
@@ -88,15 +96,16 @@ class SampledAudit:
         ph, pw = probe.dims
         t = probe.tile
         h, w = frame_size
-        weights = None
+        cdf = None
         if mask is not None:
             diff = np.minimum(mask.cell_diff.astype(np.float64), max(self.config.pixel_threshold, 1e-6))
             if diff.sum() > 0:
-                weights = diff.reshape(-1) / diff.sum()
+                cdf = _choice_cdf(diff.reshape(-1) / diff.sum())
         out = []
         for _ in range(self.n_tiles):
-            if weights is not None and self.rng.random() >= _UNIFORM:
-                cell = int(self.rng.choice(len(weights), p=weights))
+            if cdf is not None and self.rng.random() >= _UNIFORM:
+                # Generator.choice(len(weights), p=weights), its distribution built once for the frame's tiles
+                cell = int(cdf.searchsorted(self.rng.random(), side="right"))
                 gy, gx = divmod(cell, mask.cells.shape[1])
                 cy = (gy + self.rng.random()) * mask.cell * ph / h
                 cx = (gx + self.rng.random()) * mask.cell * pw / w

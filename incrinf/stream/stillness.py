@@ -172,5 +172,11 @@ def align(reference: np.ndarray, shift: tuple[float, float]) -> np.ndarray:
     if math.hypot(dx, dy) < _SUBPIXEL:
         return reference
     h, w = reference.shape[:2]
-    return cv2.warpAffine(reference, np.float32([[1, 0, dx], [0, 1, dy]]), (w, h), flags=cv2.INTER_LINEAR,
-                          borderMode=cv2.BORDER_REFLECT_101)
+    matrix = np.float32([[1, 0, dx], [0, 1, dy]])
+    if reference.ndim == 3 and reference.shape[2] == 3 and reference.dtype == np.uint8:
+        # OpenCV's vectorised bilinear warp takes four channels: the same fixed-point arithmetic per channel (the
+        # same values), in less than half the time of three even with the conversions
+        four = cv2.warpAffine(cv2.cvtColor(reference, cv2.COLOR_RGB2RGBA), matrix, (w, h), flags=cv2.INTER_LINEAR,
+                              borderMode=cv2.BORDER_REFLECT_101)
+        return cv2.cvtColor(four, cv2.COLOR_RGBA2RGB)
+    return cv2.warpAffine(reference, matrix, (w, h), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REFLECT_101)

@@ -343,3 +343,34 @@ def test_the_prediction_tracks_what_pruned_frames_computed():
     assert predicted[3] == pytest.approx(died)  # 2 carried of 5
     assert predicted[4] == pytest.approx((died + carried) / 2)  # 3 of 6: the median of an even count
     assert engine.plan_boxes([box]).seconds == pytest.approx(carried)  # 4 of 7 carried on
+
+
+@pytest.mark.parametrize("start", [[(40, 42, 60, 62)], [(6, 18, 4, 14), (76, 88, 112, 124)],
+                                   [(0, 8, 0, 8), (4, 12, 4, 12), (50, 60, 30, 40), (90, 96, 120, 128)]])
+def test_a_plans_steps_are_priced_as_their_boxes(mobilenet_engine, start):
+    """A plan's per-step parts and flops are those of its boxes (:meth:`Geometry.parts`, each step's multiply-adds per
+    position), and each step's boxes are the geometry's for the boxes before it (one box passes through unmerged,
+    several are merged by cost), whatever shortcuts the planning takes."""
+    engine = mobilenet_engine[0]
+    geometry, program = engine.geometry, engine.program
+    plan = engine.plan_boxes(start)
+    regions = {program.graph.input.name: plan.start}
+    flops = 0.0
+    for index, (step, boxes) in enumerate(zip(program.steps, plan.steps)):
+        if index >= len(plan.parts.steps):
+            assert not boxes
+            continue
+        assert plan.parts.steps[index] == geometry.parts(index, boxes)
+        assert boxes == geometry.out_boxes(index, step, regions)  # the walk's geometry, as a pruned walk asks it
+        grown = [grow_box(b, step.window, step.dims, geometry.quantum) for b in regions.get(step.window.source, ())] \
+            if step.window is not None else None
+        if grown is not None and len(grown) > 1:
+            assert boxes == merge_by_cost(grown, geometry.break_even(index))
+        elif grown:
+            assert boxes == grown
+        if plan.switch is None or index <= geometry.step_of[plan.switch]:
+            flops += sum(step.flops * area(b) / step.positions for b in boxes)
+        if boxes:
+            regions[step.out] = boxes
+    assert plan.flops == pytest.approx(flops + program.tail_flops + (
+        program.suffix_flops(plan.switch) if plan.switch is not None else 0.0))

@@ -51,3 +51,25 @@ def test_drift_notes_follow_the_fields_and_a_still_frame_moves_only_large_drifts
             assert engine._motion(np.eye(3)) is None
         assert torch.isfinite(out).all()
     assert engine._drifting  # the sub-stride pan left drift behind: the notes were checked with fields in use
+
+
+def test_the_frames_own_resolution_has_one_read_only_zero_drift():
+    """The frame's own resolution is never cached: its drift is zeros made once and read-only (nothing may write
+    into the field every frame shares), still and panning frames alike; the cached maps' fields stay writable."""
+    model = models.load("mobilenet_v2").eval()
+    frames, _ = _frames()
+    engine = CameraEngine(capture(model, (3, *frames[0].shape[:2])), max_misalignment=0.5)
+    engine.full(_x(frames[0]))
+    own = engine.input_dims
+    assert own not in engine.engine.cached_resolutions
+    seen = []
+    for matrix in (np.eye(3), np.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), np.eye(3)):
+        engine._memo = None
+        warps = engine._warps(matrix)
+        drift = warps[own].drift
+        assert drift.shape == (2, *own) and not drift.any() and not drift.flags.writeable
+        seen.append(drift)
+        assert all(warps[res].drift.flags.writeable for res in warps if res in engine.engine.cached_resolutions)
+    assert all(d is seen[0] for d in seen)
+    out = engine.cached(_x(frames[1]), np.ones(frames[1].shape[:2], bool), np.eye(3))  # runs with the shared field
+    assert torch.isfinite(out).all() and not seen[0].any()

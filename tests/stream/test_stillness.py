@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import skimage.data
 
-from incrinf.stream.stillness import StillnessTest, _gray
+from incrinf.stream.stillness import StillnessTest, _gray, align
 from incrinf.testing.clips import load_clip
 
 
@@ -66,3 +66,19 @@ def test_the_quarters_shifts_give_the_zoom_and_the_shift(zoom, shift):
     np.testing.assert_allclose(np.diag(motion.matrix)[:2], [zoom, zoom], atol=0.006)
     middle = motion.matrix @ np.array([(size[1] - 1) / 2, (size[0] - 1) / 2, 1.0])
     np.testing.assert_allclose(middle[:2] - [(size[1] - 1) / 2, (size[0] - 1) / 2], shift, atol=0.3)
+
+
+@pytest.mark.parametrize("shift", [(0.3, 0.2), (-0.45, 0.07), (0.06, -0.49), (0.5, 0.5)])
+def test_aligned_reference_equals_opencvs_three_channel_warp(frames, shift):
+    """The sub-pixel alignment warps four channels (OpenCV's vectorised path) and drops the fourth: the same pixels as
+    warping the three (mirrored border included), on a clip frame and on noise of odd sizes."""
+    noise = np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    for image in (frames[0], noise):
+        h, w = image.shape[:2]
+        three = cv2.warpAffine(image, np.float32([[1, 0, shift[0]], [0, 1, shift[1]]]), (w, h),
+                               flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REFLECT_101)
+        moved = align(image, shift)
+        assert moved.shape == image.shape and moved.dtype == np.uint8
+        assert np.array_equal(moved, three)
+        assert not np.array_equal(moved, image)  # the shift did move the pixels
+    assert align(frames[0], (0.01, 0.02)) is frames[0]  # a negligible shift leaves the reference itself
