@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from incrinf.engine.costs import PRIOR_CALL, FrameCosts
+from incrinf.engine.frames import FrameEngine
 from incrinf.stream.session import StreamSession
 
 H, W = 64, 80
@@ -49,6 +50,20 @@ def full_inference(model: nn.Module, frame: np.ndarray) -> torch.Tensor:
     x = torch.from_numpy(frame).permute(2, 0, 1)[None].float() / 255.0
     with torch.no_grad():
         return model((x - 0.5) / 0.5)
+
+
+def untimed_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines profiled from their plans' multiply-adds and bytes (the priors a new engine's costs start from)
+    instead of timed runs: the first full frame's profile, and the no-reuse decision made on it (a small model's
+    measured saving falls under ``min_saving`` when the machine's load inflates its fixed costs), are then the same
+    whatever the load. Later frames still calibrate the costs from what they measure."""
+
+    def profile(self: FrameEngine, *args, **kwargs) -> None:
+        priors = FrameCosts(self.program)
+        calls = [PRIOR_CALL] * len(priors.steps)
+        self.costs.set_profile([s.dense for s in priors.steps], calls, calls, priors.tail, priors.move, 0.0)
+
+    monkeypatch.setattr(FrameEngine, "profile", profile)
 
 
 def frozen_costs(session: StreamSession, monkeypatch: pytest.MonkeyPatch) -> FrameCosts:
