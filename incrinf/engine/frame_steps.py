@@ -176,11 +176,20 @@ def _pair(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (tuple, list)) else [int(value)] * 2
 
 
+def _one_input(node: Node) -> Any:
+    """The fx node of ``node`` when it is applied to its one tensor argument alone (a functional activation's
+    ``inplace`` flag, traced as a keyword, changes nothing here), else None."""
+    fx_node = node.fx_node
+    if fx_node is None or set(fx_node.kwargs) - {"inplace"} or len(fx_node.args) != 1:
+        return None
+    return fx_node
+
+
 def clamp_bounds(node: Node, graph: Graph) -> tuple[float, float | None] | None:
     """``(low, high)`` of an activation node that clamps its only tensor input: ``(0, None)`` for a ReLU, the
     bounds of a ReLU6 or another ``Hardtanh``; None for anything else."""
-    fx_node = node.fx_node
-    if fx_node is None or set(fx_node.kwargs) - {"inplace"} or len(fx_node.args) != 1:
+    fx_node = _one_input(node)
+    if fx_node is None:
         return None
     if fx_node.op == "call_module":
         module = module_of(graph, node)
@@ -199,9 +208,8 @@ def clamp_bounds(node: Node, graph: Graph) -> tuple[float, float | None] | None:
 def in_place_activation(node: Node, graph: Graph) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The in-place form of an activation node applied to its only tensor input, or None when it is not one of the
     common activations (or takes other arguments than those read here)."""
-    fx_node = node.fx_node
-    # a functional activation's ``inplace`` flag (traced as a keyword) changes nothing here
-    if fx_node is None or set(fx_node.kwargs) - {"inplace"} or len(fx_node.args) != 1:
+    fx_node = _one_input(node)
+    if fx_node is None:
         return None
     if fx_node.op == "call_module":
         module = module_of(graph, node)
