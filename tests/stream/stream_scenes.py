@@ -69,10 +69,12 @@ def untimed_profile(monkeypatch: pytest.MonkeyPatch) -> None:
 def frozen_costs(session: StreamSession, monkeypatch: pytest.MonkeyPatch) -> FrameCosts:
     """The session's cost coefficients set from the plan's multiply-adds and bytes (the engine's priors) and kept
     there: no profile, no calibration from wall-clock timings, so the speed guard's decisions are a function of the
-    plans alone, whatever the machine's load."""
-    costs = next(iter(session._engines.values())).costs
-    calls = [PRIOR_CALL] * len(costs.steps)
-    costs.set_profile([s.dense for s in costs.steps], calls, calls, costs.tail, costs.move, 0.0)
+    plans alone, whatever the machine's load (the priors of a new cost model of the same program: the first frame's
+    timed profile, when one ran, is replaced)."""
+    engine = next(iter(session._engines.values())).engine
+    costs, priors = engine.costs, FrameCosts(engine.program)
+    calls = [PRIOR_CALL] * len(priors.steps)
+    costs.set_profile([s.dense for s in priors.steps], calls, calls, priors.tail, priors.move, 0.0)
     for name in ("record_full", "record_steps", "record_survival", "record_frame"):
         monkeypatch.setattr(costs, name, lambda *args: None)
     return costs
