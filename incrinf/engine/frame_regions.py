@@ -356,36 +356,17 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     # per step, (fixed, arithmetic) seconds of its boxes as profiled: priced with the calibration, read once, and
     # kept as the plan's parts
     step_parts: list[tuple[float, float]] = []
-    # the calibration does not change while a frame is planned: its ratios are read once (as Geometry.price reads
-    # them, in the same arithmetic)
-    call_ratio, compute_ratio = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
-    coefficients, survival = costs.steps, costs.survival
-    quantum, pointwise = geometry.quantum, geometry.pointwise
+    ratios = costs.call_ratio(RegionKind.BOXES), costs.compute_ratio(RegionKind.BOXES)
     died = False
     for index, (step, live) in enumerate(zip(program.steps, program.live)):
         if not any(regions.get(name) for name in live):
             died = True
             break
-        window = step.window
-        # Geometry.out_boxes, with its two commonest cases (one box through a window, boxes through a pointwise
-        # step) taken here: a plan asks at every step of every cached frame
-        source = regions.get(window.source) if window is not None else None
-        if source is not None and len(source) == 1:
-            boxes = [grow_box(source[0], window, step.dims, quantum)]
-        elif window is None and pointwise[index]:
-            boxes = list(regions.get(step.inputs[0], ()))
-        else:
-            boxes = geometry.out_boxes(index, step, regions)
+        boxes = geometry.out_boxes(index, step, regions)
         steps.append(boxes)
-        if len(boxes) == 1:  # Geometry.parts of one box, without its loop
-            b = boxes[0]
-            cost = coefficients[index]
-            parts = (0.0 + cost.box_call, 0.0 + cost.per_position * ((b[1] - b[0]) * (b[3] - b[2])))
-        else:
-            parts = geometry.parts(index, boxes)
+        parts = geometry.parts(index, boxes)
         step_parts.append(parts)
-        area_share, box_share = survival(index)
-        step_seconds.append(box_share * call_ratio * parts[0] + area_share * compute_ratio * parts[1])
+        step_seconds.append(geometry.price(index, parts, ratios=ratios))
         if boxes:
             regions[step.out] = boxes
     steps.extend([] for _ in range(len(program.steps) - len(steps)))
@@ -398,16 +379,11 @@ def plan_regions(geometry: Geometry, start: list[Box]) -> RegionPlan:
     last = len(step_seconds) if switch is None else switch + 1
     dense = 0.0
     flops, gathered = 0.0, 0
-    read_bytes = geometry.read_bytes
     for index in range(last):
         step = program.steps[index]
-        window = step.window
         for b in steps[index]:
-            h, w = b[1] - b[0], b[3] - b[2]
-            flops += step.flops * (h * w) / step.positions
-            if window is not None:  # _gathered, inlined: a window's read-in window
-                h, w = (h - 1) * window.stride[0] + window.extent[0], (w - 1) * window.stride[1] + window.extent[1]
-            gathered += h * w * read_bytes[index]
+            flops += step.flops * area(b) / step.positions
+            gathered += _gathered(geometry, index, step, b)
     if switch is not None:
         cut = program.steps[switch].out
         dense = costs.suffix_parts(cut)

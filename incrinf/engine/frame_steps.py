@@ -207,29 +207,21 @@ def clamp_bounds(node: Node, graph: Graph) -> tuple[float, float | None] | None:
 
 def in_place_activation(node: Node, graph: Graph) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The in-place form of an activation node applied to its only tensor input, or None when it is not one of the
-    common activations (or takes other arguments than those read here)."""
+    common activations (or takes other arguments than those read here). A clamp (:func:`clamp_bounds`: a ReLU, a
+    ReLU6 or another ``Hardtanh``) runs as ``relu_`` or ``clamp_``."""
+    clamp = clamp_bounds(node, graph)
+    if clamp is not None:
+        low, high = clamp
+        return torch.relu_ if high is None else (lambda v: torch.clamp_(v, low, high))
     fx_node = _one_input(node)
     if fx_node is None:
         return None
     if fx_node.op == "call_module":
-        module = module_of(graph, node)
-        if isinstance(module, nn.Hardtanh):  # ReLU6 too
-            low, high = float(module.min_val), float(module.max_val)
-            return lambda v: torch.clamp_(v, low, high)
-        kinds = {nn.ReLU: torch.relu_, nn.Sigmoid: torch.sigmoid_,
-                 nn.Hardswish: lambda v: F.hardswish(v, inplace=True), nn.SiLU: lambda v: F.silu(v, inplace=True)}
-        return kinds.get(type(module))
+        kinds = {nn.Sigmoid: torch.sigmoid_, nn.Hardswish: lambda v: F.hardswish(v, inplace=True),
+                 nn.SiLU: lambda v: F.silu(v, inplace=True)}
+        return kinds.get(type(module_of(graph, node)))
     if fx_node.op == "call_function":
-        target = fx_node.target
-        if target in (torch.relu, F.relu):
-            return torch.relu_
-        if target is F.relu6:
-            return lambda v: torch.clamp_(v, 0.0, 6.0)
-        if target in (torch.sigmoid, F.sigmoid):
-            return torch.sigmoid_
-        return None
-    if fx_node.op == "call_method" and fx_node.target in ("relu", "sigmoid"):
-        method = f"{fx_node.target}_"
-        return lambda v: getattr(v, method)()
+        return torch.sigmoid_ if fx_node.target in (torch.sigmoid, F.sigmoid) else None
+    if fx_node.op == "call_method" and fx_node.target == "sigmoid":
+        return torch.sigmoid_
     return None
-
