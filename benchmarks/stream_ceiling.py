@@ -347,8 +347,8 @@ def _rule_cell(rule: Rule) -> str:
 
 def print_clip_table(rows: list[tuple[float, list[FrameRecord], dict[str, Rule]]]) -> None:
     print(f"  {'thr':>4} {'cached':>6} {'MACs x':>6} {'|pair| med/max':>14} {'|rival| med/max':>15} "
-          f"{'min marg':>8} {'flips':>5} | " + " | ".join(f"{n:^19}" for n in RULES))
-    print(f"  {'':>4} {'':>6} {'cached':>6} {'':>14} {'':>15} {'full/cach':>8} {'':>5} | "
+          f"{'min marg':>9} {'med':>4} {'flips':>5} | " + " | ".join(f"{n:^19}" for n in RULES))
+    print(f"  {'':>4} {'':>6} {'cached':>6} {'':>14} {'':>15} {'full/cach':>9} {'cach':>4} {'':>5} | "
           + " | ".join(f"{'chk x mean/med miss':^19}" for _ in RULES))
     for threshold, records, found in rows:
         cached = [r for r in records if r.kind == "cached"]
@@ -361,8 +361,10 @@ def print_clip_table(rows: list[tuple[float, list[FrameRecord], dict[str, Rule]]
         flips = sum(r.flip for r in cached)
         outside = sum(r.outside for r in cached)
         margin = f"{min(r.margin for r in cached):.2f}/{min(r.cached_margin for r in cached):.2f}"
+        middle = statistics.median(r.cached_margin for r in cached)
         print(f"  {threshold:4g} {len(cached):6d} {_x(macs):>6} {statistics.median(pair):6.3f}/{max(pair):<7.3f} "
-              f"{statistics.median(rival):6.3f}/{max(rival):<8.3f} {margin:>9} {flips:3d}{'*' * bool(outside):2} | "
+              f"{statistics.median(rival):6.3f}/{max(rival):<8.3f} {margin:>9} {middle:4.2f} "
+              f"{flips:3d}{'*' * bool(outside):2} | "
               + " | ".join(f"{_rule_cell(found[n]):^19}" for n in RULES))
 
 
@@ -395,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
           f"the guard's reference at target {args.target:g}")
     print("columns: cached = cached frames (of frames - 1); MACs x cached = full multiply-adds over the cached frames' "
           "mean count; |pair| = lead lost vs the runner-up, |rival| = largest over the 5 closest rivals (either way); "
-          "min marg = smallest top-1 margin of full / cached outputs; flips (* some to a class outside the rivals); "
+          "min marg = smallest top-1 margin of full / cached outputs, med = median cached margin; flips (* some to a "
+          "class outside the rivals); "
           "per rule: checked share of cached frames, speedup by counts (mean / median frame), flips left unchecked")
     model = models.load(MODEL).eval()
     meta = models.info(MODEL)
