@@ -28,7 +28,10 @@ the clip (leave-one-frame-out: a guard that knew every other frame's loss) or on
   (either way), each rank with its own bound at ``1 - (1 - target) / 5`` (together at most ``1 - target`` of the
   frames left unchecked); a frame is checked when its lead over some rival is within that rank's bound. Sound as
   the rival rule (full inference's top class is then among the rivals), but a far rival's large change no longer
-  counts against the close margin.
+  counts against the close margin;
+- pair+ and rank+: the same leads the cache added, signed: full inference's top class can differ from the cached
+  one only where the cache added more than the cached lead, so a lead it took away is no risk (the bound:
+  :func:`signed_reference`). pair+ bounds the cached runner-up only (not sound by construction, as pair).
 
 The oracle checks exactly the frames that flipped.
 
@@ -135,9 +138,30 @@ def reference(losses: Sequence[float], target: float = 0.99) -> float:
     return QualityGuard(StreamConfig(target_agreement=target))._reference(list(losses))
 
 
-def checked(margins: Sequence[float], losses: Sequence[float], fit: str, target: float = 0.99) -> list[bool]:
-    """Which cached frames a guard checks: frame ``i`` iff ``margins[i] <= bound_i``, the bound :func:`reference`
-    fitted on every other frame's loss (``fit="loo"``) or on the frames before ``i`` (``fit="causal"``)."""
+def signed_reference(losses: Sequence[float], target: float = 0.99) -> float:
+    """A bound on a loss in one direction (the positive one), from signed ``losses``: the positive losses taken as
+    exponentially distributed (their mean raised by its standard error, as :func:`reference` does) and as coming on
+    ``(positives + 1) / (losses + 1)`` of the frames (one more than seen, so a clip that showed none is not taken as
+    safe), the level that only ``1 - target`` of the frames exceed, never below the largest positive loss; the
+    unsigned :func:`reference` of the losses' sizes when none is positive (no scale to fit); ``inf`` without losses."""
+    if not losses:
+        return math.inf
+    positive = [v for v in losses if v > 0]
+    if not positive:
+        return reference([abs(v) for v in losses], target)
+    share = (len(positive) + 1) / (len(losses) + 1)
+    budget = 1.0 - target
+    if share <= budget:
+        return max(positive)
+    mean = statistics.fmean(positive) * (1.0 + 1.0 / math.sqrt(len(positive)))
+    return max(max(positive), mean * math.log(share / budget))
+
+
+def checked(margins: Sequence[float], losses: Sequence[float], fit: str, target: float = 0.99,
+            signed: bool = False) -> list[bool]:
+    """Which cached frames a guard checks: frame ``i`` iff ``margins[i] <= bound_i``, the bound fitted on every
+    other frame's loss (``fit="loo"``) or on the frames before ``i`` (``fit="causal"``): :func:`reference` of the
+    losses' sizes, or with ``signed`` :func:`signed_reference` of the losses as given."""
     if len(margins) != len(losses):
         raise ValueError(f"{len(margins)} margins for {len(losses)} losses")
     if fit not in ("loo", "causal"):
@@ -145,21 +169,23 @@ def checked(margins: Sequence[float], losses: Sequence[float], fit: str, target:
     out = []
     for i, margin in enumerate(margins):
         fitted = list(losses[:i]) + (list(losses[i + 1:]) if fit == "loo" else [])
-        out.append(margin <= reference(fitted, target))
+        bound = signed_reference(fitted, target) if signed else reference([abs(v) for v in fitted], target)
+        out.append(margin <= bound)
     return out
 
 
 def checked_by_rank(leads: Sequence[Sequence[float]], losses: Sequence[Sequence[float]], fit: str,
-                    target: float = 0.99) -> list[bool]:
+                    target: float = 0.99, signed: bool = False) -> list[bool]:
     """Which cached frames a guard that bounds each rival rank on its own checks: frame ``i`` iff its lead over
     its ``k``-th closest rival is within the bound fitted (:func:`checked`) to the other frames' losses at rank ``k``
-    (either way) for some ``k``. Each rank's bound is taken at ``1 - (1 - target) / ranks`` so the ranks together
-    leave at most ``1 - target`` of the frames unchecked (a flip comes from one rank)."""
+    (either way; with ``signed`` only the lead the cache added, :func:`signed_reference`) for some ``k``. Each rank's
+    bound is taken at ``1 - (1 - target) / ranks`` so the ranks together leave at most ``1 - target`` of the frames
+    unchecked (a flip comes from one rank)."""
     ranks = len(leads[0]) if leads else 0
     if not ranks:
         return [False] * len(leads)  # no rival: no lead to lose
     share = 1.0 - (1.0 - target) / ranks
-    marks = [checked([lead[k] for lead in leads], [abs(loss[k]) for loss in losses], fit, share)
+    marks = [checked([lead[k] for lead in leads], [loss[k] for loss in losses], fit, share, signed)
              for k in range(ranks)]
     return [any(mark[i] for mark in marks) for i in range(len(leads))]
 
@@ -207,7 +233,8 @@ def apply_rule(records: Sequence[FrameRecord], checks: Sequence[bool]) -> Rule:
     return Rule(sum(checks) / len(checks) if checks else 0.0, missed, mean_x, median_x)
 
 
-RULES = ("none", "pair loo", "rival loo", "rank loo", "pair causal", "rival causal", "rank causal", "oracle")
+RULES = ("none", "pair loo", "pair+ loo", "rival loo", "rank loo", "rank+ loo", "pair causal", "rival causal",
+         "rank causal", "rank+ causal", "oracle")
 
 
 def rules(records: Sequence[FrameRecord], target: float = 0.99) -> dict[str, Rule]:
@@ -221,9 +248,15 @@ def rules(records: Sequence[FrameRecord], target: float = 0.99) -> dict[str, Rul
         "rival loo": checked(margins, rival, "loo", target),
         "pair causal": checked(margins, pair, "causal", target),
         "rival causal": checked(margins, rival, "causal", target),
-        "rank loo": checked_by_rank([r.leads for r in cached], [r.lead_losses for r in cached], "loo", target),
-        "rank causal": checked_by_rank([r.leads for r in cached], [r.lead_losses for r in cached], "causal",
-                                       target),
+        # the lead the cache added over the cached output's runner-up, signed: only an added lead hides a flip
+        "pair+ loo": checked(margins, [r.lead_losses[0] for r in cached], "loo", target, signed=True),
+    }
+    leads, added = [r.leads for r in cached], [r.lead_losses for r in cached]
+    marks |= {
+        "rank loo": checked_by_rank(leads, added, "loo", target),
+        "rank+ loo": checked_by_rank(leads, added, "loo", target, signed=True),
+        "rank causal": checked_by_rank(leads, added, "causal", target),
+        "rank+ causal": checked_by_rank(leads, added, "causal", target, signed=True),
         "oracle": [r.flip for r in cached],
     }
     return {name: apply_rule(records, marks[name]) for name in RULES}
@@ -342,15 +375,14 @@ def _x(v: float) -> str:
 
 
 def _rule_cell(rule: Rule) -> str:
-    return f"{rule.checked:4.0%} {_x(rule.mean_x):>5}/{_x(rule.median_x):<5} {rule.missed}"
+    return f"{rule.checked:4.0%} {_x(rule.mean_x):>4}/{_x(rule.median_x):<4} {rule.missed}"
 
 
 def print_clip_table(rows: list[tuple[float, list[FrameRecord], dict[str, Rule]]]) -> None:
     print(f"  {'thr':>4} {'cached':>6} {'MACs x':>6} {'|pair| med/max':>14} {'|rival| med/max':>15} "
-          f"{'min marg':>9} {'med':>4} {'flips':>5} | " + " | ".join(f"{n:^19}" for n in RULES))
-    print(f"  {'':>4} {'':>6} {'cached':>6} {'':>14} {'':>15} {'full/cach':>9} {'cach':>4} {'':>5} | "
-          + " | ".join(f"{'chk x mean/med miss':^19}" for _ in RULES))
-    for threshold, records, found in rows:
+          f"{'min marg':>9} {'med':>4} {'flips':>5}")
+    print(f"  {'':>4} {'':>6} {'cached':>6} {'':>14} {'':>15} {'full/cach':>9} {'cach':>4}")
+    for threshold, records, _ in rows:
         cached = [r for r in records if r.kind == "cached"]
         if not cached:
             print(f"  {threshold:4g} {0:6d}  (no cached frame)")
@@ -364,8 +396,10 @@ def print_clip_table(rows: list[tuple[float, list[FrameRecord], dict[str, Rule]]
         middle = statistics.median(r.cached_margin for r in cached)
         print(f"  {threshold:4g} {len(cached):6d} {_x(macs):>6} {statistics.median(pair):6.3f}/{max(pair):<7.3f} "
               f"{statistics.median(rival):6.3f}/{max(rival):<8.3f} {margin:>9} {middle:4.2f} "
-              f"{flips:3d}{'*' * bool(outside):2} | "
-              + " | ".join(f"{_rule_cell(found[n]):^19}" for n in RULES))
+              f"{flips:5d}{'*' * bool(outside)}")
+    print(f"  {'thr':>4} | " + " | ".join(f"{n:^16}" for n in RULES))
+    for threshold, _, found in rows:
+        print(f"  {threshold:4g} | " + " | ".join(f"{_rule_cell(found[n]):^16}" for n in RULES))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
           "mean count; |pair| = lead lost vs the runner-up, |rival| = largest over the 5 closest rivals (either way); "
           "min marg = smallest top-1 margin of full / cached outputs, med = median cached margin; flips (* some to a "
           "class outside the rivals); "
-          "per rule: checked share of cached frames, speedup by counts (mean / median frame), flips left unchecked")
+          "per rule: checked share of cached frames, speedup by counts (mean / median frame), flips left unchecked; "
+          "+: signed (only a lead the cache added counts)")
     model = models.load(MODEL).eval()
     meta = models.info(MODEL)
     summary = []

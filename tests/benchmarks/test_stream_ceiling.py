@@ -130,3 +130,22 @@ def test_a_flip_among_its_own_rivals_is_within_the_rank_losses(bench):
             flips += 1
             assert any(lead < loss for lead, loss in zip(r.leads, r.lead_losses))
     assert flips > 20
+
+
+def test_signed_reference_fits_the_positive_losses_only(bench):
+    assert bench.signed_reference([]) == math.inf
+    # no positive loss: the sizes' unsigned bound
+    assert bench.signed_reference([-0.1, -0.2]) == pytest.approx(bench.reference([0.1, 0.2]))
+    # two positives of four: they come on (2 + 1) / (4 + 1) of the frames; mean 0.2 raised by 1 / sqrt 2
+    expected = 0.2 * (1 + 1 / math.sqrt(2)) * math.log(0.6 / 0.01)
+    assert bench.signed_reference([0.2, 0.2, -1.0, -1.0]) == pytest.approx(expected)
+    assert expected < bench.reference([0.2, 0.2, 1.0, 1.0])  # the leads taken away no longer count
+    # one positive in 199: (1 + 1) / 200 = 1% of the frames, the budget: the largest positive loss bounds it
+    assert bench.signed_reference([0.3] + [-0.5] * 198) == pytest.approx(0.3)
+    # checked: frame 0 is bound by the four other losses (the case above): a margin of 1.3 is within, 1.5 is not
+    losses = [0.0, 0.2, 0.2, -1.0, -1.0]
+    bound = bench.signed_reference(losses[1:])
+    assert 1.3 < bound < 1.5
+    assert bench.checked([1.3, 9, 9, 9, 9], losses, "loo", signed=True)[0]
+    assert not bench.checked([1.5, 9, 9, 9, 9], losses, "loo", signed=True)[0]
+    assert bench.checked([1.5, 9, 9, 9, 9], losses, "loo")[0]  # unsigned: sizes 0.2, 0.2, 1, 1
