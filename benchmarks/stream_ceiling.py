@@ -72,6 +72,7 @@ from incrinf.stream.agreement import top1_margin
 from incrinf.stream.config import StreamConfig
 from incrinf.stream.guards import QualityGuard
 from incrinf.stream.session import StreamSession
+from incrinf.stream.stats import Cause
 from incrinf.testing import clips as clip_set
 from incrinf.testing.clips import Camera, Clip, Subject, load_clip
 
@@ -81,6 +82,7 @@ from _common import folded, machine  # noqa: E402
 STILL_CLIPS = ("walkers", "carphone", "carphone@224", "hall", "yard", "cafe")
 THRESHOLDS = (0.0, 0.2, 0.35, 0.5, 0.7, 1.0, 1.5)
 TIMED = (0.35, 0.7)
+CLOSED = ("rank+ causal",)
 RIVALS = 5  # the full output's closest rivals of its top-1 class, as the session's audits measure
 MODEL = "efficientnet_lite0"
 
@@ -237,29 +239,31 @@ RULES = ("none", "pair loo", "pair+ loo", "rival loo", "rank loo", "rank+ loo", 
          "rank causal", "rank+ causal", "oracle")
 
 
+def rule_marks(cached: Sequence[FrameRecord], name: str, target: float = 0.99) -> list[bool]:
+    """Which of a clip's cached frames rule ``name`` (one of :data:`RULES`) checks."""
+    if name == "none":
+        return [False] * len(cached)
+    if name == "oracle":
+        return [r.flip for r in cached]
+    loss, fit = name.split()
+    margins = [r.cached_margin for r in cached]
+    if loss == "pair":
+        return checked(margins, [r.pair_loss for r in cached], fit, target)
+    if loss == "rival":
+        return checked(margins, [r.rival_loss for r in cached], fit, target)
+    if loss == "pair+":
+        # the lead the cache added over the cached output's runner-up, signed: only an added lead hides a flip
+        return checked(margins, [r.lead_losses[0] for r in cached], fit, target, signed=True)
+    if loss in ("rank", "rank+"):
+        return checked_by_rank([r.leads for r in cached], [r.lead_losses for r in cached], fit, target,
+                               signed=loss == "rank+")
+    raise ValueError(f"unknown rule {name!r}; the rules: {', '.join(RULES)}")
+
+
 def rules(records: Sequence[FrameRecord], target: float = 0.99) -> dict[str, Rule]:
     """Every rule of :data:`RULES` on a clip's frames."""
     cached = [r for r in records if r.kind == "cached"]
-    margins = [r.cached_margin for r in cached]
-    pair, rival = [r.pair_loss for r in cached], [r.rival_loss for r in cached]
-    marks = {
-        "none": [False] * len(cached),
-        "pair loo": checked(margins, pair, "loo", target),
-        "rival loo": checked(margins, rival, "loo", target),
-        "pair causal": checked(margins, pair, "causal", target),
-        "rival causal": checked(margins, rival, "causal", target),
-        # the lead the cache added over the cached output's runner-up, signed: only an added lead hides a flip
-        "pair+ loo": checked(margins, [r.lead_losses[0] for r in cached], "loo", target, signed=True),
-    }
-    leads, added = [r.leads for r in cached], [r.lead_losses for r in cached]
-    marks |= {
-        "rank loo": checked_by_rank(leads, added, "loo", target),
-        "rank+ loo": checked_by_rank(leads, added, "loo", target, signed=True),
-        "rank causal": checked_by_rank(leads, added, "causal", target),
-        "rank+ causal": checked_by_rank(leads, added, "causal", target, signed=True),
-        "oracle": [r.flip for r in cached],
-    }
-    return {name: apply_rule(records, marks[name]) for name in RULES}
+    return {name: apply_rule(records, rule_marks(cached, name, target)) for name in RULES}
 
 
 # --- measuring --------------------------------------------------------------------------------------------------
@@ -328,19 +332,49 @@ def trace(model: torch.nn.Module, clip: Clip, full: list[torch.Tensor], threshol
     """A guards-off session's records over the clip, the first frame left out (it runs full by necessity)."""
     session = StreamSession(model, mean=mean, std=std, keep_stats=None, feature_threshold=threshold,
                             speed_guard=False, quality_guard=False, keyframe_interval=audit_every)
-    records = []
+    with torch.no_grad():
+        return [_frame_record(session, out, full[i]) for i, out in enumerate(map(session, clip.frames)) if i]
+
+
+def _frame_record(session: StreamSession, out: torch.Tensor, full: torch.Tensor) -> FrameRecord:
+    """The session's latest frame as a record (its kind and multiply-adds from its stats)."""
+    s = session.stats[-1]
+    if s.mode == "cached":
+        kind, cost = "cached", (1.0 / s.flops_ratio if math.isfinite(s.flops_ratio) else 0.0)
+    else:
+        kind, cost = ("keyframe" if s.cause == Cause.KEYFRAME else "full"), 1.0
+    return record(out, full, kind, cost)
+
+
+def closed_loop(model: torch.nn.Module, clip: Clip, full: list[torch.Tensor], threshold: float, audit_every: int,
+                rule: str, target: float, mean: Sequence[float], std: Sequence[float]) -> tuple[list[FrameRecord],
+                                                                                             list[bool]]:
+    """A guards-off session whose cached frames a guard applying causal ``rule`` checks as the clip goes: a checked
+    frame runs again in full and becomes the cache (as an audit's keyframe does), so the frames after it start from a
+    fresh cache. The guard knows the loss of every cached frame before (an ideal one: a real guard measures them at
+    its audits only). Returns the records (the first frame left out) and the checks of the cached frames, in order.
+    """
+    if not rule.endswith(" causal"):
+        raise ValueError(f"a closed loop decides frame by frame: a causal rule, got {rule!r}")
+    session = StreamSession(model, mean=mean, std=std, keep_stats=None, feature_threshold=threshold,
+                            speed_guard=False, quality_guard=False, keyframe_interval=audit_every)
+    records: list[FrameRecord] = []
+    cached: list[FrameRecord] = []
+    checks: list[bool] = []
     with torch.no_grad():
         for i, frame in enumerate(clip.frames):
             out = session(frame)
-            s = session.stats[-1]
             if i == 0:
                 continue
-            if s.mode == "cached":
-                kind, cost = "cached", (1.0 / s.flops_ratio if math.isfinite(s.flops_ratio) else 0.0)
-            else:
-                kind, cost = ("keyframe" if s.cause.name == "KEYFRAME" else "full"), 1.0
-            records.append(record(out, full[i], kind, cost))
-    return records
+            records.append(_frame_record(session, out, full[i]))
+            if records[-1].kind != "cached":
+                continue
+            cached.append(records[-1])
+            checks.append(rule_marks(cached, rule, target)[-1])
+            if checks[-1]:
+                session.reset()  # the check: this frame in full, kept as the cache
+                session(frame)
+    return records, checks
 
 
 def timed_passes(model: torch.nn.Module, clip: Clip, threshold: float, audit_every: int, rounds: int,
@@ -402,6 +436,15 @@ def print_clip_table(rows: list[tuple[float, list[FrameRecord], dict[str, Rule]]
         print(f"  {threshold:4g} | " + " | ".join(f"{_rule_cell(found[n]):^16}" for n in RULES))
 
 
+def _best(rule: str, rows: list[tuple[float, list[FrameRecord], dict[str, Rule]]], label: str = "") -> str:
+    """The rule's best threshold on a clip (see main's summary), in words."""
+    honest = [(t, found[rule]) for t, records, found in rows if found[rule].missed <= 0.01 * max(len(records), 1)]
+    if not honest:
+        return f"{label}{rule} none"
+    t, r = max(honest, key=lambda v: (min(v[1].mean_x, v[1].median_x), -v[0]))
+    return f"{label}{rule} {_x(r.mean_x)}/{_x(r.median_x)} at {t:g}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--frames", type=int, default=48, help="frames per clip (default 48)")
@@ -417,8 +460,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="keyframe (a full audit under the guard) every this many frames (default: the "
                              "session's keyframe_interval)")
     parser.add_argument("--target", type=float, default=0.99, help="the guard's top-1 target (default 0.99)")
+    parser.add_argument("--closed", type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
+                        default=list(CLOSED), help="causal rules also run in a closed loop, checked frames refreshing "
+                                                   "the cache ('' for none; default: " + ",".join(CLOSED) + ")")
     parser.add_argument("--threads", type=int, default=1, help="torch and OpenCV threads (default 1)")
     args = parser.parse_args(argv)
+    wrong = [r for r in args.closed if r not in RULES or not r.endswith(" causal")]
+    if wrong:
+        parser.error(f"--closed takes causal rules of {', '.join(RULES)}; got {', '.join(wrong)}")
     known = set(clip_set.CLIP_NAMES) | {"cafe"}
     unknown = [c for c in args.clips if c not in known]
     if unknown:
@@ -448,6 +497,17 @@ def main(argv: list[str] | None = None) -> int:
             records = trace(model, clip, full, threshold, args.audit_every, meta.mean, meta.std)
             rows.append((threshold, records, rules(records, args.target)))
         print_clip_table(rows)
+        closed = {}
+        for rule in args.closed:
+            closed[rule] = []
+            cells = []
+            for threshold in args.thresholds:
+                records, checks = closed_loop(model, clip, full, threshold, args.audit_every, rule, args.target,
+                                              meta.mean, meta.std)
+                found = apply_rule(records, checks)
+                closed[rule].append((threshold, records, {rule: found}))
+                cells.append(f"{threshold:g}: {_rule_cell(found)} ({sum(r.flip for r in records)} flips)")
+            print(f"  closed loop, {rule} (a check refreshes the cache): " + " | ".join(cells))
         print(f"  ({time.perf_counter() - start:.0f} s)")
         for threshold in args.timed:
             plain, session = timed_passes(model, clip, threshold, args.audit_every, args.rounds, meta.mean, meta.std)
@@ -460,20 +520,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"mean): time x {statistics.median(plain) / statistics.median(session):.2f} / "
                   f"{statistics.mean(plain) / statistics.mean(session):.2f}, counts x {_x(count.median_x)} / "
                   f"{_x(count.mean_x)} (guards off, no checks)")
-        summary.append((clip, rows))
+        summary.append((clip, rows, closed))
     print(f"\nload at the end: {_load()}")
-    print("\nbest ceiling per clip under an honest rule (no flip left unchecked, or at most 1% of frames), "
-          "by counts, mean / median x:")
-    for clip, rows in summary:
-        cells = []
-        for rule in RULES[1:]:
-            honest = [(found[rule].mean_x, t, found[rule]) for t, records, found in rows
-                      if found[rule].missed <= 0.01 * max(len(records), 1)]
-            if honest:
-                x, t, r = max(honest, key=lambda v: (v[0], -v[1]))
-                cells.append(f"{rule} {_x(r.mean_x)}/{_x(r.median_x)} at {t:g}")
-            else:
-                cells.append(f"{rule} none")
+    print("\nbest ceiling per clip and rule over the thresholds (the highest of min(mean x, median x)) among those "
+          "that left at most 1% of the frames' flips unchecked, by counts, mean / median x:")
+    for clip, rows, closed in summary:
+        cells = [_best(rule, rows) for rule in RULES[1:]]
+        cells += [_best(rule, closed[rule], "closed ") for rule in closed]
         print(f"  {clip.name}: " + "; ".join(cells))
     return 0
 

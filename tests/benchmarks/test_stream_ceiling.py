@@ -149,3 +149,18 @@ def test_signed_reference_fits_the_positive_losses_only(bench):
     assert bench.checked([1.3, 9, 9, 9, 9], losses, "loo", signed=True)[0]
     assert not bench.checked([1.5, 9, 9, 9, 9], losses, "loo", signed=True)[0]
     assert bench.checked([1.5, 9, 9, 9, 9], losses, "loo")[0]  # unsigned: sizes 0.2, 0.2, 1, 1
+
+
+def test_rule_marks_dispatch(bench):
+    records = [bench.FrameRecord("cached", 0.1, 1.0, margin, (loss, 0.0, 0.0, 0.0, 0.0), flip, False,
+                                 (margin,) * 5, (-loss,) * 5)
+               for margin, loss, flip in [(0.5, 0.1, False), (0.5, 0.1, False), (0.05, 0.1, True), (3.0, 0.1, False)]]
+    assert bench.rule_marks(records, "oracle") == [False, False, True, False]
+    assert bench.rule_marks(records, "none") == [False] * 4
+    # sizes 0.1 everywhere: bound 0.1 * (1 + 1/sqrt 3) * ln 100 = 0.73 on leave-one-out
+    assert bench.rule_marks(records, "pair loo") == [True, True, True, False]
+    # the cache took 0.1 of every lead away (signed -0.1): no added lead to fit, the sizes' bound at 99.8% per rank
+    assert bench.rule_marks(records, "rank+ loo") == [True, True, True, False]
+    assert bench.rule_marks(records, "rank+ causal")[0]  # nothing measured before the first frame
+    with pytest.raises(ValueError):
+        bench.rule_marks(records, "median loo")
