@@ -50,13 +50,14 @@ table (scikit-image's coffee photo) at 3.5 px per frame, with sub-pixel jitter, 
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import cv2
@@ -108,6 +109,7 @@ class FrameRecord:
         lead_losses: signed lead the session output's top-1 class has over each of those rivals beyond what full
             inference gives it (positive: the cache inflated it); full inference puts another class first exactly
             when one of these exceeds its lead (or a class outside them overtook).
+        cause: why the session ran the frame as it did (:class:`~incrinf.stream.stats.Cause`'s value).
     """
 
     kind: str
@@ -119,6 +121,7 @@ class FrameRecord:
     outside: bool = False
     leads: tuple[float, ...] = ()
     lead_losses: tuple[float, ...] = ()
+    cause: str = "ok"
 
     @property
     def pair_loss(self) -> float:
@@ -343,7 +346,7 @@ def _frame_record(session: StreamSession, out: torch.Tensor, full: torch.Tensor)
         kind, cost = "cached", (1.0 / s.flops_ratio if math.isfinite(s.flops_ratio) else 0.0)
     else:
         kind, cost = ("keyframe" if s.cause == Cause.KEYFRAME else "full"), 1.0
-    return record(out, full, kind, cost)
+    return replace(record(out, full, kind, cost), cause=s.cause.value)
 
 
 def closed_loop(model: torch.nn.Module, clip: Clip, full: list[torch.Tensor], threshold: float, audit_every: int,
@@ -431,6 +434,9 @@ def print_clip_table(rows: list[tuple[float, list[FrameRecord], dict[str, Rule]]
         print(f"  {threshold:4g} {len(cached):6d} {_x(macs):>6} {statistics.median(pair):6.3f}/{max(pair):<7.3f} "
               f"{statistics.median(rival):6.3f}/{max(rival):<8.3f} {margin:>9} {middle:4.2f} "
               f"{flips:5d}{'*' * bool(outside)}")
+    causes = collections.Counter(r.cause for _, records, _ in rows for r in records if r.kind != "cached")
+    if causes:
+        print("  full frames over the thresholds: " + ", ".join(f"{c} {n}" for c, n in causes.most_common()))
     print(f"  {'thr':>4} | " + " | ".join(f"{n:^16}" for n in RULES))
     for threshold, _, found in rows:
         print(f"  {threshold:4g} | " + " | ".join(f"{_rule_cell(found[n]):^16}" for n in RULES))
