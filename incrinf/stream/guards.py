@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -58,6 +58,8 @@ _LEAD_SAMPLES = 8  # audits whose lost lead a label output's margin is checked a
 # Audits of a class pair (a top-1 class and one of its five closest rivals) before its own losses bound a cached
 # output's lead over that rival instead of the pooled ones (the largest change over every rival).
 PAIR_AUDITS = 3
+_PAIRS_KEPT = 256  # class pairs whose losses are kept (the least recently measured go first): a long stream's
+# scenes bring new top classes, and a pair not measured for that long says little of the cache now
 # Probe errors below this are float rounding: no ratio to a frame's sampled error is taken from them.
 _PROBE_FLOOR = 1e-4
 # Lead losses below this are float rounding: no growth exponent is taken from them.
@@ -162,7 +164,7 @@ class QualityGuard:
         self._recent: deque[float] = deque(maxlen=self._window())
         self._lead_lost: deque[LeadLoss] = deque(maxlen=_LEAD_SAMPLES)
         # per (top class, rival): the lead changes the audits measured on that pair
-        self._pair_lost: dict[tuple[int, int], deque[LeadLoss]] = {}
+        self._pair_lost: OrderedDict[tuple[int, int], deque[LeadLoss]] = OrderedDict()
         self._last_pairs: tuple[tuple[int, int], ...] = ()  # the pairs the latest label audit measured
         self._label_audits = 0
         self._drift: deque[tuple[int, float]] = deque(maxlen=_DRIFT_SAMPLES)  # (frames since full, sampled error)
@@ -414,6 +416,9 @@ class QualityGuard:
             for pair, lost in comparison.pair_lost:
                 self._pair_lost.setdefault(pair, deque(maxlen=_LEAD_SAMPLES)).append(
                     LeadLoss(abs(lost), max(frames_since_full, 1)))
+                self._pair_lost.move_to_end(pair)
+            while len(self._pair_lost) > _PAIRS_KEPT:
+                self._pair_lost.popitem(last=False)
             self._last_pairs = tuple(pair for pair, _ in comparison.pair_lost)
         long_audit = frames_since_full >= self.long_interval
         self._unsettled = comparison.kind == OutputKind.MAP and (

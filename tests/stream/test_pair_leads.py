@@ -109,3 +109,17 @@ def test_the_session_hands_the_guard_the_cached_outputs_leads(monkeypatch):
         assert isinstance(leads, Leads) and len(leads.rivals) == len(leads.leads) > 0
     last = top_leads(cached[-1])
     assert seen[-1] == last and not math.isnan(last.margin)
+
+
+def test_the_pairs_kept_are_bounded_least_recently_measured_first(monkeypatch):
+    """A long stream's scenes bring new top classes: the guard keeps the losses of the most recently measured
+    pairs only, and a pair it dropped is checked against the pooled losses again."""
+    import incrinf.stream.guards as guards
+
+    monkeypatch.setattr(guards, "_PAIRS_KEPT", 5)
+    guard = _audited((0.1,) * PAIR_AUDITS)  # pairs (0, 1) .. (0, 5)
+    assert not guard.risky(Leads(0, (1,), (0.7,)), 1)
+    shifted = torch.roll(_FULL, 2)  # top class 2: five new pairs
+    guard.record(compare(shifted[None], shifted[None], 0.99), 1)
+    assert len(guard._pair_lost) == 5 and (0, 1) not in guard._pair_lost
+    assert guard.risky(Leads(0, (1,), (0.7,)), 1)  # back to the pooled losses (1.0 at the earlier audits)
