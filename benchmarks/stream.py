@@ -93,6 +93,8 @@ GRID = {
     "pixel thr. 15": {"pixel_threshold": 15.0},
     "feature thr. 0.2": {"feature_threshold": 0.2},
     "feature thr. 0.5": {"feature_threshold": 0.5},
+    "feature thr. 0.7": {"feature_threshold": 0.7},
+    "feature thr. 1.0": {"feature_threshold": 1.0},
     "still_fraction 0.25": {"still_fraction": 0.25},
     "still_response 0.8": {"still_response": 0.8},
     "sample tol. 3": {"sample_tolerance": 3.0},

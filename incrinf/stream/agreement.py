@@ -47,6 +47,11 @@ class Comparison:
             rivals, in output units (a cached output whose own top-1 margin is below it may have flipped); NaN for
             a map. Either way: an audit where the cache happened to err in the top class's favour measures how far
             the cache is off as well as one where it erred against it.
+        pair_lost: a label's signed change of the full output's top-1 class's lead over each of its five closest
+            rivals, ``((top, rival), full lead - cached lead)`` (positive: the cached output's lead was smaller),
+            closest rival first; empty for a map. A class several logits behind may move a lot without mattering:
+            a cached output's lead over each of its rivals is held against what that pair lost
+            (:meth:`~incrinf.stream.guards.QualityGuard.risky`).
     """
 
     kind: OutputKind
@@ -54,6 +59,22 @@ class Comparison:
     relative_error: float
     risk: float
     lead_lost: float = math.nan
+    pair_lost: tuple[tuple[tuple[int, int], float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Leads:
+    """A label output's top-1 class and its lead over each of its closest rivals (output units, closest first):
+    what the quality guard holds against the lead each class pair was measured to lose."""
+
+    top: int
+    rivals: tuple[int, ...]
+    leads: tuple[float, ...]
+
+    @property
+    def margin(self) -> float:
+        """The lead over the runner-up (``inf`` without rivals)."""
+        return self.leads[0] if self.leads else math.inf
 
 
 def primary_tensor(out: Any) -> torch.Tensor:
@@ -103,18 +124,18 @@ def compare(cached: Any, full: Any, target_agreement: float, target_error: float
     kind = output_kind(b)
     norm = float(b.norm())
     relative = float((a - b).norm()) / norm if norm > 0 else float(a.norm() > 0) * math.inf
-    lead_lost = math.nan
+    lead_lost, pair_lost = math.nan, ()
     if kind == OutputKind.LABEL:
         a, b = a.reshape(-1), b.reshape(-1)
         agreement = float(int(a.argmax()) == int(b.argmax()))
-        risk, lead_lost = _margin_used(a, b)
+        risk, lead_lost, pair_lost = _margin_used(a, b)
     else:
         agreement = float(_labels(a).eq(_labels(b)).float().mean())
         budget = 1.0 - target_agreement
         risk = (1.0 - agreement) / budget if budget > 0 else (math.inf if agreement < 1.0 else 0.0)
     if target_error is not None:
         risk = max(risk, relative / target_error)
-    return Comparison(kind, agreement, relative, risk, lead_lost)
+    return Comparison(kind, agreement, relative, risk, lead_lost, pair_lost)
 
 
 def top1_margin(out: Any) -> float:
@@ -129,20 +150,33 @@ def top1_margin(out: Any) -> float:
     return float(top[0] - top[1])
 
 
+def top_leads(out: Any) -> Leads | None:
+    """A label output's top-1 class and its leads over its five closest rivals (None for a map)."""
+    x = primary_tensor(out).detach()
+    if output_kind(x) == OutputKind.MAP:
+        return None
+    x = x.reshape(-1).float()
+    values, indices = x.topk(min(_RIVALS, x.numel()))
+    return Leads(int(indices[0]), tuple(int(i) for i in indices[1:]), tuple(float(values[0] - v) for v in values[1:]))
+
+
 def _labels(x: torch.Tensor) -> torch.Tensor:
     """Per-position labels of a (1, classes, *positions) map."""
     return x[:, 0] > 0 if x.shape[1] == 1 else x.argmax(dim=1)
 
 
-def _margin_used(cached: torch.Tensor, full: torch.Tensor) -> tuple[float, float]:
-    """``(share, amount)``: how much of the full output's lead of its top-1 class over every other class the cached
-    output lost, as a share of that lead (max over the classes: >= 1 exactly when another class caught up), and
-    the largest change of that lead either way, in output units, over the classes that compete for the top (the
-    full output's top five: a class far behind may move a lot without mattering)."""
+def _margin_used(cached: torch.Tensor, full: torch.Tensor) \
+        -> tuple[float, float, tuple[tuple[tuple[int, int], float], ...]]:
+    """``(share, amount, pairs)``: how much of the full output's lead of its top-1 class over every other class the
+    cached output lost, as a share of that lead (max over the classes: >= 1 exactly when another class caught up),
+    and the largest change of that lead either way, in output units, over the classes that compete for the top (the
+    full output's top five: a class far behind may move a lot without mattering), and that change, signed, per
+    pair of the top class and one of those rivals (:attr:`Comparison.pair_lost`)."""
     top = int(full.argmax())
     lead = full[top] - full  # >= 0
     lost = lead - (cached[top] - cached)
     lead[top] = math.inf
     used = (lost / lead.clamp_min(1e-12)).max()
     rivals = full.topk(min(_RIVALS, full.numel())).indices
-    return max(float(used), 0.0), float(lost[rivals].abs().max())
+    pairs = tuple(((top, int(j)), float(lost[j])) for j in rivals[1:])
+    return max(float(used), 0.0), float(lost[rivals].abs().max()), pairs

@@ -17,6 +17,10 @@
   from the cache unverified. Two bounds say what it may have lost: the largest lead change the recent audits
   measured (a margin below what the cache has been seen to be off by is never trusted), and ``near_tie`` times
   the quantile at the target of an exponential fit to those changes (single frames' changes are heavy-tailed).
+  Both are taken per class pair: the lead of a cached frame's top class over each of its closest rivals is held
+  against what that pair lost at the audits once :data:`PAIR_AUDITS` of them measured it, else against the pooled
+  changes (per audit the largest over the top class's five closest rivals); a rival several logits behind may move
+  a lot without mattering.
   Each audit's change is scaled to the frame by what differs between them (:meth:`QualityGuard.lead_at_risk`):
   when the frame had a sampled audit, its own measured error against the one the audit's sample saw, else the
   frames since the last full one (raised to the growth the audits at different distances show, on its cautious
@@ -34,11 +38,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from incrinf.stream.agreement import Comparison, OutputKind
+from incrinf.stream.agreement import Comparison, Leads, OutputKind
 from incrinf.stream.config import StreamConfig
 
 # --- quality ----------------------------------------------------------------------------------------------------
@@ -49,7 +54,17 @@ _HEADROOM = 0.5  # relax only when the risk extrapolated to the next interval st
 _MAX_INTERVAL = 1024  # when keyframe_interval is 0 (no upper bound)
 _LONG_SPAN = 4  # the full-audit interval relaxes up to this many times keyframe_interval
 _MAX_SUSPEND = 64
-_LEAD_SAMPLES = 8  # audits whose lost lead a label output's margin is checked against
+_LEAD_SAMPLES = 8  # audits whose lost lead a label output's margin is checked against (pooled and per class pair)
+# Audits of a class pair (a top-1 class and one of its five closest rivals) before its own losses bound a cached
+# output's lead over that rival instead of the pooled ones (the largest change over every rival). Chosen by a
+# leave-one-out over four still clips (hall, walkers, carphone, bigbuckbunny@224; EfficientNet-Lite0, feature
+# thresholds 0.35 and 0.7, every other cached frame an audit): the smallest count at which the other clips let no
+# flip through unchecked and the pairs' bounds missed their next loss no more often than the pooled bound missed
+# the next pooled loss. Holding out hall, walkers or carphone chose 4; holding out bigbuckbunny, the only clip with
+# flips, chose 1 from clips without any and let a flip through on it, so the count is the folds' 4.
+PAIR_AUDITS = 4
+_PAIRS_KEPT = 256  # class pairs whose losses are kept (the least recently measured go first): a long stream's
+# scenes bring new top classes, and a pair not measured for that long says little of the cache now
 # Probe errors below this are float rounding: no ratio to a frame's sampled error is taken from them.
 _PROBE_FLOOR = 1e-4
 # Lead losses below this are float rounding: no growth exponent is taken from them.
@@ -66,6 +81,11 @@ CAUTIOUS_GROWTH = 2.0
 # Recent sampled audits whose errors stand in for a cached frame's own sample (QualityGuard.expected_drift): a sample of
 # four tiles varies by a factor of 2-3 from draw to draw, and the largest of eight is above about 9 draws in 10.
 _DRIFT_SAMPLES = 8
+
+
+def _is_map(margin: float | Leads) -> bool:
+    """Whether a margin stands for a map's output (NaN: no top-1 lead)."""
+    return not isinstance(margin, Leads) and math.isnan(margin)
 
 
 def _cautious_slope(points: list[tuple[int, float]]) -> float | None:
@@ -148,6 +168,9 @@ class QualityGuard:
         self._misses = 0
         self._recent: deque[float] = deque(maxlen=self._window())
         self._lead_lost: deque[LeadLoss] = deque(maxlen=_LEAD_SAMPLES)
+        # per (top class, rival): the lead changes the audits measured on that pair
+        self._pair_lost: OrderedDict[tuple[int, int], deque[LeadLoss]] = OrderedDict()
+        self._last_pairs: tuple[tuple[int, int], ...] = ()  # the pairs the latest label audit measured
         self._label_audits = 0
         self._drift: deque[tuple[int, float]] = deque(maxlen=_DRIFT_SAMPLES)  # (frames since full, sampled error)
         self._unsettled = True  # a map whose latest audit missed or held without room: its frames are checked
@@ -203,31 +226,65 @@ class QualityGuard:
         """One frame passed (counts down a suspension)."""
         self._suspended = max(self._suspended - 1, 0)
 
-    def risky(self, margin: float, frames_since_full: int = 1, sampled_error: float = math.nan) -> bool:
+    def risky(self, margin: float | Leads, frames_since_full: int = 1, sampled_error: float = math.nan) -> bool:
         """Whether a cached label output whose top-1 leads by ``margin`` may have flipped: always before the first
         audit (a map's output too: nothing says yet how far the configured thresholds leave it from full
         inference); after it, when the margin is within a lead change the audits actually measured (the largest,
         scaled to this frame: :meth:`measured_loss`), whatever ``near_tie`` says, or within ``near_tie`` times
         :meth:`lead_at_risk`. A map (NaN margin) is checked while its latest audit missed or held without room
         (each check tightens the thresholds until one holds), else its target, a share of positions, is held by
-        the audits. ``near_tie=0`` turns the checks off."""
+        the audits. ``near_tie=0`` turns the checks off.
+
+        ``margin`` as :class:`~incrinf.stream.agreement.Leads` (the output's top class and its leads over its
+        closest rivals): each lead is held against what its own class pair lost at the audits once
+        :data:`PAIR_AUDITS` of them measured it, else against the pooled losses (the largest change over any
+        rival: a new top class or a rival never measured is checked as cautiously as a bare margin); risky when
+        any rival's lead is within its bound (:meth:`_pairs_within`). A bare float margin (the lead over the
+        runner-up) is held against the pooled losses."""
         if self.config.near_tie == 0:
             return False
         if not self._comparisons:
             return True  # nothing measured yet: a map's first cached frame is checked too
-        if math.isnan(margin):
+        if _is_map(margin):
             return self._unsettled
         if not self._lead_lost or self._label_audits < self.config.trust_after:
             return True  # too few audits measured what the cache loses (see trusting)
         if math.isnan(sampled_error):
             sampled_error = self.expected_drift(frames_since_full)
-        losses = self._scaled_losses(frames_since_full, sampled_error)
-        return self._within(margin, losses)
+        return self._pairs_within(margin, lambda audits: self._scaled_losses(frames_since_full, sampled_error,
+                                                                             audits))
 
     def _within(self, margin: float, losses: list[float]) -> bool:
-        """Whether ``margin`` is within the lead these audit ``losses`` put at risk: their largest (a change the cache
-        was measured to make), or ``near_tie`` times their reference (:meth:`_reference`)."""
-        return margin <= max(max(losses), self.config.near_tie * self._reference(losses))
+        """Whether ``margin`` is within the lead these audit ``losses`` put at risk (:meth:`_bound`)."""
+        return margin <= self._bound(losses)
+
+    def _bound(self, losses: list[float]) -> float:
+        """The lead these audit ``losses`` put at risk: their largest (a change the cache was measured to make), or
+        ``near_tie`` times their reference (:meth:`_reference`)."""
+        return max(max(losses), self.config.near_tie * self._reference(losses))
+
+    def _pairs_within(self, margin: float | Leads, scaled: Callable[[Sequence[LeadLoss]], list[float]]) -> bool:
+        """Whether a label output's lead is within what the audits measured, their losses ``scaled`` to the frame
+        (a list of audits to their losses): a bare margin against the pooled losses; each of a
+        :class:`~incrinf.stream.agreement.Leads`' leads against its pair's own losses where :data:`PAIR_AUDITS`
+        audits measured that pair, else against the pooled ones. The pooled losses take, per audit, the largest
+        change over five rivals: a class several logits behind moves a lot without mattering, and held against the
+        lead over the runner-up that change sent nearly every cached frame of a still clip to a check at feature
+        thresholds above the default."""
+        if not isinstance(margin, Leads):
+            return self._within(margin, scaled(self._lead_lost))
+        pooled = math.nan  # computed once, when a lead needs it
+        for rival, lead in zip(margin.rivals, margin.leads):
+            pair = self._pair_lost.get((margin.top, rival))
+            if pair is not None and len(pair) >= PAIR_AUDITS:
+                bound = self._bound(scaled(pair))
+            else:
+                if math.isnan(pooled):
+                    pooled = self._bound(scaled(self._lead_lost))
+                bound = pooled
+            if lead <= bound:
+                return True
+        return False
 
     def measured_loss(self, frames_since_full: int = 1, sampled_error: float = math.nan) -> float:
         """The largest top-1 lead change the recent audits measured, scaled to a frame as in :meth:`lead_at_risk`
@@ -251,15 +308,18 @@ class QualityGuard:
         scaled loss itself."""
         return self._reference(self._scaled_losses(frames_since_full, sampled_error))
 
-    def _scaled_losses(self, frames_since_full: int, sampled_error: float) -> list[float]:
-        """The recent audits' lead losses, each scaled up to a frame (see :meth:`lead_at_risk`)."""
+    def _scaled_losses(self, frames_since_full: int, sampled_error: float,
+                       audits: Sequence[LeadLoss] | None = None) -> list[float]:
+        """The recent audits' lead losses (pooled, or those of ``audits``: one class pair's), each scaled up to a
+        frame (see :meth:`lead_at_risk`); the growth and the audits' mean sampled error are the pooled audits'
+        whichever losses are scaled."""
         growth = self.drift_growth()
         # what the audits' own samples measured, pooled: one sample of a few tiles varies by a factor of 2-3 from
         # draw to draw, and the audit whose sample happened to draw low would otherwise set every frame's scale
         probes = [a.probe_error for a in self._lead_lost if a.probe_error > _PROBE_FLOOR]
         probe = statistics.fmean(probes) if probes else math.nan
         losses = []
-        for audit in self._lead_lost:
+        for audit in self._lead_lost if audits is None else audits:
             if sampled_error > 0 and audit.probe_error > _PROBE_FLOOR:
                 # the frame's own measurement of its drift stands in for the extrapolation by frames (a guess at how
                 # drift grows); never below the audit's own loss (pruning after the probe, which the sample cannot
@@ -280,17 +340,17 @@ class QualityGuard:
         mean = sum(losses) / len(losses) * (1.0 + 1.0 / math.sqrt(len(losses)))
         return max(max(losses), mean * math.log(1.0 / budget))
 
-    def surely_risky(self, margin: float) -> bool:
+    def surely_risky(self, margin: float | Leads) -> bool:
         """Whether a label output's margin is at risk however little drift the frame shows: within the largest lead
         change an audit measured or ``near_tie`` times their reference, each audit's loss unscaled (the frames since
-        the full one and a frame's own sample only ever scale it up: :meth:`lead_at_risk`). A near tie lasts over
-        frames, so a frame after such an output will most likely be checked in full whatever its sample says."""
-        if self.config.near_tie == 0 or math.isnan(margin) or not self._lead_lost:
+        the full one and a frame's own sample only ever scale it up: :meth:`lead_at_risk`); per class pair as in
+        :meth:`risky`. A near tie lasts over frames, so a frame after such an output will most likely be checked in
+        full whatever its sample says."""
+        if self.config.near_tie == 0 or _is_map(margin) or not self._lead_lost:
             return False
-        losses = [a.lost for a in self._lead_lost]
-        return self._within(margin, losses)
+        return self._pairs_within(margin, lambda audits: [a.lost for a in audits])
 
-    def needs_sample(self, margin: float, frames_since_full: int) -> bool:
+    def needs_sample(self, margin: float | Leads, frames_since_full: int) -> bool:
         """Whether a cached label output that :meth:`risky` let through is trusted only on the audits' fit of how
         the drift grows: with each audit's loss extrapolated from its own distance at :data:`CAUTIOUS_GROWTH`, the
         margin would be within the lead at risk (at an audit's own distance the two bounds agree). A fit to a few
@@ -298,15 +358,15 @@ class QualityGuard:
         after a full one fitted a growth like the square root, and the next frames lost 0.01, 0.069 and 0.136. The
         session then measures the frame's drift with a sample (a fraction of a frame) before trusting it (a check
         in full when no sample can). Once the recent samples measured the drift (:meth:`expected_drift`), the
-        margin is checked against the losses scaled by it instead."""
-        if self.config.near_tie == 0 or math.isnan(margin) or not self._lead_lost:
+        margin is checked against the losses scaled by it instead. Per class pair as in :meth:`risky`."""
+        if self.config.near_tie == 0 or _is_map(margin) or not self._lead_lost:
             return False
         expected = self.expected_drift(frames_since_full)
         if not math.isnan(expected):
             # the recent samples measured the drift at these distances (extrapolated cautiously beyond them)
-            return self._within(margin, self._scaled_losses(frames_since_full, expected))
-        losses = [a.lost * max(1.0, frames_since_full / a.frames) ** CAUTIOUS_GROWTH for a in self._lead_lost]
-        return self._within(margin, losses)
+            return self._pairs_within(margin, lambda audits: self._scaled_losses(frames_since_full, expected, audits))
+        return self._pairs_within(margin, lambda audits: [
+            a.lost * max(1.0, frames_since_full / a.frames) ** CAUTIOUS_GROWTH for a in audits])
 
     def drift_sampled(self, frames_since_full: int, error: float) -> None:
         """A sampled audit measured the cache's ``error`` on a cached frame ``frames_since_full`` frames after the
@@ -357,6 +417,14 @@ class QualityGuard:
         if not math.isnan(comparison.lead_lost):
             self._label_audits += 1
             self._lead_lost.append(LeadLoss(comparison.lead_lost, max(frames_since_full, 1)))
+            # either way, as the pooled loss: the sign of one frame's error says little of the next frame's
+            for pair, lost in comparison.pair_lost:
+                self._pair_lost.setdefault(pair, deque(maxlen=_LEAD_SAMPLES)).append(
+                    LeadLoss(abs(lost), max(frames_since_full, 1)))
+                self._pair_lost.move_to_end(pair)
+            while len(self._pair_lost) > _PAIRS_KEPT:
+                self._pair_lost.popitem(last=False)
+            self._last_pairs = tuple(pair for pair, _ in comparison.pair_lost)
         long_audit = frames_since_full >= self.long_interval
         self._unsettled = comparison.kind == OutputKind.MAP and (
             self._missed(comparison) or comparison.risk > _HEADROOM)
@@ -407,8 +475,9 @@ class QualityGuard:
         """The sampled error between the cached and the full probe on the audit just recorded (a label audit's
         loss is then also compared with the samples of later frames)."""
         if self._lead_lost and math.isfinite(error):
-            last = self._lead_lost[-1]
-            self._lead_lost[-1] = LeadLoss(last.lost, last.frames, error)
+            for audits in (self._lead_lost, *(self._pair_lost[pair] for pair in self._last_pairs)):
+                last = audits[-1]
+                audits[-1] = LeadLoss(last.lost, last.frames, error)
 
     def sampled_hold(self) -> None:
         """A sampled audit stood in for a due full audit and held: the interval grows as after a full audit that

@@ -32,7 +32,7 @@ import torch.nn as nn
 from incrinf.engine import CacheMemory
 from incrinf.graph import capture, has_windows
 from incrinf.normalization import Normalization
-from incrinf.stream.agreement import Comparison, OutputKind, compare, top1_margin
+from incrinf.stream.agreement import Comparison, Leads, OutputKind, compare, top_leads
 from incrinf.stream.audits import SampledAudit
 from incrinf.stream.backoff import BackOff
 from incrinf.stream.camera import CameraEngine
@@ -283,7 +283,7 @@ class StreamSession:
             times=f.times,
         ))
         self._index += 1
-        self._margin = top1_margin(out) if self._quality is not None else math.nan
+        self._margin = _leads(out) if self._quality is not None else math.nan
         return out
 
     # --- steps -------------------------------------------------------------------------------------------
@@ -342,13 +342,13 @@ class StreamSession:
         # a classifier's near tie is checked on the spot (see QualityGuard.risky): by a sample of the frame first (a
         # fraction of a frame: its measured drift replaces the guess from the frames since the last full one), in
         # full when the margin is still at risk or the sample flags
-        margin, since_full = top1_margin(out), self._index - self._last_full
+        margin, since_full = _leads(out), self._index - self._last_full
         verify = not audit and quality is not None and quality.risky(margin, since_full, f.sampled)
         # a frame whose margin is safe only if the drift grows linearly from the audits' distances: its own sample
         # measures the drift (a full check when no sample can)
         cautious = not audit and not verify and quality is not None and math.isnan(f.sampled) \
             and quality.needs_sample(margin, since_full)
-        if (verify or cautious) and math.isnan(f.sampled) and not math.isnan(margin):
+        if (verify or cautious) and math.isnan(f.sampled) and isinstance(margin, Leads):
             audit = self._sample(f, engine, False, near_tie=True)
             verify = not audit and (quality.risky(margin, since_full, f.sampled) if not math.isnan(f.sampled)
                                     else verify or cautious)
@@ -536,7 +536,8 @@ class StreamSession:
         self._refill_wasted = False  # the frame after it did not run cached
         self._backoff.reset()
         self._failed = False
-        self._margin = math.nan  # the latest output's top-1 lead (NaN: none, or a map)
+        # the latest output's top-1 class and leads over its closest rivals (NaN: none, or a map)
+        self._margin: Leads | float = math.nan
 
     def _join(self) -> None:
         if self._worker is not None:
@@ -557,3 +558,9 @@ class StreamSession:
                                          "full frame's multiply-adds")
         return engine
 
+
+def _leads(out: Any) -> Leads | float:
+    """A label output's top class and its leads over its closest rivals, what the quality guard checks; NaN for a
+    map (no top-1 lead)."""
+    leads = top_leads(out)
+    return math.nan if leads is None else leads
