@@ -85,6 +85,13 @@ from incrinf.testing.clips import CLIP_NAMES, Camera, Clip, Subject, load_clip
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import folded, machine  # noqa: E402
 
+
+def _still_threshold(value: float) -> StreamConfig:
+    """The defaults with another feature threshold on still-camera frames only (``feature_threshold`` sets both;
+    the default keeps exact propagation under camera motion, where the warped cache is approximate already)."""
+    return type(f"StillThreshold{value:g}", (StreamConfig,), {"STILL_FEATURE_THRESHOLD": value})()
+
+
 # Candidates for the defaults (--loo): the defaults of StreamConfig and one step either way on each knob that a
 # clip could favour, one knob at a time.
 GRID = {
@@ -95,6 +102,9 @@ GRID = {
     "feature thr. 0.5": {"feature_threshold": 0.5},
     "feature thr. 0.7": {"feature_threshold": 0.7},
     "feature thr. 1.0": {"feature_threshold": 1.0},
+    "still thr. 0.5": {"config": _still_threshold(0.5)},
+    "still thr. 0.7": {"config": _still_threshold(0.7)},
+    "still thr. 1.0": {"config": _still_threshold(1.0)},
     "still_fraction 0.25": {"still_fraction": 0.25},
     "still_response 0.8": {"still_response": 0.8},
     "sample tol. 3": {"sample_tolerance": 3.0},
