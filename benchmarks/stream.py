@@ -302,7 +302,7 @@ def pass_breakdown(runs: dict[str, Run], name: str = "session") -> list[str]:
     run, lines = runs[name], []
     n = _passes(runs)
     size = len(run.seconds) // n
-    for r in range(n):
+    for r in range(n if size else 0):
         seconds, stats = run.seconds[r * size:(r + 1) * size], run.stats[r * size:(r + 1) * size]
         baseline = min(statistics.mean(runs[b].seconds[r * size:(r + 1) * size]) for b in BASELINES)
         median = statistics.median(seconds)
