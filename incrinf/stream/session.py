@@ -424,12 +424,11 @@ class StreamSession:
 
     def _collect_once(self, shape: tuple[int, ...]) -> None:
         """After the first full frame of a frame size, one full garbage collection (after the frame's engine time is
-        taken: no full-frame sample of the cost model holds it). Tracing the model and
-        profiling its engine leave the interpreter's collector a full collection due, which with torch loaded takes
-        0.2-0.4 s; left alone it lands in one of the next frames, and in a cached frame's decision it reads as a
-        miss that starts a back-off stretch of up to ``max_backoff`` plain frames. A frame that traced a model
-        costs seconds anyway: this runs the collection the interpreter would run, sooner, and changes none of its
-        settings."""
+        taken: no full-frame sample of the cost model holds it). Tracing the model and profiling its engine leave
+        the interpreter's collector a full collection due, which with torch loaded takes 0.2-0.4 s; left alone it
+        lands in one of the next frames, and in a cached frame's decision it reads as a miss that starts a back-off
+        stretch of up to ``max_backoff`` plain frames. A frame that traced a model costs seconds anyway: this runs
+        the collection the interpreter would run, sooner, and changes none of its settings."""
         if shape not in self._collected:
             self._collected.add(shape)
             gc.collect()
