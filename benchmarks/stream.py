@@ -305,6 +305,35 @@ def print_costs(rows: dict[str, Row], lost: tuple[float, int, int, float]) -> No
         print("  speed guard vs an oracle: no frame had a plan (all ran full)")
 
 
+def pass_breakdown(runs: dict[str, Run], name: str = "session") -> list[str]:
+    """Per pass of ``name``: its mean and median ms per frame beside the faster baseline's mean in the same pass,
+    and what sets its mean: the ms per frame that each kind of frame adds above the pass's median (full audits,
+    near-tie checks, frames sent to full inference by the speed guard, other full frames, cached frames), with
+    their counts. A pass's mean is the median plus these; which of them land in a pass's frames (the sampled
+    audits' draw is seeded per pass) and the load during it are what makes the mean vary from run to run."""
+    run, lines = runs[name], []
+    n = _passes(runs)
+    size = len(run.seconds) // n
+    for r in range(n if size else 0):
+        seconds, stats = run.seconds[r * size:(r + 1) * size], run.stats[r * size:(r + 1) * size]
+        baseline = min(statistics.mean(runs[b].seconds[r * size:(r + 1) * size]) for b in BASELINES)
+        median = statistics.median(seconds)
+        kinds: dict[str, list[float]] = collections.defaultdict(list)
+        for t, s in zip(seconds, stats):
+            kind = ("near-tie check" if "near tie" in s.reason else "audit") if s.cause == Cause.AUDIT else \
+                "cached" if s.cause == Cause.CACHED else "slower" if s.cause == Cause.SLOWER else "other full"
+            kinds[kind].append(t - median)
+        parts = ", ".join(f"{k} {len(v)}: {sum(v) / len(seconds) * 1e3:+.1f}" for k, v in sorted(kinds.items()))
+        lines.append(f"    pass {r}: mean {statistics.mean(seconds) * 1e3:.1f} ms = median {median * 1e3:.1f} + "
+                     f"({parts}); baseline mean {baseline * 1e3:.1f} ms, {baseline / statistics.mean(seconds):.2f}x")
+    return lines
+
+
+def _passes(runs: dict[str, Run]) -> int:
+    """Passes run per configuration: each pass's first frame is in the outputs but not timed."""
+    return max(len(runs["full"].outputs) - len(runs["full"].seconds), 1)
+
+
 def goals(clip: Clip, row: Row) -> str:
     """Which goals the session's row meets on this clip (classifier)."""
     met = [row.median_x >= 0.95 and row.mean_x >= 0.95, row.agreement >= 0.99]
@@ -323,8 +352,11 @@ def classifier(args: argparse.Namespace) -> None:
     for name in args.clips:
         clip = load_clip(name, args.frames)
         print(f"\n{clip.name}: {clip.description}; load {_load()}")
-        rows = summarise(run_clip(model, clip, SESSIONS, args.rounds, meta.mean, meta.std, args.lockstep))
+        runs = run_clip(model, clip, SESSIONS, args.rounds, meta.mean, meta.std, args.lockstep)
+        rows = summarise(runs)
         print_rows(rows, OutputKind.LABEL)
+        print("  session by pass (ms per frame above the pass's median, by kind of frame):")
+        print("\n".join(pass_breakdown(runs)))
         lost = regret(model, clip, {}, meta.mean, meta.std) if args.regret else (math.nan, 0, 0, math.nan)
         print_costs(rows, lost)
         print(f"  goals: {goals(clip, rows['session'])}")

@@ -68,6 +68,11 @@ PRIOR_CALL = 20e-6
 # A box plan's choices (merges, the switch to the dense rest) are reused while the calibration's ratios and the
 # pruning's share stay within the same 1/PLAN_STEPS of an octave (about 19%): FrameCosts.plan_state.
 PLAN_STEPS = 4
+# A ratio's step in the plan key moves only once the ratio is this many steps from the step it is keyed at (more
+# than the half step of rounding): a median near the boundary of two steps moves across it and back with the
+# frames' noise, and each crossing rebuilt the plans of boxes that were planned a frame before. One step: the key
+# lags a ratio by less than a step, the precision the steps already give.
+PLAN_HYSTERESIS = 1.0
 
 
 class RegionKind(str, Enum):
@@ -144,6 +149,7 @@ class FrameCosts:
         self._share_median: dict[tuple[int, bool], float] = {}
         self._frame_median: dict[RegionKind, float] = {}
         self._suffix: dict[str, float] = {}
+        self._plan_steps: tuple[int, ...] | None = None  # the ratios' steps of the latest plan key
         self._reindex()
 
     def _reindex(self) -> None:
@@ -204,16 +210,22 @@ class FrameCosts:
         coefficients as measured, and the calibration's ratios and the pruning's mean shares over the steps, in
         steps of a quarter octave. Finer steps would miss on every frame (the medians move by their noise); a
         reused plan is priced with the exact calibration (:func:`~incrinf.engine.frame_regions.plan_seconds`), so
-        only choices within a step of a tie can differ from a fresh plan's. The frame's fixed cost is left out: it
-        is the same whatever the plan chooses."""
+        only choices within a step of a tie can differ from a fresh plan's. A ratio keeps the step of the previous
+        key until it is :data:`PLAN_HYSTERESIS` steps from it (the same boxes then find their plan while a median
+        wavers about a step's boundary). The frame's fixed cost is left out: it is the same whatever the plan
+        chooses."""
         n = len(self.steps)
         shares = [self.survival(i) for i in range(n)]
         area = sum(share[0] for share in shares) / max(n, 1)
         boxes = sum(share[1] for share in shares) / max(n, 1)
         ratios = (self.call_ratio(RegionKind.BOXES), self.compute_ratio(RegionKind.BOXES), self.dense_ratio, area,
                   boxes)
-        return (tuple(round(math.log2(max(r, 1e-9)) * PLAN_STEPS) for r in ratios),
-                tuple((c.dense, c.box_call) for c in self.steps), self.tail)
+        scaled = [math.log2(max(r, 1e-9)) * PLAN_STEPS for r in ratios]
+        last = self._plan_steps
+        self._plan_steps = tuple(
+            last[i] if last is not None and abs(value - last[i]) < PLAN_HYSTERESIS else round(value)
+            for i, value in enumerate(scaled))
+        return self._plan_steps, tuple((c.dense, c.box_call) for c in self.steps), self.tail
 
     def tail_seconds(self) -> float:
         return self.tail * self.dense_ratio

@@ -19,6 +19,7 @@ only orchestrates; what a frame did is a :class:`~incrinf.stream.stats.FrameStat
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 import time
@@ -109,6 +110,7 @@ class StreamSession:
         self._no_reuse: dict[tuple[int, ...], str] = {}  # frame shapes on which the cache cannot pay, and why
         self._warm: set[tuple[int, ...]] = set()  # frame shapes that ran the cached path (one-time costs paid)
         self._samplers: dict[tuple[int, ...], SampledAudit] = {}
+        self._collected: set[tuple[int, ...]] = set()  # frame shapes whose first full frame collected garbage
         self._speed = SpeedGuard(self.config.max_backoff)
         self._quality = QualityGuard(self.config) if self.config.quality_guard else None
         self._backoff = BackOff(self.config)
@@ -330,6 +332,7 @@ class StreamSession:
             f.times.engine = seconds
             if f.fallback.cause != Cause.FIRST_FRAME:  # the first pays one-time costs (and the profile)
                 costs.record_full(seconds)
+            self._collect_once(tuple(f.x.shape))
             return out, None, False, seconds
         out = engine.cached(f.x, f.mask.pixel_mask, f.matrix, f.plan)
         cached_seconds = time.perf_counter() - clock
@@ -418,6 +421,17 @@ class StreamSession:
                 sampler.choose(engine.engine)
                 self._samplers[tuple(f.x.shape)] = sampler
         return out
+
+    def _collect_once(self, shape: tuple[int, ...]) -> None:
+        """After the first full frame of a frame size, one full garbage collection (after the frame's engine time is
+        taken: no full-frame sample of the cost model holds it). Tracing the model and profiling its engine leave
+        the interpreter's collector a full collection due, which with torch loaded takes 0.2-0.4 s; left alone it
+        lands in one of the next frames, and in a cached frame's decision it reads as a miss that starts a back-off
+        stretch of up to ``max_backoff`` plain frames. A frame that traced a model costs seconds anyway: this runs
+        the collection the interpreter would run, sooner, and changes none of its settings."""
+        if shape not in self._collected:
+            self._collected.add(shape)
+            gc.collect()
 
     def _next_may_use_cache(self, f: FrameState) -> bool:
         """Whether the frame after this full one may use the cache (else this one need not fill it)."""

@@ -1,6 +1,8 @@
 """A still camera's change as several boxes per tensor, planned from their cost (incrinf.engine.frame_regions), and
 the cost coefficients that price the plans (incrinf.engine.costs)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -374,3 +376,36 @@ def test_a_plans_steps_are_priced_as_their_boxes(mobilenet_engine, start):
             regions[step.out] = boxes
     assert plan.flops == pytest.approx(flops + program.tail_flops + (
         program.suffix_flops(plan.switch) if plan.switch is not None else 0.0))
+
+
+def test_the_same_boxes_reuse_their_plan_while_a_ratio_wavers_about_a_key_step():
+    """A calibration median that moves back and forth across the boundary of two key steps (the frames' noise about
+    a ratio between them) keeps the key: the same boxes are planned once, not once per crossing; a ratio that moved
+    a whole step on is a new key."""
+    from incrinf.engine.costs import PLAN_STEPS, RegionKind
+
+    model = zoo_model("mobilenet_v2")
+    x0, _, changed, _ = _two_walkers()
+    engine = FrameEngine(capture(model, x0.shape[1:]))
+    engine.full(x0)
+    boxes = engine.clusters(changed)
+    costs = engine.costs
+
+    def calibrate(ratio: float) -> None:
+        for _ in range(9):  # every sample of the median: the ratio is exactly this
+            costs.record_steps(RegionKind.BOXES, [(0.0, 1.0, ratio)] * 3)
+
+    below, above = 2 ** (0.45 / PLAN_STEPS), 2 ** (0.55 / PLAN_STEPS)  # either side of the boundary of steps 0, 1
+    assert round(math.log2(below) * PLAN_STEPS) == 0 and round(math.log2(above) * PLAN_STEPS) == 1
+    calibrate(below)
+    engine.plan_boxes(boxes)
+    before = engine.plans.stats()
+    for ratio in (above, below, above, below):
+        calibrate(ratio)
+        engine.plan_boxes(boxes)
+        assert engine.last_plan_status.value == "hit"
+    after = engine.plans.stats()
+    assert sum(c["misses"] for c in after.values()) == sum(c["misses"] for c in before.values())
+    calibrate(2 ** (1.2 / PLAN_STEPS))  # a whole step from the key's step 0
+    engine.plan_boxes(boxes)
+    assert engine.last_plan_status.value == "miss"
