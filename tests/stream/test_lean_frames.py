@@ -275,7 +275,7 @@ def test_the_first_cached_frame_is_no_attempt_for_the_back_off(frames):
     """The first frame of a size to run the cached path pays one-time costs (its box shapes' kernels, the maps'
     first touches): however slow it ran it is no miss for the back-off (it counts if it paid); the next cached
     frame is judged like any."""
-    session = StreamSession(wide_classifier(), audit_interval=64, keyframe_interval=64)
+    session = StreamSession(wide_classifier(), audit_interval=64, keyframe_interval=64, trust_after=1)
     taken = {}
     paid = session._backoff.paid
 
@@ -300,7 +300,7 @@ def test_the_back_off_judges_a_cached_run_by_the_price_of_what_it_computed(frame
     time: one such frame no longer starts a stretch of plain frames sized by the spike."""
     import time
 
-    session = StreamSession(wide_classifier(), audit_interval=64, keyframe_interval=64)
+    session = StreamSession(wide_classifier(), audit_interval=64, keyframe_interval=64, trust_after=1)
     taken = {}
     paid = session._backoff.paid
 

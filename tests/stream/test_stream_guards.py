@@ -230,7 +230,8 @@ def test_quality_guard_tightens_on_misses_and_relaxes_while_the_target_holds():
     assert verdicts == [Verdict.RELAX] * 3 + [Verdict.HOLD] and guard.interval == 16
     assert guard.record(_label(0.0, 1.5), guard.interval) == Verdict.MISS  # a top-1 flip
     assert (guard.interval, guard.level) == (2, 1)
-    assert guard.pixel_threshold == pytest.approx(6.0) and guard.still_feature_threshold == pytest.approx(0.21)
+    assert guard.pixel_threshold == pytest.approx(6.0)
+    assert guard.still_feature_threshold == pytest.approx(0.6 * StreamConfig.STILL_FEATURE_THRESHOLD)
     assert guard.record(_label(1.0, 0.4), 2) == Verdict.HOLD  # 0.4 at 2 frames would be 0.8 at 4: no relaxing
     assert guard.interval == 2
     for _ in range(10):

@@ -75,7 +75,7 @@ def test_static_frames_equal_full_inference(zoo, photo, name):
 @pytest.mark.parametrize("name", ["resnet18", "efficientnet_lite0"])
 def test_identity_motion_threshold_zero_reproduces_full_inference(zoo, photo, name):
     model = zoo[name]
-    session = StreamSession(model, pixel_threshold=0.0, max_ratio=1.0, **UNGUARDED)
+    session = StreamSession(model, pixel_threshold=0.0, feature_threshold=0.0, max_ratio=1.0, **UNGUARDED)
     a, b = _crop(photo, 40, 60), _crop(photo, 100, 150)  # unrelated content: every position changes
     session(a)
     out = session(b, homography=np.eye(3))
@@ -520,7 +520,8 @@ def test_default_feature_threshold_prunes_still_frames_only(zoo, photo):
         session(frame)
         session(changed, homography=np.eye(3))
     executor = next(iter(default._engines.values()))
-    assert (executor.feature_threshold, executor.moving_feature_threshold) == (0.35, 0.0)
+    still = StreamConfig.STILL_FEATURE_THRESHOLD
+    assert (executor.feature_threshold, executor.moving_feature_threshold) == (still, 0.0)
     assert default.stats[-1].flops_ratio > exact.stats[-1].flops_ratio  # pruned on a still camera
     ref = _full(model, changed)
     assert float((default(changed, homography=np.eye(3)) - ref).norm() / ref.norm()) < 0.2
