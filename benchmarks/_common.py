@@ -8,9 +8,10 @@ import platform
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx.experimental.optimization as fx_optimization
 
@@ -27,6 +28,24 @@ def machine() -> str:
         pass
     return (f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), python {platform.python_version()}")
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as printed beside timings."""
+    return " ".join(f"{v:.1f}" for v in os.getloadavg())
+
+
+def plain_input(mean: Sequence[float], std: Sequence[float], channels_last: bool
+                ) -> Callable[[np.ndarray], torch.Tensor]:
+    """What a user of plain inference feeds the model for an (H, W, 3) uint8 frame: ``(x / 255 - mean) / std`` as
+    (1, 3, H, W), channels-last in memory if asked."""
+    m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+
+    def normalise(frame: np.ndarray) -> torch.Tensor:
+        x = (torch.from_numpy(frame).permute(2, 0, 1)[None].float().div_(255.0) - m) / s
+        return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+    return normalise
 
 
 def folded(model: torch.nn.Module) -> torch.nn.Module:

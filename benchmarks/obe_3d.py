@@ -36,7 +36,7 @@ import time
 import warnings
 
 import torch
-from _common import PeakRSS, machine, median, mib
+from _common import PeakRSS, load_average, machine, median, mib
 
 from incrinf.testing.volumes import monai_network
 
@@ -83,10 +83,6 @@ def in_child(*args) -> dict:
         return pool.apply(one_run, args)
 
 
-def load() -> str:
-    return " ".join(f"{v:.1f}" for v in os.getloadavg())
-
-
 def size_arg(text: str) -> tuple[int, int, int]:
     size = tuple(int(v) for v in text.lower().split("x"))
     if len(size) != 3:
@@ -100,7 +96,7 @@ def compare(name: str, case: str, size: tuple[int, int, int], options: dict, b_b
     loads = []
     for _ in range(repeats):
         for method in ("incrinf", "monai"):
-            loads.append(load())
+            loads.append(load_average())
             runs[method].append(in_child(method, name, size, options, b_box, threads))
     ours, theirs = runs["incrinf"], runs["monai"]
     t_ours, t_theirs = median([r["seconds"] for r in ours]), median([r["seconds"] for r in theirs])
@@ -162,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     common = {"mask_size": args.mask, "n_batch": args.n_batch, "mode": mode}
     cases = {"whole": ({**common, "overlap": args.whole_overlap}, None),
              "boxed": ({**common, "overlap": args.overlap}, args.b_box)}
-    print(f"machine: {machine()}; torch threads per run: {args.threads}; load average {load()}")
+    print(f"machine: {machine()}; torch threads per run: {args.threads}; load average {load_average()}")
     shape = "x".join(map(str, args.size))
     print(f"volume: nibabel example4d.nii.gz (fMRI, 128x96x24, first volume) resampled to {shape}; mask {args.mask}, "
           f"n_batch {args.n_batch}, mode {mode}; whole: overlap {args.whole_overlap}; boxed: overlap "

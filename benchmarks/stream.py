@@ -58,7 +58,6 @@ import argparse
 import collections
 import copy
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -68,7 +67,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import cv2
-import numpy as np
 import torch
 
 try:
@@ -83,7 +81,7 @@ from incrinf.stream.stats import Cause, FrameStats
 from incrinf.testing.clips import CLIP_NAMES, Camera, Clip, Subject, load_clip
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import folded, machine  # noqa: E402
+from _common import folded, load_average, machine, plain_input  # noqa: E402
 
 
 def _still_threshold(value: float) -> StreamConfig:
@@ -169,17 +167,6 @@ def _subject(clip: Clip) -> str:
     """The clip's subject in words ("small subject", "no subject")."""
     return "no subject" if clip.subject == Subject.NONE else f"{clip.subject.value} subject"
 
-def _normaliser(mean: tuple[float, ...], std: tuple[float, ...], channels_last: bool) -> Callable:
-    m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
-
-    def normalise(frame: np.ndarray) -> torch.Tensor:
-        """What a user feeds the model for a frame: (x / 255 - mean) / std."""
-        x = (torch.from_numpy(frame).permute(2, 0, 1)[None].float().div_(255.0) - m) / s
-        return x.contiguous(memory_format=torch.channels_last) if channels_last else x
-
-    return normalise
-
-
 def run_clip(model: torch.nn.Module, clip: Clip, configs: dict[str, dict], rounds: int,
              mean: tuple[float, ...], std: tuple[float, ...], lockstep: bool = False) -> dict[str, Run]:
     """Plain inference (as given, channels-last) and each session configuration, each running its own stream over
@@ -193,7 +180,7 @@ def run_clip(model: torch.nn.Module, clip: Clip, configs: dict[str, dict], round
     running the session alone does not pay."""
     model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
     model_fold = folded(model).to(memory_format=torch.channels_last)
-    plain, plain_cl = _normaliser(mean, std, False), _normaliser(mean, std, True)
+    plain, plain_cl = plain_input(mean, std, False), plain_input(mean, std, True)
     # pass r's sessions draw their sampled audits' tiles from seed r: which tiles a sample draws decides which
     # frames are checked in full, so the passes quote several draws, not one
     factories: dict[str, Callable[[int], Callable]] = {
@@ -358,7 +345,7 @@ def classifier(args: argparse.Namespace) -> None:
     table = []
     for name in args.clips:
         clip = load_clip(name, args.frames)
-        print(f"\n{clip.name}: {clip.description}; load {_load()}")
+        print(f"\n{clip.name}: {clip.description}; load {load_average()}")
         runs = run_clip(model, clip, SESSIONS, args.rounds, meta.mean, meta.std, args.lockstep)
         rows = summarise(runs)
         print_rows(rows, OutputKind.LABEL)
@@ -368,7 +355,7 @@ def classifier(args: argparse.Namespace) -> None:
         print_costs(rows, lost)
         print(f"  goals: {goals(clip, rows['session'])}")
         table.append((clip, rows, lost))
-    print(f"\nload at the end: {_load()}")
+    print(f"\nload at the end: {load_average()}")
     print("\n| clip | baseline ms | session ms (median / mean) | speedup vs baseline (median / mean) | all full x | "
           "MACs ratio | top-1 | audits (full / sampled) | audit, overhead ms/frame | regret ms/frame (wrong) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -395,7 +382,7 @@ def _grid_results(args: argparse.Namespace, configs: dict[str, dict]) -> dict[st
         clip = load_clip(name, args.frames)
         rows = summarise(run_clip(model, clip, configs, args.rounds, meta.mean, meta.std, args.lockstep))
         results[name] = rows
-        print(f"\n{name} (load {_load()})")
+        print(f"\n{name} (load {load_average()})")
         print_rows(rows, OutputKind.LABEL)
     return results
 
@@ -414,7 +401,7 @@ def leave_one_out(args: argparse.Namespace) -> None:
         row = results[name][chosen]
         print(f"| {name} | {chosen} | {row.median_x:.2f} | {row.mean_x:.2f} | {row.macs:.1f} | {row.agreement:.1%} | "
               f"{row.audits:.0%} |")
-    print(f"\nchosen on all clips (the defaults): {_choose(results)}; load at the end {_load()}")
+    print(f"\nchosen on all clips (the defaults): {_choose(results)}; load at the end {load_average()}")
 
 
 def near_tie_loo(args: argparse.Namespace) -> None:
@@ -442,7 +429,7 @@ def near_tie_loo(args: argparse.Namespace) -> None:
         full = baseline_ms(results[name])
         print(f"| {name} | {chosen.split()[-1]} | {row.median_x:.2f} | {row.mean_x:.2f} | {row.agreement:.1%} | "
               f"{row.audits:.0%} | {row.audit_ms:.1f} ({row.audit_ms / full:.1%}) |")
-    print(f"\nchosen on all clips: {smallest(results).split()[-1]}; load at the end {_load()}")
+    print(f"\nchosen on all clips: {smallest(results).split()[-1]}; load at the end {load_average()}")
 
 
 def _choose(results: dict[str, dict[str, Row]]) -> str:
@@ -470,7 +457,7 @@ def _dense_case(title: str, model: torch.nn.Module, mean: tuple, std: tuple, cli
     majority = float(torch.bincount(labels.flatten().long()).max()) / labels.numel()
     print(f"\n{title} on {clip.name} {clip.size[0]}x{clip.size[1]} ({clip.camera.value} camera), "
           f"{len(clip.frames)} frames; output {tuple(ref.shape)}, largest class {majority:.0%} of positions; "
-          f"load {_load()}")
+          f"load {load_average()}")
     print_rows(rows, output_kind(ref))
     lost = regret(model, clip, {}, mean, std) if args.regret else (math.nan, 0, 0, math.nan)
     print_costs(rows, lost)
@@ -569,8 +556,8 @@ def saving_loo(args: argparse.Namespace) -> None:
         paid = rows["no cache"].mean_ms / rows["cache"].mean_ms
         cases.append((f"{name} on {clip_name}", saving, paid))
         print(f"| {name} on {clip_name} | {saving:.3f} | {rows['cache'].median_x:.2f}x / {rows['cache'].mean_x:.2f}x "
-              f"| {rows['no cache'].median_x:.2f}x / {rows['no cache'].mean_x:.2f}x | {paid:.2f} | load {_load()} |",
-              flush=True)
+              f"| {rows['no cache'].median_x:.2f}x / {rows['no cache'].mean_x:.2f}x | {paid:.2f} | "
+              f"load {load_average()} |", flush=True)
 
     def correct(threshold: float, among: list) -> int:
         return sum((saving < threshold) == (paid < 1.0) for _, saving, paid in among)
@@ -581,7 +568,7 @@ def saving_loo(args: argparse.Namespace) -> None:
         others = cases[:i] + cases[i + 1:]
         chosen = max(SAVING_GRID, key=lambda t: (correct(t, others), -t))
         print(f"| {title} | {chosen:g} | {'yes' if saving < chosen else 'no'} | {paid:.2f} |")
-    print(f"\nchosen on all cases: {max(SAVING_GRID, key=lambda t: (correct(t, cases), -t)):g}; load {_load()}")
+    print(f"\nchosen on all cases: {max(SAVING_GRID, key=lambda t: (correct(t, cases), -t)):g}; load {load_average()}")
 
 
 def _wanted(args: argparse.Namespace, name: str) -> bool:
@@ -609,10 +596,6 @@ def _settings(config: StreamConfig) -> str:
             f"{config.audit_interval}..{config.keyframe_interval} frames (sampled: {config.sampled_audits}), "
             f"near_tie {config.near_tie:g}, trust after {config.trust_after} audits, speed guard {config.speed_guard}, "
             f"quality guard {config.quality_guard}")
-
-
-def _load() -> str:
-    return " ".join(f"{v:.1f}" for v in os.getloadavg())
 
 
 def main() -> None:
@@ -649,7 +632,7 @@ def main() -> None:
     cv2.setNumThreads(args.threads)
     print(machine())
     print(f"OpenCV threads: {cv2.getNumThreads()}")
-    print(f"load average at start: {_load()}")
+    print(f"load average at start: {load_average()}")
     if args.loo and args.no_reuse:
         saving_loo(args)
     elif args.loo and args.near_tie:

@@ -53,11 +53,10 @@ from __future__ import annotations
 import argparse
 import collections
 import math
-import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -79,7 +78,7 @@ from incrinf.testing import clips as clip_set
 from incrinf.testing.clips import Camera, Clip, Subject, load_clip
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import folded, machine  # noqa: E402
+from _common import folded, load_average, machine, plain_input  # noqa: E402
 
 STILL_CLIPS = ("walkers", "carphone", "carphone@224", "hall", "yard", "cafe")
 THRESHOLDS = (0.0, 0.2, 0.35, 0.5, 0.7, 1.0, 1.5)
@@ -296,21 +295,9 @@ def clip_named(name: str, n_frames: int) -> Clip:
     return cafe(n_frames) if name == "cafe" else load_clip(name, n_frames)
 
 
-def normaliser(mean: Sequence[float], std: Sequence[float], channels_last: bool) -> Callable[[np.ndarray],
-                                                                                             torch.Tensor]:
-    m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
-
-    def normalise(frame: np.ndarray) -> torch.Tensor:
-        """(1, 3, H, W): what a user feeds the model for an (H, W, 3) uint8 frame: (x / 255 - mean) / std."""
-        x = (torch.from_numpy(frame).permute(2, 0, 1)[None].float().div_(255.0) - m) / s
-        return x.contiguous(memory_format=torch.channels_last) if channels_last else x
-
-    return normalise
-
-
 def full_outputs(model: torch.nn.Module, clip: Clip, mean: Sequence[float], std: Sequence[float]) -> list[torch.Tensor]:
     """Full inference's (classes,) logits of every frame."""
-    plain = normaliser(mean, std, False)
+    plain = plain_input(mean, std, False)
     with torch.no_grad():
         return [model(plain(frame))[0].float() for frame in clip.frames]
 
@@ -386,7 +373,7 @@ def timed_passes(model: torch.nn.Module, clip: Clip, threshold: float, audit_eve
     """Seconds per frame of plain inference (channels-last, batch norms folded) and of the guards-off session,
     whole passes in turn (ABAB...), the first frame of every pass left out."""
     baseline = folded(model).to(memory_format=torch.channels_last)
-    plain = normaliser(mean, std, True)
+    plain = plain_input(mean, std, True)
     times: dict[str, list[float]] = {"plain": [], "session": []}
     with torch.no_grad():
         for _ in range(rounds):
@@ -403,10 +390,6 @@ def timed_passes(model: torch.nn.Module, clip: Clip, threshold: float, audit_eve
 
 
 # --- printing ---------------------------------------------------------------------------------------------------
-
-def _load() -> str:
-    return " ".join(f"{v:.1f}" for v in os.getloadavg())
-
 
 def _x(v: float) -> str:
     return "inf" if math.isinf(v) else (f"{v:.0f}" if v >= 100 else f"{v:.2f}" if v < 10 else f"{v:.1f}")
@@ -488,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cv2.setNumThreads(args.threads)
     print(machine())
-    print(f"load average at start: {_load()}")
+    print(f"load average at start: {load_average()}")
     print(f"{MODEL}, {args.frames} frames per clip, guards off, a keyframe every {args.audit_every} frames, bound: "
           f"the guard's reference at target {args.target:g}")
     print("columns: cached = cached frames (of frames - 1); MACs x cached = full multiply-adds over the cached frames' "
@@ -502,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = []
     for name in args.clips:
         clip = clip_named(name, args.frames)
-        print(f"\n{clip.name} {clip.size[0]}x{clip.size[1]}: {clip.description}; load {_load()}")
+        print(f"\n{clip.name} {clip.size[0]}x{clip.size[1]}: {clip.description}; load {load_average()}")
         start = time.perf_counter()
         full = full_outputs(model, clip, meta.mean, meta.std)
         rows = []
@@ -527,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             records = next((r for t, r, _ in rows if t == threshold), None) or trace(
                 model, clip, full, threshold, args.audit_every, meta.mean, meta.std)
             count = apply_rule(records, [False] * sum(r.kind == "cached" for r in records))
-            print(f"  timed thr {threshold:g} ({args.rounds} alternated passes each, load {_load()}): plain "
+            print(f"  timed thr {threshold:g} ({args.rounds} alternated passes each, load {load_average()}): plain "
                   f"{statistics.median(plain) * 1e3:.1f} / {statistics.mean(plain) * 1e3:.1f} ms, session "
                   f"{statistics.median(session) * 1e3:.1f} / {statistics.mean(session) * 1e3:.1f} ms (median / "
                   f"mean): time x {statistics.median(plain) / statistics.median(session):.2f} / "
@@ -535,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_x(count.mean_x)} (guards off, no checks); 2x by the mean time leaves room for checks (a plain "
                   f"frame each) on {_room(statistics.mean(session), statistics.mean(plain)):.0%} of the frames")
         summary.append((clip, rows, closed))
-    print(f"\nload at the end: {_load()}")
+    print(f"\nload at the end: {load_average()}")
     print("\nbest ceiling per clip and rule over the thresholds (the highest of min(mean x, median x)) among those "
           "that left at most 1% of the frames' flips unchecked, by counts, mean / median x:")
     for clip, rows, closed in summary:

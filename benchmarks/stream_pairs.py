@@ -31,7 +31,7 @@ from incrinf.stream.session import StreamSession
 from incrinf.testing.clips import load_clip
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import machine, plain_input  # noqa: E402
 
 CANDIDATES = (1, 2, 3, 4, 5, 6, 8)
 _KEYS = ("checked", "pair_missed", "pooled_missed", "risky_pairs", "risky_pooled", "flips", "through")
@@ -41,14 +41,13 @@ def outputs(clip_name: str, frames: int, threshold: float) -> list[tuple[torch.T
     """``(full, cached)`` logits (classes,) of every cached frame of a guards-off session."""
     name = "efficientnet_lite0"
     model, meta = models.load(name).eval(), models.info(name)
-    mean, std = torch.tensor(meta.mean).view(1, 3, 1, 1), torch.tensor(meta.std).view(1, 3, 1, 1)
+    plain = plain_input(meta.mean, meta.std, False)
     session = StreamSession(model, mean=meta.mean, std=meta.std, keep_stats=None, feature_threshold=threshold,
                             speed_guard=False, quality_guard=False)
     pairs = []
     with torch.no_grad():
         for frame in load_clip(clip_name, frames).frames:
-            x = (torch.from_numpy(frame).permute(2, 0, 1)[None].float().div_(255.0) - mean) / std
-            full, cached = model(x)[0], session(frame)[0]
+            full, cached = model(plain(frame))[0], session(frame)[0]
             if session.stats[-1].mode == "cached":
                 pairs.append((full.clone(), cached.clone()))
     return pairs
