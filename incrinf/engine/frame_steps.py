@@ -78,16 +78,13 @@ class BoundStep:
         views :func:`~incrinf.kernels.gather.to_rows` and :func:`~incrinf.kernels.gather.from_rows` make, so
         the same ``addmm`` on the same strides. Any other (a pruned box's crop) goes through those."""
         shape = values.shape
-        if len(shape) == 4 and shape[0] == 1 and values.is_contiguous(memory_format=torch.channels_last):
-            _, c, h, w = shape
-            rows = values.as_strided((h * w, c), (c, 1))
-            product = torch.mm(rows, self.weight_t) if self.bias is None else \
-                torch.addmm(self.bias, rows, self.weight_t)
-            out = product.shape[1]
-            return product.as_strided((1, out, h, w), (h * w * out, 1, w * out, out))
-        rows = to_rows(values)
+        dense = len(shape) == 4 and shape[0] == 1 and values.is_contiguous(memory_format=torch.channels_last)
+        rows = values.as_strided((shape[2] * shape[3], shape[1]), (shape[1], 1)) if dense else to_rows(values)
         product = torch.mm(rows, self.weight_t) if self.bias is None else torch.addmm(self.bias, rows, self.weight_t)
-        return from_rows(product, shape[0], tuple(shape[2:]))
+        if not dense:
+            return from_rows(product, shape[0], tuple(shape[2:]))
+        h, w, out = shape[2], shape[3], product.shape[1]
+        return product.as_strided((1, out, h, w), (h * w * out, 1, w * out, out))
 
 
 def bind_steps(program: Program) -> list[BoundStep]:
